@@ -1,0 +1,84 @@
+/*
+ * backend/cpu/cpu.h - CPU compute kernels.
+ *
+ * Each kernel has a portable C version and SIMD versions (AVX2+FMA+F16C,
+ * AVX-512 with VNNI/BF16), chosen once at start-up by cpu_init() from CPUID, or
+ * forced by the TD_CPU_ISA environment variable ("generic", "avx2", "avx512")
+ * so tests can compare each against the plain C reference.
+ *
+ * Batch invariance (the engine's determinism contract): every output element is
+ * computed with the same sequence of floating-point operations whatever the batch
+ * size M, the other rows of the batch, the thread count, or the row's position in
+ * the batch. In particular cpu_matmul with M = 1 and with M = 512 give bit-identical
+ * rows. (Different ISAs may differ from each other; one process uses one ISA.)
+ */
+#ifndef TD_BACKEND_CPU_H
+#define TD_BACKEND_CPU_H
+
+#include "model/types.h"
+#include "util/pool.h"
+#include "util/td.h"
+
+typedef enum cpu_isa { CPU_ISA_GENERIC = 0, CPU_ISA_AVX2 = 1, CPU_ISA_AVX512 = 2 } cpu_isa;
+
+/** Detect the CPU (idempotent, thread-safe to call first from main). */
+void cpu_init(void);
+cpu_isa cpu_get_isa(void);
+/** Force an ISA (tests); returns TD_EUNSUPPORTED if the CPU lacks it. */
+int cpu_set_isa(cpu_isa isa);
+const char *cpu_isa_name(cpu_isa isa);
+
+/**
+ * Bytes of scratch that cpu_matmul needs for an M x K activation against a weight
+ * of type wtype (quantized activations for q8_0/q4_0, packed panels, ...). The
+ * engine reserves this at start-up for its largest batch.
+ */
+size_t cpu_matmul_scratch_size(td_type wtype, int M, int K, int n_threads);
+
+/**
+ * y[m*ldy + n] = sum_k x[m*ldx + k] * W[n][k]   for m < M, n < N  (y = x W^T).
+ * W: N rows of K elements of type wtype, row r at (char*)w + r * w_row_bytes.
+ * x, y: f32. Runs on all threads of the pool (call from the pool's owner thread).
+ * Batch invariant (see above). scratch: cpu_matmul_scratch_size bytes, 64-aligned.
+ */
+void cpu_matmul(td_pool *pool, float *y, int64_t ldy, const float *x, int64_t ldx, const void *w,
+                size_t w_row_bytes, td_type wtype, int M, int N, int K, void *scratch);
+
+/** Plain-C reference of cpu_matmul (double accumulation is NOT used: f32, for tests). */
+void cpu_matmul_ref(float *y, int64_t ldy, const float *x, int64_t ldx, const void *w,
+                    size_t w_row_bytes, td_type wtype, int M, int N, int K);
+
+/* ---- row kernels: single-threaded, vectorized ----------------------------- */
+
+/** out = x / rms(x) * w   (n elements; out may equal x). */
+void cpu_rmsnorm(float *out, const float *x, const float *w, int n, float eps);
+/** out = silu(gate) * up  (out may equal gate). */
+void cpu_silu_mul(float *out, const float *gate, const float *up, int n);
+/** y += x */
+void cpu_add(float *y, const float *x, int n);
+/** dot product of f32 vectors. */
+float cpu_dot_f32(const float *a, const float *b, int n);
+/** In-place softmax over n elements; returns nothing. */
+void cpu_softmax(float *x, int n);
+
+/** Convert n f32 values to type t (f32, f16, bf16, fp8_e4m3, q8_0) and back. */
+void cpu_quant_row(td_type t, const float *src, void *dst, int64_t n);
+void cpu_dequant_row(td_type t, const void *src, float *dst, int64_t n);
+
+/**
+ * Attention helpers over KV stored as type t (f32, f16, bf16, fp8_e4m3):
+ *   cpu_dot_kv:  returns dot(q[0..n), k[0..n))
+ *   cpu_axpy_kv: y[0..n) += a * v[0..n)
+ */
+float cpu_dot_kv(const float *q, const void *k, td_type t, int n);
+void cpu_axpy_kv(float *y, float a, const void *v, td_type t, int n);
+
+/**
+ * Rotary embedding for one head vector of head_dim elements at position pos.
+ * NORM rotates pairs (2i, 2i+1); NEOX rotates (i, i + head_dim/2). theta_i =
+ * pos * freq_scale * base^(-2i/head_dim) / (freq_factors ? freq_factors[i] : 1).
+ */
+void cpu_rope(float *x, int head_dim, int64_t pos, float base, float freq_scale,
+              const float *freq_factors, int neox);
+
+#endif

@@ -1,0 +1,87 @@
+/* cli/flags.c - see flags.h. */
+#include "cli/flags.h"
+
+#include <stdio.h>
+#include <string.h>
+
+#include "util/td.h"
+
+void cli_flags_usage(const cli_flag *flags, int n_flags, const char *usage_line, void *file)
+{
+    FILE *out = file;
+    fprintf(out, "usage: %s\n\noptions:\n", usage_line);
+    for (int i = 0; i < n_flags; i++) {
+        const char *arg = "";
+        switch (flags[i].kind) {
+        case CLI_FLAG_STR: arg = " S"; break;
+        case CLI_FLAG_INT: arg = " N"; break;
+        case CLI_FLAG_FLOAT: arg = " X"; break;
+        case CLI_FLAG_SIZE: arg = " BYTES"; break;
+        case CLI_FLAG_BOOL: break;
+        }
+        char left[64];
+        snprintf(left, sizeof(left), "--%s%s", flags[i].name, arg);
+        fprintf(out, "  %-30s %s\n", left, flags[i].help);
+    }
+}
+
+static int set_value(cli_flag *f, const char *v)
+{
+    switch (f->kind) {
+    case CLI_FLAG_STR: *(const char **)f->dst = v; return 0;
+    case CLI_FLAG_INT: return td_parse_i64(v, f->dst);
+    case CLI_FLAG_FLOAT: return td_parse_f64(v, f->dst);
+    case CLI_FLAG_SIZE: return td_parse_size(v, f->dst);
+    case CLI_FLAG_BOOL:
+        if (!strcmp(v, "true") || !strcmp(v, "1")) *(bool *)f->dst = true;
+        else if (!strcmp(v, "false") || !strcmp(v, "0")) *(bool *)f->dst = false;
+        else return TD_EINVAL;
+        return 0;
+    }
+    return TD_EINVAL;
+}
+
+int cli_flags_parse(cli_flag *flags, int n_flags, int argc, char **argv, const char *usage_line)
+{
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+            cli_flags_usage(flags, n_flags, usage_line, stdout);
+            return 1;
+        }
+        if (strncmp(a, "--", 2) != 0) {
+            fprintf(stderr, "error: unexpected argument '%s' (options start with --)\n\n", a);
+            cli_flags_usage(flags, n_flags, usage_line, stderr);
+            return 2;
+        }
+        const char *name = a + 2;
+        const char *eq = strchr(name, '=');
+        size_t name_len = eq ? (size_t)(eq - name) : strlen(name);
+        cli_flag *f = NULL;
+        for (int k = 0; k < n_flags; k++)
+            if (strlen(flags[k].name) == name_len && !strncmp(flags[k].name, name, name_len))
+                f = &flags[k];
+        if (!f) {
+            fprintf(stderr, "error: unknown option '--%.*s'\n\n", (int)name_len, name);
+            cli_flags_usage(flags, n_flags, usage_line, stderr);
+            return 2;
+        }
+        const char *value = NULL;
+        if (eq) {
+            value = eq + 1;
+        } else if (f->kind != CLI_FLAG_BOOL) {
+            if (i + 1 >= argc) {
+                fprintf(stderr, "error: option '--%s' needs a value\n", f->name);
+                return 2;
+            }
+            value = argv[++i];
+        }
+        int rc = value ? set_value(f, value) : (*(bool *)f->dst = true, 0);
+        if (rc != 0) {
+            fprintf(stderr, "error: invalid value '%s' for option '--%s'\n", value, f->name);
+            return 2;
+        }
+        f->seen = true;
+    }
+    return 0;
+}

@@ -1,0 +1,40 @@
+/* cli/main.c - the `tandem` executable: dispatches to subcommands. */
+#include <stdio.h>
+#include <string.h>
+
+#include "cli/cli.h"
+
+static const struct {
+    const char *name;
+    int (*fn)(int argc, char **argv);
+    const char *help;
+} commands[] = {
+    {"generate", cli_generate, "offline generation from a prompt"},
+    {"mkmodel", cli_mkmodel, "write a GGUF with random weights at a chosen shape"},
+    {"bench-engine", cli_bench_engine, "measure prefill and decode speed of the engine"},
+};
+
+static void usage(FILE *out)
+{
+    fprintf(out, "usage: tandem <command> [options]\n\ncommands:\n");
+    for (size_t i = 0; i < sizeof(commands) / sizeof(commands[0]); i++)
+        fprintf(out, "  %-14s %s\n", commands[i].name, commands[i].help);
+    fprintf(out, "\n`tandem <command> --help` describes each command's options.\n");
+}
+
+int main(int argc, char **argv)
+{
+    if (argc < 2) {
+        usage(stderr);
+        return 2;
+    }
+    if (!strcmp(argv[1], "-h") || !strcmp(argv[1], "--help") || !strcmp(argv[1], "help")) {
+        usage(stdout);
+        return 0;
+    }
+    for (size_t i = 0; i < sizeof(commands) / sizeof(commands[0]); i++)
+        if (!strcmp(argv[1], commands[i].name)) return commands[i].fn(argc - 1, argv + 1);
+    fprintf(stderr, "tandem: unknown command '%s'\n\n", argv[1]);
+    usage(stderr);
+    return 2;
+}

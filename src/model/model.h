@@ -1,0 +1,95 @@
+/*
+ * model/model.h - a loaded transformer: hyper-parameters and weight views.
+ *
+ * Weights point into the GGUF mapping (never copied), or into one owned
+ * allocation for `--load-format dummy`. Every matrix is stored as GGUF stores
+ * it: `rows` rows of `cols` contiguous elements, so y = W x is
+ * y[r] = dot(row r, x) over `cols` elements.
+ *
+ * Supported architectures: `llama` (Llama 2/3, TinyLlama, Mistral; adjacent-pair
+ * RoPE) and `qwen2` (llama with q/k/v biases; NeoX RoPE over halves).
+ */
+#ifndef TD_MODEL_MODEL_H
+#define TD_MODEL_MODEL_H
+
+#include "model/gguf.h"
+#include "model/types.h"
+#include "util/td.h"
+
+typedef enum td_arch { TD_ARCH_LLAMA = 0, TD_ARCH_QWEN2 = 1 } td_arch;
+
+/** RoPE layouts: NORM rotates adjacent pairs (2i, 2i+1); NEOX rotates (i, i + d/2). */
+typedef enum td_rope_type { TD_ROPE_NORM = 0, TD_ROPE_NEOX = 2 } td_rope_type;
+
+typedef enum td_rope_scaling {
+    TD_ROPE_SCALING_NONE = 0,
+    TD_ROPE_SCALING_LINEAR = 1, /* positions multiplied by rope_freq_scale */
+} td_rope_scaling;
+
+typedef struct td_weight {
+    td_type type;
+    int64_t cols;     /* contiguous elements per row (the input dimension) */
+    int64_t rows;     /* number of rows (the output dimension); 1 for vectors */
+    size_t row_bytes; /* td_row_bytes(type, cols) */
+    const void *data; /* NULL when the tensor is absent (optional biases) */
+} td_weight;
+
+typedef struct td_layer {
+    td_weight attn_norm; /* f32 [n_embd] */
+    td_weight wq;        /* [n_head*head_dim rows][n_embd cols] */
+    td_weight wk;        /* [n_head_kv*head_dim][n_embd] */
+    td_weight wv;        /* [n_head_kv*head_dim][n_embd] */
+    td_weight bq, bk, bv;/* f32 biases (qwen2), else data == NULL */
+    td_weight wo;        /* [n_embd][n_head*head_dim] */
+    td_weight ffn_norm;  /* f32 [n_embd] */
+    td_weight w_gate;    /* [n_ff][n_embd] */
+    td_weight w_up;      /* [n_ff][n_embd] */
+    td_weight w_down;    /* [n_embd][n_ff] */
+} td_layer;
+
+typedef struct td_model_shape {
+    td_arch arch;
+    int n_vocab, n_embd, n_layer, n_head, n_head_kv, n_ff, n_ctx_train;
+    int head_dim;          /* n_embd / n_head unless the file says otherwise */
+    float rms_eps;         /* default 1e-5 */
+    float rope_theta;      /* default 10000 */
+    float rope_freq_scale; /* 1.0 = no scaling */
+    td_rope_type rope_type;
+    bool tied_output;      /* output reuses tok_embd */
+} td_model_shape;
+
+typedef struct td_model {
+    td_model_shape shape;
+    char name[64];           /* general.name or the file's base name */
+    td_weight tok_embd;      /* [n_vocab rows][n_embd cols] */
+    td_weight output_norm;   /* f32 [n_embd] */
+    td_weight output;        /* [n_vocab][n_embd]; aliases tok_embd when tied */
+    td_layer *layers;        /* [n_layer] */
+    const float *rope_freqs; /* optional per-dimension divisors [head_dim/2] (llama3), or NULL */
+    td_type weight_type;     /* the dominant matrix type, for reports */
+    uint64_t fingerprint;    /* hash of shape, types and a sample of the weights */
+    size_t weight_bytes;     /* bytes of all tensors */
+    gguf_file *gguf;         /* the mapping, or NULL for dummy weights */
+    void *owned;             /* dummy weights, or NULL */
+} td_model;
+
+/**
+ * Load a model from a GGUF file. Missing tensors, bad shapes, unsupported
+ * architectures and types each fail with one message naming the problem.
+ * The model keeps the gguf mapping open; the tokenizer reads it via model->gguf.
+ */
+int td_model_load(td_model **out, const char *path, td_err *err);
+
+/** Random weights at a shape, in memory (`--load-format dummy`). */
+int td_model_load_dummy(td_model **out, const td_model_shape *shape, td_type weight_type,
+                        uint64_t seed, td_err *err);
+
+void td_model_free(td_model *m);
+
+/** Fill a shape from a preset name: tiny, llama-134m, llama-1b, llama3-8b. */
+int td_model_preset(const char *name, td_model_shape *out, td_err *err);
+
+/** Human-readable one-line description (arch, dims, type, size). */
+void td_model_describe(const td_model *m, char *buf, size_t cap);
+
+#endif
