@@ -20,7 +20,7 @@ void cli_flags_usage(const cli_flag *flags, int n_flags, const char *usage_line,
         case CLI_FLAG_BOOL: break;
         }
         char left[64];
-        snprintf(left, sizeof(left), "--%s%s", flags[i].name, arg);
+        snprintf(left, sizeof(left), "%s%s%s", flags[i].name[1] ? "--" : "-", flags[i].name, arg);
         fprintf(out, "  %-30s %s\n", left, flags[i].help);
     }
 }
@@ -49,12 +49,14 @@ int cli_flags_parse(cli_flag *flags, int n_flags, int argc, char **argv, const c
             cli_flags_usage(flags, n_flags, usage_line, stdout);
             return 1;
         }
-        if (strncmp(a, "--", 2) != 0) {
+        /* "--name" for every flag; "-x" also for one-letter names such as -n. */
+        bool short_form = a[0] == '-' && a[1] && a[1] != '-' && a[2] == '\0';
+        if (strncmp(a, "--", 2) != 0 && !short_form) {
             fprintf(stderr, "error: unexpected argument '%s' (options start with --)\n\n", a);
             cli_flags_usage(flags, n_flags, usage_line, stderr);
             return 2;
         }
-        const char *name = a + 2;
+        const char *name = short_form ? a + 1 : a + 2;
         const char *eq = strchr(name, '=');
         size_t name_len = eq ? (size_t)(eq - name) : strlen(name);
         cli_flag *f = NULL;

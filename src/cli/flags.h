@@ -26,6 +26,8 @@ typedef struct cli_flag {
     bool seen;         /* set by the parser */
 } cli_flag;
 
+#define CLI_FLAG(name, kind, dst, help) ((cli_flag){(name), (kind), (dst), (help), false})
+
 /**
  * Parse argv[1..argc) (argv[0] is the subcommand name). Returns 0 on success,
  * 1 when --help was given (usage printed to stdout), 2 on a usage error (printed

@@ -76,7 +76,11 @@ int gguf_get_str(const gguf_file *f, const char *key, gguf_str *out, td_err *err
 /** Arrays: element type and count; TD_ENOTFOUND / TD_EFORMAT as above. */
 int gguf_get_arr(const gguf_file *f, const char *key, gguf_vtype *elem_type, uint64_t *n,
                  td_err *err);
-/** Raw pointer to a numeric array's elements (little-endian, packed). NULL for strings. */
+/**
+ * Pointer to a numeric array's elements (little-endian, packed), aligned to the
+ * element size (the reader keeps an aligned copy when the file's are not), so it
+ * may be used as `const float *` etc. NULL for string and nested arrays.
+ */
 const void *gguf_get_arr_data(const gguf_file *f, const char *key);
 /** The i-th string of a string array (i < n, checked; empty string when out of range). */
 gguf_str gguf_get_arr_str(const gguf_file *f, const char *key, uint64_t i);
@@ -110,6 +114,16 @@ int gguf_writer_copy_kv(gguf_writer *w, const gguf_file *src, const char *prefix
 /** Declare a tensor; its data is produced by `fill` when the file is written. */
 int gguf_writer_add_tensor(gguf_writer *w, const char *name, td_type type, int n_dims,
                            const int64_t *ne, gguf_fill_fn fill, void *ctx, td_err *err);
+/**
+ * Fills rows [row0, row0 + n_rows) of a tensor at `dst` (n_rows * row bytes), where a
+ * row is ne[0] elements and the tensor has ne[1]*ne[2]*ne[3] rows. Called in order,
+ * in chunks of a few MiB, so no tensor is ever held whole in memory.
+ */
+typedef int (*gguf_fill_rows_fn)(void *ctx, const gguf_tensor *t, int64_t row0, int64_t n_rows,
+                                 void *dst, td_err *err);
+/** Like gguf_writer_add_tensor, with data produced a chunk of rows at a time. */
+int gguf_writer_add_tensor_rows(gguf_writer *w, const char *name, td_type type, int n_dims,
+                                const int64_t *ne, gguf_fill_rows_fn fill, void *ctx, td_err *err);
 /** Write a GGUF v3 file (alignment 32); streams tensor data, never holds it all. */
 int gguf_writer_write(gguf_writer *w, const char *path, td_err *err);
 

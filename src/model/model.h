@@ -71,6 +71,7 @@ typedef struct td_model {
     size_t weight_bytes;     /* bytes of all tensors */
     gguf_file *gguf;         /* the mapping, or NULL for dummy weights */
     void *owned;             /* dummy weights, or NULL */
+    size_t owned_bytes;      /* size of the `owned` mapping */
 } td_model;
 
 /**
@@ -80,6 +81,13 @@ typedef struct td_model {
  */
 int td_model_load(td_model **out, const char *path, td_err *err);
 
+/**
+ * Build a model over an already opened GGUF (what td_model_load does after
+ * gguf_open). On success the model owns `f` (td_model_free closes it); on
+ * failure the caller still owns it.
+ */
+int td_model_from_gguf(td_model **out, gguf_file *f, td_err *err);
+
 /** Random weights at a shape, in memory (`--load-format dummy`). */
 int td_model_load_dummy(td_model **out, const td_model_shape *shape, td_type weight_type,
                         uint64_t seed, td_err *err);
@@ -88,6 +96,16 @@ void td_model_free(td_model *m);
 
 /** Fill a shape from a preset name: tiny, llama-134m, llama-1b, llama3-8b. */
 int td_model_preset(const char *name, td_model_shape *out, td_err *err);
+
+/**
+ * Check that a shape is usable: dims positive and within sane bounds, heads divide
+ * the embedding, kv heads divide heads, head_dim even, rope values finite and
+ * positive. Fills err with the first problem (TD_EINVAL).
+ */
+int td_model_shape_validate(const td_model_shape *s, td_err *err);
+
+/** Number of parameters (all elements of all tensors, norms and biases included). */
+int64_t td_model_n_params(const td_model_shape *s);
 
 /** Human-readable one-line description (arch, dims, type, size). */
 void td_model_describe(const td_model *m, char *buf, size_t cap);

@@ -34,6 +34,16 @@ bool tok_is_eog(const td_tokenizer *t, int32_t id);
 bool tok_is_control(const td_tokenizer *t, int32_t id);
 
 /**
+ * The id of the token whose text is exactly text[0..len) (e.g. "<|im_end|>"), or -1.
+ * The text is the vocabulary's spelling (SentencePiece U+2581, gpt2 byte characters).
+ */
+int32_t tok_find(const td_tokenizer *t, const char *text, size_t len);
+/** A token's text as the vocabulary spells it (not NUL-terminated); NULL if out of range. */
+const char *tok_text(const td_tokenizer *t, int32_t id, int *len);
+/** The longest piece tok_piece can return, in bytes (special tokens rendered). */
+int tok_max_piece_len(const td_tokenizer *t);
+
+/**
  * Encode UTF-8 text. Invalid UTF-8 is an error (TD_EINVAL, err says at which
  * byte offset). Returns the number of tokens (which may exceed `cap`: then only
  * `cap` were written and the caller retries with a bigger buffer), or a negative
@@ -52,8 +62,12 @@ int tok_piece(const td_tokenizer *t, int32_t id, bool render_special, char *buf,
 
 /**
  * Decode a whole sequence into buf (NUL-terminated when it fits). Handles the
- * SentencePiece leading space the way llama.cpp does (a space prefix after BOS
- * is dropped). Returns the byte length needed, or a negative error.
+ * SentencePiece leading space: when the sequence starts with BOS, the token right
+ * after it loses one leading space (the prefix the encoder added), so
+ * decode(encode(text, add_special)) == text. A sequence without a leading BOS is
+ * a continuation and decodes as its pieces concatenated (a generated " there"
+ * keeps its space). Returns the byte length needed, or a negative error
+ * (TD_ERANGE for an id outside the vocabulary).
  */
 int tok_decode(const td_tokenizer *t, const int32_t *ids, int n, bool skip_special, char *buf,
                int cap);
@@ -67,6 +81,7 @@ typedef struct tok_stream {
     const td_tokenizer *tok;
     bool skip_special;
     bool at_start;      /* no piece emitted yet (for the SentencePiece leading space) */
+    bool after_bos;     /* the sequence began with BOS and this is the token after it */
     unsigned char pending[8];
     int n_pending;
 } tok_stream;
@@ -74,8 +89,11 @@ typedef struct tok_stream {
 void tok_stream_init(tok_stream *s, const td_tokenizer *t, bool skip_special);
 /**
  * Push one id; writes the completed text to out (not NUL-terminated) and returns
- * its length (<= cap; a piece is at most 256 bytes, so cap >= 512 always suffices),
- * or a negative error for an unknown id.
+ * its length (<= cap), or a negative error: TD_ERANGE for an unknown id, or when the
+ * text does not fit in cap (then nothing is consumed: retry with more room). The
+ * output is at most 3 * (tok_max_piece_len() + 3) bytes (every byte of a piece may
+ * become U+FFFD), so a buffer that big always suffices; for real vocabularies
+ * pieces are at most 256 bytes of mostly valid text, so 1024 is plenty.
  */
 int tok_stream_push(tok_stream *s, int32_t id, char *out, int cap);
 /** At the end of a sequence: flush held bytes as U+FFFD. Returns length. */

@@ -15,12 +15,24 @@
 typedef struct td_pool td_pool;
 typedef void (*td_pool_fn)(void *ctx, int ith, int nth);
 
-/** n_threads >= 1 (including the caller). pin: pin thread i to CPU i of the allowed set. */
+/**
+ * n_threads >= 1 (including the caller). pin: pin thread i to CPU i of the allowed set
+ * (wrapping around); the calling thread is pinned to the first CPU until td_pool_free,
+ * which restores its affinity. Pinning that fails is skipped silently.
+ */
 int td_pool_create(td_pool **out, int n_threads, bool pin, td_err *err);
 void td_pool_free(td_pool *pool);
 int td_pool_size(const td_pool *pool);
-/** Run fn on all threads; not reentrant (one run at a time, from one thread). */
+/**
+ * Run fn on all threads; not reentrant (one run at a time, from one thread).
+ * pool may be NULL: fn(ctx, 0, 1) runs on the caller.
+ */
 void td_pool_run(td_pool *pool, td_pool_fn fn, void *ctx);
+/**
+ * Inside a run: wait until every thread of the pool has reached the barrier. Every
+ * thread must call it the same number of times in a run. No-op for NULL or 1 thread.
+ */
+void td_pool_barrier(td_pool *pool);
 
 /** Split [0, n) into nth nearly equal contiguous parts; part ith is [*begin, *end). */
 static inline void td_split_range(int64_t n, int ith, int nth, int64_t *begin, int64_t *end)

@@ -74,11 +74,29 @@ float cpu_dot_kv(const float *q, const void *k, td_type t, int n);
 void cpu_axpy_kv(float *y, float a, const void *v, td_type t, int n);
 
 /**
+ * Batched forms for attention over a run of positions (e.g. one KV block), much
+ * faster than one call per position and bit-identical to it:
+ *   cpu_dot_kv_multi:  out[j] = cpu_dot_kv(q, k + j * k_stride, t, n)    for j < count
+ *   cpu_axpy_kv_multi: for j = 0 .. count-1 in order: cpu_axpy_kv(y, a[j], v + j * v_stride, t, n)
+ * Strides are in bytes.
+ */
+void cpu_dot_kv_multi(float *out, const float *q, const void *k, size_t k_stride, td_type t,
+                      int n, int count);
+void cpu_axpy_kv_multi(float *y, const float *a, const void *v, size_t v_stride, td_type t, int n,
+                       int count);
+
+/**
  * Rotary embedding for one head vector of head_dim elements at position pos.
  * NORM rotates pairs (2i, 2i+1); NEOX rotates (i, i + head_dim/2). theta_i =
  * pos * freq_scale * base^(-2i/head_dim) / (freq_factors ? freq_factors[i] : 1).
  */
 void cpu_rope(float *x, int head_dim, int64_t pos, float base, float freq_scale,
               const float *freq_factors, int neox);
+/**
+ * cpu_rope on n_heads head vectors at x + h * head_stride (floats), computing the
+ * cos/sin table once. Identical results to n_heads cpu_rope calls.
+ */
+void cpu_rope_heads(float *x, int n_heads, int64_t head_stride, int head_dim, int64_t pos,
+                    float base, float freq_scale, const float *freq_factors, int neox);
 
 #endif

@@ -1,0 +1,144 @@
+/*
+ * tandem/engine.h - the inference engine's public C API.
+ *
+ * An engine owns a model, a paged KV cache and a scheduler. The caller adds
+ * requests (prompt token ids + sampling parameters), calls td_engine_step() in a
+ * loop, and drains outputs with td_engine_poll() after each step. Every request
+ * ends with exactly one output whose `finish` is not TD_FINISH_NONE: a stop, a
+ * length limit, an abort or an error. After that output its id is forgotten and
+ * every KV block it held has been returned.
+ *
+ * Threading: an engine belongs to one thread at a time; the server runs it on
+ * its own thread and talks to it through queues. The engine knows nothing of
+ * HTTP or sockets.
+ */
+#ifndef TANDEM_ENGINE_H
+#define TANDEM_ENGINE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "util/td.h"
+
+typedef struct td_engine td_engine;
+typedef struct td_model td_model;
+typedef struct td_tokenizer td_tokenizer;
+
+typedef struct td_engine_config {
+    const char *model_path;      /* GGUF file (NULL allowed with load_format "dummy") */
+    const char *load_format;     /* "auto" (default), "gguf", "dummy" */
+    const char *dummy_preset;    /* shape for "dummy" without a file: tiny, llama-134m, ... */
+    const char *dummy_type;      /* weight type for "dummy": f32 (default), f16, bf16, q8_0, q4_0 */
+    uint64_t seed;               /* dummy weights and requests without their own seed */
+    int n_threads;               /* compute threads, 0 = all available CPUs */
+    bool pin_threads;            /* pin compute threads to CPUs (default true) */
+    int block_size;              /* tokens per KV block (default 16) */
+    const char *kv_cache_dtype;  /* "f32", "f16" (default), "bf16", "fp8" ("fp8_e4m3") */
+    uint64_t kv_cache_memory;    /* bytes for KV blocks; 0 = default (see engine.c) */
+    int max_num_seqs;            /* running sequences per step (default 64) */
+    int max_num_batched_tokens;  /* tokens per step, prefill chunks + decodes (default 512) */
+    int max_model_len;           /* context limit; 0 = the model's trained context */
+    bool enable_prefix_caching;  /* default true */
+} td_engine_config;
+
+/** Fill defaults. */
+void td_engine_config_default(td_engine_config *cfg);
+
+/** Load the model, plan memory (weights, workspace, KV pool) and start threads. */
+int td_engine_create(td_engine **out, const td_engine_config *cfg, td_err *err);
+void td_engine_free(td_engine *e);
+
+const td_model *td_engine_model(const td_engine *e);
+const td_tokenizer *td_engine_tokenizer(const td_engine *e);
+int td_engine_max_model_len(const td_engine *e);
+/** A one-paragraph description of the memory plan (for logs and /v1/models). */
+void td_engine_describe(const td_engine *e, char *buf, size_t cap);
+
+typedef struct td_sampling {
+    float temperature;          /* 0 = greedy (default 1.0 via td_sampling_default) */
+    int top_k;                  /* 0 = off */
+    float top_p;                /* 1 = off */
+    float min_p;                /* 0 = off */
+    bool has_seed;
+    uint64_t seed;              /* with has_seed: same seed, same output */
+    int max_tokens;             /* tokens to generate (>= 1) */
+    bool ignore_eos;            /* keep generating past EOS / end-of-generation tokens */
+    const int32_t *stop_token_ids; /* copied at add time */
+    int n_stop_token_ids;
+    const char *const *stop;    /* stop strings, matched on the decoded text; copied */
+    int n_stop;
+    bool include_stop_str_in_output;
+    bool skip_special_tokens;   /* default true: control tokens add no text */
+} td_sampling;
+
+void td_sampling_default(td_sampling *sp);
+
+/**
+ * Queue a request. The prompt ids are copied. Fails at once (with a message
+ * for the user) when the request can never run: empty prompt, ids outside the
+ * vocabulary, prompt + max_tokens beyond max_model_len, more KV than the whole
+ * pool, or bad sampling parameters.
+ */
+int td_engine_add_request(td_engine *e, uint64_t *out_id, const int32_t *prompt, int n_prompt,
+                          const td_sampling *sp, td_err *err);
+
+/** Abort a request; its final output (TD_FINISH_ABORT) appears at the next poll.
+ *  Returns TD_ENOTFOUND for an unknown or already finished id. */
+int td_engine_abort(td_engine *e, uint64_t id);
+
+/** True while any request is waiting or running. */
+bool td_engine_has_work(const td_engine *e);
+int td_engine_num_running(const td_engine *e);
+int td_engine_num_waiting(const td_engine *e);
+
+/**
+ * Run one scheduler step: pick a batch (decodes first, then prefill chunks),
+ * run the forward pass once over the whole flat batch, sample, and queue the
+ * outputs. Returns the number of tokens processed (0 when idle), or a negative
+ * error for a failure of the engine itself (requests then end with errors).
+ */
+int td_engine_step(td_engine *e, td_err *err);
+
+typedef enum td_finish {
+    TD_FINISH_NONE = 0,  /* not finished */
+    TD_FINISH_STOP = 1,  /* EOS, a stop token or a stop string */
+    TD_FINISH_LENGTH = 2,/* max_tokens or max_model_len */
+    TD_FINISH_ABORT = 3, /* td_engine_abort */
+    TD_FINISH_ERROR = 4, /* see `error` */
+} td_finish;
+
+const char *td_finish_name(td_finish f); /* "stop", "length", "abort", "error" */
+
+typedef struct td_output {
+    uint64_t id;
+    int32_t token;        /* the new token, or -1 when this output only finishes */
+    const char *text;     /* new text (complete UTF-8), valid until the next step */
+    int text_len;
+    td_finish finish;
+    const char *error;    /* message when finish == TD_FINISH_ERROR */
+    int num_prompt_tokens;
+    int num_cached_tokens;/* prompt tokens served from the prefix cache */
+    int num_generated;    /* tokens generated so far, including this one */
+    int num_preemptions;
+} td_output;
+
+/** Next queued output; returns false when none is left. */
+bool td_engine_poll(td_engine *e, td_output *out);
+
+/** Counters for metrics and tests. */
+typedef struct td_engine_stats {
+    int num_blocks_total;
+    int num_blocks_free;     /* free or evictable (cached but unreferenced) */
+    int num_blocks_cached;   /* blocks in the prefix cache index */
+    uint64_t prefix_hits_tokens;
+    uint64_t prefix_queries_tokens;
+    uint64_t num_preemptions;
+    uint64_t steps;
+    uint64_t tokens_prefilled;
+    uint64_t tokens_decoded;
+} td_engine_stats;
+
+void td_engine_get_stats(const td_engine *e, td_engine_stats *st);
+
+#endif

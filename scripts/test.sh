@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Runs every test: the Release build, the same suite under AddressSanitizer +
+# UndefinedBehaviorSanitizer, and a short run of each libFuzzer target.
+# Shared data comes from $TD_SHARED_DIR (default: ../shared next to the checkout).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export TD_SHARED_DIR=${TD_SHARED_DIR:-$(cd .. && pwd)/shared}
+[ -d "$TD_SHARED_DIR" ] || { echo "shared data folder '$TD_SHARED_DIR' is missing: set TD_SHARED_DIR" >&2; exit 1; }
+jobs=$(nproc)
+
+echo "== release build and tests"
+cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DTD_SHARED_DIR="$TD_SHARED_DIR" >/dev/null
+cmake --build build -j"$jobs"
+(cd build && ctest --output-on-failure -j"$jobs")
+
+echo "== ASan + UBSan build and tests"
+cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DTD_SANITIZE=ON -DTD_SHARED_DIR="$TD_SHARED_DIR" >/dev/null
+cmake --build build-asan -j"$jobs"
+(cd build-asan && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 ctest --output-on-failure -j"$jobs")
+
+if [ -x tests/fuzz/run_fuzz.sh ] && command -v clang >/dev/null; then
+    echo "== fuzz smoke runs"
+    tests/fuzz/run_fuzz.sh 20000
+fi

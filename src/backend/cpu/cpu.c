@@ -1,0 +1,421 @@
+/*
+ * backend/cpu/cpu.c - ISA dispatch, the threaded matmul driver, the row-kernel entry
+ * points, rotary embedding and the plain-C matmul reference.
+ */
+#include "backend/cpu/cpu_impl.h"
+
+#include <math.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
+
+static pthread_once_t cpu_once = PTHREAD_ONCE_INIT;
+static cpu_isa cpu_best = CPU_ISA_GENERIC;   /* the best ISA this CPU runs */
+static cpu_isa cpu_active = CPU_ISA_GENERIC; /* the one in use */
+static const cpu__kernels *cpu_kern = &cpu__generic;
+
+static const cpu__kernels *kernels_for(cpu_isa isa)
+{
+#if defined(__x86_64__)
+    if (isa == CPU_ISA_AVX512) return &cpu__avx512;
+    if (isa == CPU_ISA_AVX2) return &cpu__avx2;
+#endif
+    (void)isa;
+    return &cpu__generic;
+}
+
+#if defined(__x86_64__)
+static uint64_t xgetbv0(void)
+{
+    uint32_t lo, hi;
+    __asm__ __volatile__("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    return ((uint64_t)hi << 32) | lo;
+}
+
+/* The features each kernel file is compiled for (CMakeLists.txt) must all be present,
+ * since the compiler may use any of them anywhere in that file. */
+static cpu_isa detect_isa(void)
+{
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return CPU_ISA_GENERIC;
+    bool fma = c & (1u << 12), osxsave = c & (1u << 27), avx = c & (1u << 28),
+         f16c = c & (1u << 29);
+    if (!osxsave || !avx) return CPU_ISA_GENERIC;
+    uint64_t xcr0 = xgetbv0();
+    if ((xcr0 & 0x6) != 0x6) return CPU_ISA_GENERIC; /* the OS saves xmm and ymm */
+    if (__get_cpuid_max(0, NULL) < 7) return CPU_ISA_GENERIC;
+    __cpuid_count(7, 0, a, b, c, d);
+    bool avx2 = b & (1u << 5), bmi2 = b & (1u << 8), avx512f = b & (1u << 16),
+         avx512dq = b & (1u << 17), avx512bw = b & (1u << 30), avx512vl = b & (1u << 31),
+         vnni = c & (1u << 11);
+    unsigned max_sub = a;
+    bool bf16 = false;
+    if (max_sub >= 1) {
+        __cpuid_count(7, 1, a, b, c, d);
+        bf16 = a & (1u << 5);
+    }
+    if (!(avx2 && fma && f16c && bmi2)) return CPU_ISA_GENERIC;
+    bool zmm_state = (xcr0 & 0xe0) == 0xe0; /* opmask, zmm0-15 upper, zmm16-31 */
+    if (zmm_state && avx512f && avx512dq && avx512bw && avx512vl && vnni && bf16)
+        return CPU_ISA_AVX512;
+    return CPU_ISA_AVX2;
+}
+#else
+static cpu_isa detect_isa(void)
+{
+    return CPU_ISA_GENERIC;
+}
+#endif
+
+static void cpu_init_once(void)
+{
+    for (int i = 0; i < 256; i++) cpu__fp8_table[i] = td_fp8e4m3_to_f32((uint8_t)i);
+    cpu_best = detect_isa();
+    cpu_active = cpu_best;
+    const char *env = getenv("TD_CPU_ISA");
+    if (env && *env && strcmp(env, "auto") != 0) {
+        cpu_isa want = CPU_ISA_GENERIC;
+        bool known = true;
+        if (strcmp(env, "generic") == 0)
+            want = CPU_ISA_GENERIC;
+        else if (strcmp(env, "avx2") == 0)
+            want = CPU_ISA_AVX2;
+        else if (strcmp(env, "avx512") == 0)
+            want = CPU_ISA_AVX512;
+        else
+            known = false;
+        if (!known)
+            TD_WARN("TD_CPU_ISA=%s is not one of generic, avx2, avx512; using %s", env,
+                    cpu_isa_name(cpu_best));
+        else if (want > cpu_best)
+            TD_WARN("TD_CPU_ISA=%s: this CPU lacks it; using %s", env, cpu_isa_name(cpu_best));
+        else
+            cpu_active = want;
+    }
+    cpu_kern = kernels_for(cpu_active);
+}
+
+void cpu_init(void)
+{
+    pthread_once(&cpu_once, cpu_init_once);
+}
+
+cpu_isa cpu_get_isa(void)
+{
+    cpu_init();
+    return cpu_active;
+}
+
+int cpu_set_isa(cpu_isa isa)
+{
+    cpu_init();
+    if (isa < CPU_ISA_GENERIC || isa > cpu_best) return TD_EUNSUPPORTED;
+    cpu_active = isa;
+    cpu_kern = kernels_for(isa);
+    return 0;
+}
+
+const char *cpu_isa_name(cpu_isa isa)
+{
+    switch (isa) {
+    case CPU_ISA_GENERIC: return "generic";
+    case CPU_ISA_AVX2: return "avx2";
+    case CPU_ISA_AVX512: return "avx512";
+    default: return "unknown";
+    }
+}
+
+static inline const cpu__kernels *active(void)
+{
+    cpu_init();
+    return cpu_kern;
+}
+
+/* ---- matmul driver --------------------------------------------------------------- */
+
+/* Scratch layout: quantized activations (q8/q4 weights only), then one area per thread. */
+typedef struct {
+    size_t xq_stride, xs_stride; /* bytes per row of xq; elements per row of xd/xc */
+    size_t xq_off, xd_off, xc_off, thread_off, thread_bytes, total;
+} mm_layout;
+
+static size_t max_thread_scratch(td_type wtype, int M, int K)
+{
+    /* The largest over every ISA this CPU may switch to, so that tests may change ISA. */
+    size_t n = cpu__generic.matmul_scratch(wtype, M, K);
+#if defined(__x86_64__)
+    n = TD_MAX(n, cpu__avx2.matmul_scratch(wtype, M, K));
+    n = TD_MAX(n, cpu__avx512.matmul_scratch(wtype, M, K));
+#endif
+    return TD_ALIGN_UP(n, 64);
+}
+
+static mm_layout mm_layout_for(td_type wtype, int M, int K, int n_threads)
+{
+    mm_layout l = {0};
+    size_t off = 0;
+    if (cpu__is_quantized(wtype)) {
+        size_t nb = (size_t)K / 32;
+        l.xq_stride = TD_ALIGN_UP((size_t)K, 64);
+        l.xs_stride = TD_ALIGN_UP(nb, 16);
+        l.xq_off = 0;
+        off = l.xq_stride * (size_t)M;
+        l.xd_off = off;
+        off += TD_ALIGN_UP(l.xs_stride * 4 * (size_t)M, 64);
+        l.xc_off = off;
+        off += TD_ALIGN_UP(l.xs_stride * 4 * (size_t)M, 64);
+    }
+    l.thread_off = off;
+    l.thread_bytes = max_thread_scratch(wtype, M, K);
+    l.total = off + l.thread_bytes * (size_t)TD_MAX(n_threads, 1);
+    return l;
+}
+
+size_t cpu_matmul_scratch_size(td_type wtype, int M, int K, int n_threads)
+{
+    return mm_layout_for(wtype, TD_MAX(M, 1), K, n_threads).total;
+}
+
+typedef struct {
+    cpu__mm mm;
+    const cpu__kernels *kern;
+    td_pool *pool;
+    uint8_t *thread_scratch;
+    size_t thread_bytes;
+    int offset;
+} mm_job;
+
+static void mm_worker(void *arg, int ith, int nth)
+{
+    mm_job *job = arg;
+    const cpu__mm *mm = &job->mm;
+    if (cpu__is_quantized(mm->wtype)) {
+        /* Each row's quantization depends only on that row: split rows, then wait. */
+        int64_t m0, m1;
+        td_split_range(mm->M, ith, nth, &m0, &m1);
+        for (int64_t m = m0; m < m1; m++)
+            job->kern->quant_x(mm->x + m * mm->ldx, mm->K, job->offset,
+                               (int8_t *)mm->xq + m * (int64_t)mm->xq_stride,
+                               (float *)mm->xd + m * (int64_t)mm->xs_stride,
+                               (int32_t *)mm->xc + m * (int64_t)mm->xs_stride);
+        td_pool_barrier(job->pool);
+    }
+    int64_t chunks = (mm->N + CPU__N_ALIGN - 1) / CPU__N_ALIGN, c0, c1;
+    td_split_range(chunks, ith, nth, &c0, &c1);
+    int n0 = (int)(c0 * CPU__N_ALIGN), n1 = (int)TD_MIN(c1 * CPU__N_ALIGN, (int64_t)mm->N);
+    if (n0 < n1)
+        job->kern->matmul(mm, n0, n1, job->thread_scratch + (size_t)ith * job->thread_bytes);
+}
+
+void cpu_matmul(td_pool *pool, float *y, int64_t ldy, const float *x, int64_t ldx, const void *w,
+                size_t w_row_bytes, td_type wtype, int M, int N, int K, void *scratch)
+{
+    if (M <= 0 || N <= 0) return;
+    TD_ASSERT(K > 0 && td_type_block_elems(wtype) > 0 && wtype != TD_TYPE_FP8_E4M3);
+    TD_ASSERT(td_row_bytes(wtype, K) > 0 && w_row_bytes >= td_row_bytes(wtype, K));
+    TD_ASSERT(ldx >= K && ldy >= N);
+    TD_ASSERT(scratch && ((uintptr_t)scratch & 63) == 0);
+    mm_layout l = mm_layout_for(wtype, M, K, td_pool_size(pool));
+    uint8_t *s = scratch;
+    mm_job job = {
+        .mm = {.y = y, .ldy = ldy, .x = x, .ldx = ldx, .w = w, .w_row_bytes = w_row_bytes,
+               .wtype = wtype, .M = M, .N = N, .K = K,
+               .xq = (const int8_t *)(s + l.xq_off), .xd = (const float *)(void *)(s + l.xd_off),
+               .xc = (const int32_t *)(void *)(s + l.xc_off), .xq_stride = l.xq_stride,
+               .xs_stride = l.xs_stride},
+        .kern = active(),
+        .pool = pool,
+        .thread_scratch = s + l.thread_off,
+        .thread_bytes = l.thread_bytes,
+        .offset = cpu__q_offset(wtype),
+    };
+    td_pool_run(pool, mm_worker, &job);
+}
+
+void cpu_matmul_ref(float *y, int64_t ldy, const float *x, int64_t ldx, const void *w,
+                    size_t w_row_bytes, td_type wtype, int M, int N, int K)
+{
+    const uint8_t *wb = w;
+    if (cpu__is_quantized(wtype)) {
+        /* Quantize x as the kernels do (td_quant_row_ref); integer block dot products
+         * scaled by dx * dw and summed in block order. */
+        int nb = K / 32;
+        int8_t *wq = td_xmalloc((size_t)K);
+        float *wd = td_xmalloc(sizeof(float) * (size_t)nb);
+        td_block_q8_0 *xq = td_xmalloc(sizeof(td_block_q8_0) * (size_t)nb);
+        for (int m = 0; m < M; m++) {
+            td_quant_row_ref(TD_TYPE_Q8_0, x + m * ldx, xq, K);
+            for (int n = 0; n < N; n++) {
+                const uint8_t *row = wb + (size_t)n * w_row_bytes;
+                for (int b = 0; b < nb; b++) {
+                    uint16_t h;
+                    memcpy(&h, row + (size_t)b * (size_t)td_type_block_bytes(wtype), 2);
+                    wd[b] = td_fp16_to_f32(h);
+                    const uint8_t *qs = row + (size_t)b * (size_t)td_type_block_bytes(wtype) + 2;
+                    for (int j = 0; j < 32; j++)
+                        wq[b * 32 + j] = wtype == TD_TYPE_Q8_0
+                                             ? (int8_t)qs[j]
+                                             : (int8_t)((j < 16 ? qs[j] & 0xf : qs[j - 16] >> 4) - 8);
+                }
+                float acc = 0;
+                for (int b = 0; b < nb; b++) {
+                    int32_t s = 0;
+                    for (int j = 0; j < 32; j++) s += (int32_t)xq[b].qs[j] * wq[b * 32 + j];
+                    acc += (float)s * (td_fp16_to_f32(xq[b].d) * wd[b]);
+                }
+                y[m * ldy + n] = acc;
+            }
+        }
+        free(wq);
+        free(wd);
+        free(xq);
+        return;
+    }
+    float *wf = td_xmalloc(sizeof(float) * (size_t)K);
+    for (int n = 0; n < N; n++) {
+        td_dequant_row_ref(wtype, wb + (size_t)n * w_row_bytes, wf, K);
+        for (int m = 0; m < M; m++) {
+            float acc = 0;
+            for (int k = 0; k < K; k++) acc += x[m * ldx + k] * wf[k];
+            y[m * ldy + n] = acc;
+        }
+    }
+    free(wf);
+}
+
+/* ---- row kernels ----------------------------------------------------------------- */
+
+void cpu_rmsnorm(float *out, const float *x, const float *w, int n, float eps)
+{
+    active()->rmsnorm(out, x, w, n, eps);
+}
+
+void cpu_silu_mul(float *out, const float *gate, const float *up, int n)
+{
+    active()->silu_mul(out, gate, up, n);
+}
+
+void cpu_add(float *y, const float *x, int n)
+{
+    active()->add(y, x, n);
+}
+
+float cpu_dot_f32(const float *a, const float *b, int n)
+{
+    return active()->dot_f32(a, b, n);
+}
+
+void cpu_softmax(float *x, int n)
+{
+    active()->softmax(x, n);
+}
+
+void cpu_quant_row(td_type t, const float *src, void *dst, int64_t n)
+{
+    const cpu__kernels *k = active();
+    if (!k->quant_row || !k->quant_row(t, src, dst, n)) cpu__generic.quant_row(t, src, dst, n);
+}
+
+void cpu_dequant_row(td_type t, const void *src, float *dst, int64_t n)
+{
+    const cpu__kernels *k = active();
+    if (!k->dequant_row || !k->dequant_row(t, src, dst, n))
+        cpu__generic.dequant_row(t, src, dst, n);
+}
+
+float cpu_dot_kv(const float *q, const void *k, td_type t, int n)
+{
+    float out;
+    active()->dot_kv_multi(&out, q, k, 0, t, n, 1);
+    return out;
+}
+
+void cpu_axpy_kv(float *y, float a, const void *v, td_type t, int n)
+{
+    active()->axpy_kv_multi(y, &a, v, 0, t, n, 1);
+}
+
+void cpu_dot_kv_multi(float *out, const float *q, const void *k, size_t k_stride, td_type t,
+                      int n, int count)
+{
+    active()->dot_kv_multi(out, q, k, k_stride, t, n, count);
+}
+
+void cpu_axpy_kv_multi(float *y, const float *a, const void *v, size_t v_stride, td_type t, int n,
+                       int count)
+{
+    active()->axpy_kv_multi(y, a, v, v_stride, t, n, count);
+}
+
+/* ---- rotary embedding -------------------------------------------------------------- */
+
+/*
+ * theta_i = pos * freq_scale * base^(-2i/head_dim) / freq_factors[i], evaluated in
+ * double and rounded once to float for cos and sin. The table for the last position
+ * is kept per thread, since a token's heads (and often its layers) share it.
+ */
+#define ROPE_MAX_PAIRS 512
+
+typedef struct {
+    int64_t pos;
+    int head_dim;
+    float base, freq_scale;
+    const float *freq_factors;
+    bool valid;
+    float cos[ROPE_MAX_PAIRS], sin[ROPE_MAX_PAIRS];
+} rope_table;
+
+static _Thread_local rope_table rope_cache;
+
+static const rope_table *rope_table_for(int head_dim, int64_t pos, float base, float freq_scale,
+                                        const float *freq_factors)
+{
+    rope_table *t = &rope_cache;
+    if (t->valid && t->pos == pos && t->head_dim == head_dim && t->base == base &&
+        t->freq_scale == freq_scale && t->freq_factors == freq_factors)
+        return t;
+    int half = head_dim / 2;
+    for (int i = 0; i < half; i++) {
+        double inv = pow((double)base, -2.0 * i / head_dim);
+        double theta = (double)pos * (double)freq_scale * inv;
+        if (freq_factors) theta /= (double)freq_factors[i];
+        t->cos[i] = (float)cos(theta);
+        t->sin[i] = (float)sin(theta);
+    }
+    t->pos = pos;
+    t->head_dim = head_dim;
+    t->base = base;
+    t->freq_scale = freq_scale;
+    t->freq_factors = freq_factors;
+    /* freq_factors are compared by address: they are model weights and do not change. */
+    t->valid = true;
+    return t;
+}
+
+static void rope_apply(float *x, const rope_table *t, int head_dim, int neox)
+{
+    int half = head_dim / 2;
+    for (int i = 0; i < half; i++) {
+        int i0 = neox ? i : 2 * i, i1 = neox ? i + half : 2 * i + 1;
+        float x0 = x[i0], x1 = x[i1], c = t->cos[i], s = t->sin[i];
+        x[i0] = x0 * c - x1 * s;
+        x[i1] = x0 * s + x1 * c;
+    }
+}
+
+void cpu_rope(float *x, int head_dim, int64_t pos, float base, float freq_scale,
+              const float *freq_factors, int neox)
+{
+    cpu_rope_heads(x, 1, head_dim, head_dim, pos, base, freq_scale, freq_factors, neox);
+}
+
+void cpu_rope_heads(float *x, int n_heads, int64_t head_stride, int head_dim, int64_t pos,
+                    float base, float freq_scale, const float *freq_factors, int neox)
+{
+    TD_ASSERT(head_dim > 0 && head_dim % 2 == 0 && head_dim / 2 <= ROPE_MAX_PAIRS);
+    const rope_table *t = rope_table_for(head_dim, pos, base, freq_scale, freq_factors);
+    for (int h = 0; h < n_heads; h++) rope_apply(x + h * head_stride, t, head_dim, neox);
+}

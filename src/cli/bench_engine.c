@@ -1,0 +1,152 @@
+/*
+ * cli/bench_engine.c - `tandem bench-engine`: prefill and decode speed of the
+ * engine on one machine, measured through the public engine API.
+ *
+ *   prefill: one request of --prompt-len random tokens, max_tokens 1, prefix cache off;
+ *            tokens/s = prompt tokens / time to the first token (mean over --reps after a
+ *            warm-up)
+ *   decode:  B requests of one token each generate --gen-len tokens together;
+ *            tokens/s = decoded tokens / time of the decode steps (the first step,
+ *            which prefills, is excluded), for each B in --batch
+ *
+ * The figures are printed, never asserted: speed is a benchmark's job, not a test's.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli/cli.h"
+#include "cli/engine_opts.h"
+#include "model/model.h"
+
+static double run_prefill(td_engine *e, int prompt_len, td_rng *rng)
+{
+    int n_vocab = td_engine_model(e)->shape.n_vocab;
+    int32_t *ids = malloc((size_t)prompt_len * sizeof(int32_t));
+    for (int i = 0; i < prompt_len; i++) ids[i] = 3 + (int32_t)(td_rng_next(rng) % (uint64_t)(n_vocab - 3));
+    td_sampling sp;
+    td_sampling_default(&sp);
+    sp.temperature = 0;
+    sp.max_tokens = 1;
+    sp.ignore_eos = true;
+    td_err err;
+    double t0 = td_now_s();
+    if (td_engine_add_request(e, NULL, ids, prompt_len, &sp, &err)) {
+        fprintf(stderr, "error: %s\n", err.msg);
+        exit(1);
+    }
+    td_output o;
+    while (td_engine_has_work(e)) {
+        td_engine_step(e, &err);
+        while (td_engine_poll(e, &o)) {}
+    }
+    free(ids);
+    return td_now_s() - t0;
+}
+
+/* Returns decoded tokens per second for `batch` sequences generating gen_len tokens. */
+static double run_decode(td_engine *e, int batch, int gen_len, td_rng *rng)
+{
+    int n_vocab = td_engine_model(e)->shape.n_vocab;
+    td_sampling sp;
+    td_sampling_default(&sp);
+    sp.temperature = 0;
+    sp.max_tokens = gen_len;
+    sp.ignore_eos = true;
+    td_err err;
+    for (int b = 0; b < batch; b++) {
+        int32_t id = 3 + (int32_t)(td_rng_next(rng) % (uint64_t)(n_vocab - 3));
+        if (td_engine_add_request(e, NULL, &id, 1, &sp, &err)) {
+            fprintf(stderr, "error: %s\n", err.msg);
+            exit(1);
+        }
+    }
+    td_output o;
+    td_engine_step(e, &err); /* prefill of the one-token prompts and the first tokens */
+    while (td_engine_poll(e, &o)) {}
+    double t0 = td_now_s();
+    long decoded = 0;
+    while (td_engine_has_work(e)) {
+        decoded += td_engine_step(e, &err);
+        while (td_engine_poll(e, &o)) {}
+    }
+    return (double)decoded / (td_now_s() - t0);
+}
+
+int cli_bench_engine(int argc, char **argv)
+{
+    engine_opts eo;
+    cli_flag flags[ENGINE_OPTS_MAX_FLAGS + 8];
+    int nf = engine_opts_register(&eo, flags);
+    int64_t prompt_len = 512, gen_len = 128, reps = 3;
+    const char *batches = "1,32";
+    flags[nf++] = CLI_FLAG("prompt-len", CLI_FLAG_INT, &prompt_len,
+                             "prefill prompt tokens (512; capped to the context)");
+    flags[nf++] = CLI_FLAG("gen-len", CLI_FLAG_INT, &gen_len,
+                             "tokens generated per sequence in the decode test (128)");
+    flags[nf++] = CLI_FLAG("batch", CLI_FLAG_STR, &batches, "decode batch sizes (1,32)");
+    flags[nf++] = CLI_FLAG("reps", CLI_FLAG_INT, &reps, "repetitions per test (3)");
+    int rc = cli_flags_parse(flags, nf, argc, argv, "tandem bench-engine --model M [options]");
+    if (rc) return rc == 1 ? 0 : 2;
+    if (prompt_len < 1 || gen_len < 2 || reps < 1 || reps > 100) {
+        fprintf(stderr, "error: --prompt-len >= 1, --gen-len >= 2, --reps in [1, 100]\n");
+        return 2;
+    }
+    eo.no_prefix_caching = true; /* every repetition must really prefill */
+    td_engine_config cfg;
+    if (engine_opts_apply(&eo, &cfg)) return 2;
+    int max_batch = 1;
+    for (const char *p = batches; *p;) {
+        char *end;
+        long b = strtol(p, &end, 10);
+        if (end == p || b < 1 || b > 4096 || (*end && *end != ',')) {
+            fprintf(stderr, "error: --batch must be comma-separated sizes in [1, 4096]\n");
+            return 2;
+        }
+        max_batch = TD_MAX(max_batch, (int)b);
+        p = *end ? end + 1 : end;
+    }
+    cfg.max_num_seqs = TD_MAX(cfg.max_num_seqs, max_batch);
+    cfg.max_num_batched_tokens = TD_MAX(cfg.max_num_batched_tokens, (int)prompt_len);
+    td_err err = {0};
+    td_engine *e;
+    if (td_engine_create(&e, &cfg, &err)) {
+        fprintf(stderr, "error: %s\n", err.msg);
+        return 1;
+    }
+    const td_model *m = td_engine_model(e);
+    int ctx = td_engine_max_model_len(e);
+    if (prompt_len > ctx - 1) prompt_len = ctx - 1;
+    if (gen_len > ctx - 1) gen_len = ctx - 1;
+    char desc[256];
+    td_model_describe(m, desc, sizeof(desc));
+    printf("model: %s\n", desc);
+    printf("threads: %d, kv: %s\n", cfg.n_threads, cfg.kv_cache_dtype);
+    printf("%-12s %-8s %10s %12s\n", "test", "tokens", "tok/s", "ms/token");
+    td_rng rng;
+    td_rng_seed(&rng, 42);
+    run_prefill(e, (int)prompt_len, &rng); /* warm-up: page in the weights */
+    double sum = 0;
+    for (int r = 0; r < reps; r++) sum += run_prefill(e, (int)prompt_len, &rng);
+    double pp = (double)prompt_len * (double)reps / sum;
+    char name[32];
+    snprintf(name, sizeof(name), "pp%lld", (long long)prompt_len);
+    printf("%-12s %-8lld %10.1f %12.3f\n", name, (long long)prompt_len, pp, 1e3 / pp);
+    for (const char *p = batches; *p;) {
+        char *end;
+        int b = (int)strtol(p, &end, 10);
+        p = *end ? end + 1 : end;
+        double best = 0, tsum = 0;
+        for (int r = 0; r < reps; r++) {
+            double t = run_decode(e, b, (int)gen_len, &rng);
+            tsum += t;
+            best = TD_MAX(best, t);
+        }
+        snprintf(name, sizeof(name), "tg%lld@b%d", (long long)gen_len, b);
+        printf("%-12s %-8lld %10.1f %12.3f\n", name, (long long)gen_len * b, tsum / reps,
+               1e3 * reps / tsum);
+        fflush(stdout);
+    }
+    td_engine_free(e);
+    return 0;
+}

@@ -1,0 +1,410 @@
+/*
+ * engine/engine.c - engine lifecycle, memory plan, and the request API.
+ * Scheduling and the step loop live in sched.c.
+ *
+ * Memory is planned once, at creation, in this order: weights (mapped), the
+ * activation workspace for a step of max_num_batched_tokens tokens and
+ * max_num_seqs logit rows, then the KV block pool from the KV budget. Nothing
+ * on the step path allocates except the per-request arrays that grow with a
+ * request's own generated text, so a step can never run out of memory.
+ */
+#include "engine/engine_internal.h"
+
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/sysinfo.h>
+#include <unistd.h>
+
+#include "backend/cpu/cpu.h"
+
+#define DEFAULT_KV_CAP (4ull << 30)
+
+void td_engine_config_default(td_engine_config *c)
+{
+    memset(c, 0, sizeof(*c));
+    c->load_format = "auto";
+    c->dummy_type = "f32";
+    c->seed = 0;
+    c->n_threads = 0;
+    c->pin_threads = true;
+    c->block_size = 16;
+    c->kv_cache_dtype = "f16";
+    c->kv_cache_memory = 0;
+    c->max_num_seqs = 64;
+    c->max_num_batched_tokens = 512;
+    c->max_model_len = 0;
+    c->enable_prefix_caching = true;
+}
+
+void td_sampling_default(td_sampling *sp)
+{
+    memset(sp, 0, sizeof(*sp));
+    sp->temperature = 1.0f;
+    sp->top_p = 1.0f;
+    sp->max_tokens = 16;
+    sp->skip_special_tokens = true;
+}
+
+const char *td_finish_name(td_finish f)
+{
+    switch (f) {
+    case TD_FINISH_STOP: return "stop";
+    case TD_FINISH_LENGTH: return "length";
+    case TD_FINISH_ABORT: return "abort";
+    case TD_FINISH_ERROR: return "error";
+    default: return "none";
+    }
+}
+
+static int available_cpus(void)
+{
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof(set), &set) == 0) return CPU_COUNT(&set);
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n > 0 ? (int)n : 1;
+}
+
+static int check_config(const td_engine_config *c, td_err *err)
+{
+    if (c->block_size < 1 || c->block_size > 1024)
+        return td_err_set(err, TD_EINVAL, "--block-size must be in [1, 1024], got %d",
+                          c->block_size);
+    if (c->max_num_seqs < 1 || c->max_num_seqs > 4096)
+        return td_err_set(err, TD_EINVAL, "--max-num-seqs must be in [1, 4096], got %d",
+                          c->max_num_seqs);
+    if (c->max_num_batched_tokens < 1 || c->max_num_batched_tokens > 1 << 20)
+        return td_err_set(err, TD_EINVAL, "--max-num-batched-tokens must be in [1, 1048576], got %d",
+                          c->max_num_batched_tokens);
+    if (c->n_threads < 0 || c->n_threads > 1024)
+        return td_err_set(err, TD_EINVAL, "--threads must be in [0, 1024], got %d", c->n_threads);
+    if (c->max_model_len < 0)
+        return td_err_set(err, TD_EINVAL, "--max-model-len must be >= 0, got %d", c->max_model_len);
+    td_type kt = td_type_parse(c->kv_cache_dtype ? c->kv_cache_dtype : "");
+    if (kt != TD_TYPE_F32 && kt != TD_TYPE_F16 && kt != TD_TYPE_BF16 && kt != TD_TYPE_FP8_E4M3)
+        return td_err_set(err, TD_EINVAL,
+                          "--kv-cache-dtype must be f32, f16, bf16 or fp8 (fp8_e4m3), got '%s'",
+                          c->kv_cache_dtype ? c->kv_cache_dtype : "");
+    const char *lf = c->load_format ? c->load_format : "auto";
+    if (strcmp(lf, "auto") && strcmp(lf, "gguf") && strcmp(lf, "dummy"))
+        return td_err_set(err, TD_EINVAL, "--load-format must be auto, gguf or dummy, got '%s'", lf);
+    return 0;
+}
+
+int td__engine_load_model(const td_engine_config *c, td_model **model, td_tokenizer **tok,
+                          td_err *err);
+
+int td_engine_create(td_engine **out, const td_engine_config *cfg, td_err *err)
+{
+    *out = NULL;
+    int rc = check_config(cfg, err);
+    if (rc) return rc;
+    cpu_init();
+    td_engine *e = calloc(1, sizeof(*e));
+    if (!e) return td_err_set(err, TD_ENOMEM, "engine: out of memory");
+    e->cfg = *cfg;
+    td_rng_seed(&e->rng, cfg->seed ^ 0x7465616d64656d31ull);
+
+    rc = td__engine_load_model(cfg, &e->model, &e->tok, err);
+    if (rc) goto fail;
+    const td_model_shape *s = &e->model->shape;
+    if (tok_n_vocab(e->tok) > s->n_vocab) {
+        rc = td_err_set(err, TD_EFORMAT, "model: tokenizer has %d tokens but the output has %d rows",
+                        tok_n_vocab(e->tok), s->n_vocab);
+        goto fail;
+    }
+
+    e->max_model_len = cfg->max_model_len > 0 ? cfg->max_model_len : s->n_ctx_train;
+    if (e->max_model_len > s->n_ctx_train)
+        TD_WARN("--max-model-len %d exceeds the model's trained context %d", e->max_model_len,
+                s->n_ctx_train);
+    e->max_num_seqs = cfg->max_num_seqs;
+    e->max_batched = cfg->max_num_batched_tokens;
+
+    int n_threads = cfg->n_threads > 0 ? cfg->n_threads : available_cpus();
+    rc = td_pool_create(&e->pool, n_threads, cfg->pin_threads, err);
+    if (rc) goto fail;
+
+    /* Activation workspace first: a step of max_batched tokens must always fit. */
+    rc = fwd_init(&e->fwd, e->model, &e->kv, e->pool, e->max_batched, e->max_num_seqs,
+                  e->max_model_len, err);
+    if (rc) goto fail;
+
+    /* Then the KV pool from what the budget leaves. */
+    td_type kv_type = td_type_parse(cfg->kv_cache_dtype);
+    int kvd = s->n_head_kv * s->head_dim;
+    size_t block_bytes = kv_pool_bytes(s->n_layer, kvd, cfg->block_size, kv_type, 1);
+    int64_t blocks_per_seq = (e->max_model_len + cfg->block_size - 1) / cfg->block_size;
+    uint64_t budget = cfg->kv_cache_memory;
+    if (budget == 0) {
+        /* Default: room for every sequence at full length, within 4 GiB and a quarter of RAM. */
+        struct sysinfo si;
+        uint64_t ram = sysinfo(&si) == 0 ? (uint64_t)si.totalram * si.mem_unit : (8ull << 30);
+        uint64_t want = (uint64_t)block_bytes * (uint64_t)blocks_per_seq * (uint64_t)e->max_num_seqs;
+        budget = TD_MIN(want, TD_MIN(DEFAULT_KV_CAP, ram / 4));
+        budget = TD_MAX(budget, (uint64_t)block_bytes * (uint64_t)blocks_per_seq);
+    }
+    int64_t n_blocks = (int64_t)(budget / block_bytes);
+    if (n_blocks < blocks_per_seq) {
+        rc = td_err_set(err, TD_ETOOLARGE,
+                        "--kv-cache-memory %llu bytes holds %lld blocks of %d tokens, fewer than "
+                        "one sequence of --max-model-len %d needs (%lld); raise the budget or "
+                        "lower --max-model-len",
+                        (unsigned long long)budget, (long long)n_blocks, cfg->block_size,
+                        e->max_model_len, (long long)blocks_per_seq);
+        goto fail;
+    }
+    if (n_blocks > INT32_MAX / 2) n_blocks = INT32_MAX / 2;
+    rc = kv_pool_init(&e->kv, s->n_layer, kvd, cfg->block_size, kv_type, (int)n_blocks, err);
+    if (rc) goto fail;
+    e->root_hash = td_hash64(&e->model->fingerprint, sizeof(uint64_t), (uint64_t)kv_type);
+
+    rc = sampler_scratch_init(&e->samp, s->n_vocab);
+    if (rc) {
+        td_err_set(err, rc, "engine: out of memory for the sampler");
+        goto fail;
+    }
+    int B = e->max_batched, S = e->max_num_seqs;
+    e->b_tokens = malloc((size_t)B * sizeof(int32_t));
+    e->b_pos = malloc((size_t)B * sizeof(int32_t));
+    e->b_seq = malloc((size_t)B * sizeof(int32_t));
+    e->b_logit_rows = malloc((size_t)S * sizeof(int32_t));
+    e->b_tables = malloc((size_t)S * sizeof(*e->b_tables));
+    e->b_reqs = malloc((size_t)S * sizeof(*e->b_reqs));
+    e->b_n = malloc((size_t)S * sizeof(int));
+    e->logits = td_aligned_alloc((size_t)S * (size_t)s->n_vocab * sizeof(float));
+    if (!e->b_tokens || !e->b_pos || !e->b_seq || !e->b_logit_rows || !e->b_tables ||
+        !e->b_reqs || !e->b_n || !e->logits) {
+        rc = td_err_set(err, TD_ENOMEM, "engine: out of memory for batch buffers");
+        goto fail;
+    }
+    e->stats.num_blocks_total = e->kv.n_blocks;
+    char desc[512];
+    td_engine_describe(e, desc, sizeof(desc));
+    TD_INFO("%s", desc);
+    *out = e;
+    return 0;
+fail:
+    td_engine_free(e);
+    return rc;
+}
+
+void req__free(req *r)
+{
+    if (!r) return;
+    free(r->tokens);
+    free(r->blocks);
+    free(r->block_hash);
+    free(r->stop_ids);
+    for (int i = 0; i < r->n_stop; i++) free(r->stop[i]);
+    free(r->stop);
+    free(r->text);
+    free(r);
+}
+
+void td_engine_free(td_engine *e)
+{
+    if (!e) return;
+    for (int i = 0; i < e->n_waiting; i++) req__free(e->waiting[i]);
+    for (int i = 0; i < e->n_running; i++) req__free(e->running[i]);
+    free(e->waiting);
+    free(e->running);
+    fwd_free(&e->fwd);
+    kv_pool_free(&e->kv);
+    sampler_scratch_free(&e->samp);
+    td_pool_free(e->pool);
+    tok_free(e->tok);
+    td_model_free(e->model);
+    free(e->b_tokens);
+    free(e->b_pos);
+    free(e->b_seq);
+    free(e->b_logit_rows);
+    free(e->b_tables);
+    free(e->b_reqs);
+    free(e->b_n);
+    td_aligned_free(e->logits);
+    free(e->outs);
+    free(e->arena);
+    free(e);
+}
+
+const td_model *td_engine_model(const td_engine *e)
+{
+    return e->model;
+}
+
+const td_tokenizer *td_engine_tokenizer(const td_engine *e)
+{
+    return e->tok;
+}
+
+int td_engine_max_model_len(const td_engine *e)
+{
+    return e->max_model_len;
+}
+
+void td_engine_describe(const td_engine *e, char *buf, size_t cap)
+{
+    char mdesc[256];
+    td_model_describe(e->model, mdesc, sizeof(mdesc));
+    snprintf(buf, cap,
+             "%s; %d threads (%s); memory plan: weights %.1f MiB, workspace %.1f MiB for %d "
+             "tokens/step, KV %.1f MiB = %d blocks x %d tokens (%s, %d tokens); max_model_len %d",
+             mdesc, td_pool_size(e->pool), cpu_isa_name(cpu_get_isa()),
+             (double)e->model->weight_bytes / 1048576.0,
+             (double)e->fwd.workspace_bytes / 1048576.0, e->max_batched,
+             (double)e->kv.total_bytes / 1048576.0, e->kv.n_blocks, e->kv.block_size,
+             td_type_name(e->kv.dtype), e->kv.n_blocks * e->kv.block_size, e->max_model_len);
+}
+
+bool td_engine_has_work(const td_engine *e)
+{
+    return e->n_waiting > 0 || e->n_running > 0;
+}
+
+int td_engine_num_running(const td_engine *e)
+{
+    return e->n_running;
+}
+
+int td_engine_num_waiting(const td_engine *e)
+{
+    return e->n_waiting;
+}
+
+void td_engine_get_stats(const td_engine *e, td_engine_stats *st)
+{
+    *st = e->stats;
+    st->num_blocks_total = e->kv.n_blocks;
+    st->num_blocks_free = e->kv.n_free;
+    st->num_blocks_cached = e->kv.n_cached;
+}
+
+static char *xstrdup(const char *s)
+{
+    size_t n = strlen(s) + 1;
+    char *d = malloc(n);
+    if (d) memcpy(d, s, n);
+    return d;
+}
+
+int td_engine_add_request(td_engine *e, uint64_t *out_id, const int32_t *prompt, int n_prompt,
+                          const td_sampling *sp, td_err *err)
+{
+    const int n_vocab = e->model->shape.n_vocab;
+    if (n_prompt < 1) return td_err_set(err, TD_EINVAL, "the prompt is empty");
+    for (int i = 0; i < n_prompt; i++)
+        if (prompt[i] < 0 || prompt[i] >= n_vocab)
+            return td_err_set(err, TD_EINVAL, "prompt token %d is %d, outside the vocabulary [0, %d)",
+                              i, prompt[i], n_vocab);
+    if (sp->max_tokens < 1)
+        return td_err_set(err, TD_EINVAL, "max_tokens must be >= 1, got %d", sp->max_tokens);
+    if (n_prompt >= e->max_model_len)
+        return td_err_set(err, TD_ETOOLARGE,
+                          "the prompt has %d tokens; this model's maximum context length is %d "
+                          "tokens, and at least one must be left to generate",
+                          n_prompt, e->max_model_len);
+    int64_t total = (int64_t)n_prompt + sp->max_tokens;
+    if (total > e->max_model_len)
+        return td_err_set(err, TD_ETOOLARGE,
+                          "this model's maximum context length is %d tokens; the request asks for "
+                          "%d prompt + %d completion tokens",
+                          e->max_model_len, n_prompt, sp->max_tokens);
+    int64_t blocks = (total + e->kv.block_size - 1) / e->kv.block_size;
+    if (blocks > e->kv.n_blocks)
+        return td_err_set(err, TD_ETOOLARGE,
+                          "the request needs up to %lld KV blocks but the whole cache has %d; "
+                          "lower max_tokens or raise --kv-cache-memory",
+                          (long long)blocks, e->kv.n_blocks);
+    sampler_params spp = {sp->temperature, sp->top_k, sp->top_p, sp->min_p};
+    int rc = sampler_check(&spp, err);
+    if (rc) return rc;
+    for (int i = 0; i < sp->n_stop_token_ids; i++)
+        if (sp->stop_token_ids[i] < 0 || sp->stop_token_ids[i] >= n_vocab)
+            return td_err_set(err, TD_EINVAL, "stop_token_ids[%d] = %d is outside the vocabulary", i,
+                              sp->stop_token_ids[i]);
+    for (int i = 0; i < sp->n_stop; i++)
+        if (!sp->stop[i] || !sp->stop[i][0] || strlen(sp->stop[i]) > 256)
+            return td_err_set(err, TD_EINVAL, "stop[%d] must be a non-empty string of at most 256 bytes", i);
+
+    req *r = calloc(1, sizeof(*r));
+    if (!r) return td_err_set(err, TD_ENOMEM, "out of memory");
+    r->id = ++e->next_id;
+    r->cap_tokens = (int)total;
+    r->tokens = malloc((size_t)total * sizeof(int32_t));
+    r->cap_blocks = (int)blocks;
+    r->blocks = malloc((size_t)blocks * sizeof(int32_t));
+    r->block_hash = calloc((size_t)blocks, sizeof(uint64_t));
+    r->n_stop_ids = sp->n_stop_token_ids;
+    r->stop_ids = malloc((size_t)(sp->n_stop_token_ids + 1) * sizeof(int32_t));
+    r->n_stop = sp->n_stop;
+    r->stop = calloc((size_t)sp->n_stop + 1, sizeof(char *));
+    if (!r->tokens || !r->blocks || !r->block_hash || !r->stop_ids || !r->stop) goto oom;
+    memcpy(r->tokens, prompt, (size_t)n_prompt * sizeof(int32_t));
+    if (sp->n_stop_token_ids)
+        memcpy(r->stop_ids, sp->stop_token_ids, (size_t)sp->n_stop_token_ids * sizeof(int32_t));
+    for (int i = 0; i < sp->n_stop; i++) {
+        if (!(r->stop[i] = xstrdup(sp->stop[i]))) goto oom;
+        r->max_stop_len = TD_MAX(r->max_stop_len, (int)strlen(sp->stop[i]));
+    }
+    r->n_tokens = r->n_prompt = n_prompt;
+    r->sp = spp;
+    r->max_tokens = sp->max_tokens;
+    r->ignore_eos = sp->ignore_eos;
+    r->include_stop_str = sp->include_stop_str_in_output;
+    r->skip_special = sp->skip_special_tokens;
+    td_rng_seed(&r->rng, sp->has_seed ? sp->seed : td_rng_next(&e->rng));
+    tok_stream_init(&r->ts, e->tok, sp->skip_special_tokens);
+    if (e->n_waiting == e->cap_waiting) {
+        int cap = e->cap_waiting ? e->cap_waiting * 2 : 16;
+        req **w = realloc(e->waiting, (size_t)cap * sizeof(req *));
+        if (!w) goto oom;
+        e->waiting = w;
+        e->cap_waiting = cap;
+    }
+    e->waiting[e->n_waiting++] = r;
+    if (out_id) *out_id = r->id;
+    return 0;
+oom:
+    req__free(r);
+    return td_err_set(err, TD_ENOMEM, "out of memory");
+}
+
+static int find_in(req **list, int n, uint64_t id)
+{
+    for (int i = 0; i < n; i++)
+        if (list[i]->id == id) return i;
+    return -1;
+}
+
+int td_engine_abort(td_engine *e, uint64_t id)
+{
+    int i = find_in(e->waiting, e->n_waiting, id);
+    if (i >= 0) {
+        req *r = e->waiting[i];
+        memmove(&e->waiting[i], &e->waiting[i + 1], (size_t)(e->n_waiting - i - 1) * sizeof(req *));
+        e->n_waiting--;
+        sched__finish(e, r, TD_FINISH_ABORT, NULL);
+        return 0;
+    }
+    i = find_in(e->running, e->n_running, id);
+    if (i >= 0) {
+        req *r = e->running[i];
+        memmove(&e->running[i], &e->running[i + 1], (size_t)(e->n_running - i - 1) * sizeof(req *));
+        e->n_running--;
+        sched__finish(e, r, TD_FINISH_ABORT, NULL);
+        return 0;
+    }
+    return TD_ENOTFOUND;
+}
+
+bool td_engine_poll(td_engine *e, td_output *out)
+{
+    if (e->next_out >= e->n_outs) return false;
+    out_rec *o = &e->outs[e->next_out++];
+    *out = o->out;
+    out->text = e->arena ? e->arena + o->text_off : "";
+    out->error = o->out.finish == TD_FINISH_ERROR ? o->error : NULL;
+    return true;
+}

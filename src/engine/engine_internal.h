@@ -1,0 +1,97 @@
+/*
+ * engine/engine_internal.h - the engine's private state, shared by engine.c
+ * (lifecycle, API) and sched.c (scheduling, outputs). Nothing outside
+ * src/engine/ includes this.
+ */
+#ifndef TD_ENGINE_INTERNAL_H
+#define TD_ENGINE_INTERNAL_H
+
+#include "engine/forward.h"
+#include "engine/kvcache.h"
+#include "engine/sampler.h"
+#include "model/model.h"
+#include "model/tok.h"
+#include "tandem/engine.h"
+
+typedef enum req_state { REQ_WAITING = 0, REQ_RUNNING = 1 } req_state;
+
+typedef struct req {
+    uint64_t id;
+    req_state state;
+    int32_t *tokens;    /* prompt then generated tokens [cap_tokens] */
+    int n_tokens, n_prompt, cap_tokens;
+    int n_computed;     /* tokens whose K/V are in the cache */
+    int32_t *blocks;    /* block table [cap_blocks] */
+    int n_blocks, cap_blocks;
+    uint64_t *block_hash; /* chain hash of each full block [cap_blocks], 0 = not yet */
+    int n_hashed;       /* blocks whose hash has been computed */
+    int n_cached_prompt;/* prompt tokens found in the prefix cache at first admission */
+    int n_preemptions;
+    bool admitted_once;
+    bool finished;      /* ended during this step; freed at the end of the step */
+
+    sampler_params sp;
+    td_rng rng;
+    int max_tokens;
+    bool ignore_eos, include_stop_str, skip_special;
+    int32_t *stop_ids;
+    int n_stop_ids;
+    char **stop;
+    int n_stop;
+    int max_stop_len;
+
+    tok_stream ts;
+    char *text;         /* all generated text, for stop-string matching */
+    size_t text_len, text_cap;
+    size_t emitted;     /* bytes of text already given to the caller */
+    int n_generated;
+} req;
+
+/* One queued output: text lives in the engine's output arena at text_off. */
+typedef struct out_rec {
+    td_output out;
+    size_t text_off;
+    char error[160];
+} out_rec;
+
+struct td_engine {
+    td_engine_config cfg;
+    td_model *model;
+    td_tokenizer *tok;
+    td_pool *pool;
+    kv_pool kv;
+    fwd_ctx fwd;
+    sampler_scratch samp;
+    td_rng rng;
+    int max_model_len;
+    int max_num_seqs, max_batched;
+    uint64_t root_hash;  /* seeds the prefix-hash chain: model fingerprint + kv dtype */
+    uint64_t next_id;
+
+    req **waiting;       /* FIFO; preempted requests go back to the front */
+    int n_waiting, cap_waiting;
+    req **running;       /* in admission order */
+    int n_running, cap_running;
+
+    /* Per-step batch buffers, sized at start-up for max_batched tokens. */
+    int32_t *b_tokens, *b_pos, *b_seq, *b_logit_rows;
+    const int32_t **b_tables;
+    req **b_reqs;        /* [max_num_seqs] scheduled requests */
+    int *b_n;            /* [max_num_seqs] tokens scheduled for each */
+    float *logits;       /* [max_num_seqs][n_vocab] */
+
+    out_rec *outs;
+    int n_outs, cap_outs, next_out;
+    char *arena;
+    size_t arena_len, arena_cap;
+
+    td_engine_stats stats;
+};
+
+/* sched.c */
+void sched__release_blocks(td_engine *e, req *r);
+void sched__finish(td_engine *e, req *r, td_finish why, const char *error);
+int sched__step(td_engine *e, td_err *err);
+void req__free(req *r);
+
+#endif

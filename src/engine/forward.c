@@ -1,0 +1,310 @@
+/*
+ * engine/forward.c - llama / qwen2 forward pass on the CPU backend.
+ *
+ * Per layer, for the T tokens of the batch:
+ *   xb  = rmsnorm(x) * attn_norm
+ *   q,k,v = xb Wq^T (+bq), xb Wk^T (+bk), xb Wv^T (+bv)       [T][...]
+ *   rope(q, k) at each token's position; k, v -> paged cache
+ *   att = softmax(q k^T / sqrt(d)) v  over the cache, per head  [T][n_head*d]
+ *   x  += att Wo^T
+ *   xb  = rmsnorm(x) * ffn_norm
+ *   x  += (silu(xb Wg^T) * (xb Wu^T)) Wd^T
+ * then logits = rmsnorm(x[r]) * out_norm Wout^T for the rows that need them.
+ */
+#include "engine/forward.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend/cpu/cpu.h"
+
+static int q_dim(const td_model *m)
+{
+    return m->shape.n_head * m->shape.head_dim;
+}
+
+static int kv_dim(const td_model *m)
+{
+    return m->shape.n_head_kv * m->shape.head_dim;
+}
+
+static size_t mm_scratch_bytes(const td_model *m, int rows, int n_threads)
+{
+    const td_model_shape *s = &m->shape;
+    int widest = TD_MAX(TD_MAX(s->n_embd, s->n_ff), q_dim(m));
+    size_t most = 0;
+    const td_type types[] = {TD_TYPE_F32, TD_TYPE_F16, TD_TYPE_BF16, TD_TYPE_Q8_0, TD_TYPE_Q4_0};
+    for (size_t i = 0; i < TD_ARRAY_LEN(types); i++)
+        most = TD_MAX(most, cpu_matmul_scratch_size(types[i], rows, widest, n_threads));
+    return most;
+}
+
+size_t fwd_workspace_bytes(const td_model *m, int max_tokens, int max_logits, int max_ctx,
+                           int n_threads)
+{
+    const td_model_shape *s = &m->shape;
+    size_t T = (size_t)max_tokens;
+    size_t floats = T * (size_t)s->n_embd * 3 + T * (size_t)q_dim(m) * 2 +
+                    T * (size_t)kv_dim(m) * 2 + T * (size_t)s->n_ff * 2 +
+                    (size_t)max_logits * (size_t)s->n_embd + (size_t)n_threads * (size_t)max_ctx;
+    int rows = TD_MAX(max_tokens, max_logits);
+    return floats * sizeof(float) + mm_scratch_bytes(m, rows, n_threads) + 64 * 16;
+}
+
+int fwd_init(fwd_ctx *f, const td_model *m, kv_pool *kv, td_pool *pool, int max_tokens,
+             int max_logits, int max_ctx, td_err *err)
+{
+    memset(f, 0, sizeof(*f));
+    const td_model_shape *s = &m->shape;
+    f->model = m;
+    f->kv = kv;
+    f->pool = pool;
+    f->max_tokens = max_tokens;
+    f->max_logits = max_logits;
+    f->max_ctx = max_ctx;
+    f->n_threads = td_pool_size(pool);
+    size_t T = (size_t)max_tokens;
+    struct { float **dst; size_t n; } bufs[] = {
+        {&f->x, T * s->n_embd},   {&f->xb, T * s->n_embd},       {&f->xb2, T * s->n_embd},
+        {&f->q, T * q_dim(m)},    {&f->k, T * kv_dim(m)},        {&f->v, T * kv_dim(m)},
+        {&f->att, T * q_dim(m)},  {&f->hb, T * s->n_ff},         {&f->hb2, T * s->n_ff},
+        {&f->xo, (size_t)max_logits * s->n_embd},
+        {&f->scores, (size_t)f->n_threads * max_ctx},
+    };
+    for (size_t i = 0; i < TD_ARRAY_LEN(bufs); i++) {
+        *bufs[i].dst = td_aligned_alloc(bufs[i].n * sizeof(float));
+        if (!*bufs[i].dst) goto oom;
+        f->workspace_bytes += bufs[i].n * sizeof(float);
+    }
+    size_t mm = mm_scratch_bytes(m, TD_MAX(max_tokens, max_logits), f->n_threads);
+    f->mm_scratch = td_aligned_alloc(mm);
+    if (!f->mm_scratch) goto oom;
+    f->workspace_bytes += mm;
+    return 0;
+oom:
+    fwd_free(f);
+    return td_err_set(err, TD_ENOMEM, "forward: cannot allocate the activation workspace");
+}
+
+void fwd_free(fwd_ctx *f)
+{
+    float *bufs[] = {f->x, f->xb, f->xb2, f->q, f->k, f->v, f->att, f->hb, f->hb2, f->xo,
+                     f->scores};
+    for (size_t i = 0; i < TD_ARRAY_LEN(bufs); i++) td_aligned_free(bufs[i]);
+    td_aligned_free(f->mm_scratch);
+    memset(f, 0, sizeof(*f));
+}
+
+/* ---- row-parallel tasks ----------------------------------------------------- */
+
+typedef struct task {
+    fwd_ctx *f;
+    const fwd_batch *b;
+    const td_layer *layer;
+    const td_layer *next_layer; /* for the fused residual + next norm */
+    int il;
+    int n_rows;
+    const int32_t *row_map; /* compacted row i is batch row row_map[i]; NULL = identity */
+    int64_t next_item; /* attention work queue (atomic) */
+} task;
+
+static void matmul(fwd_ctx *f, float *y, const float *x, const td_weight *w, int M)
+{
+    cpu_matmul(f->pool, y, w->rows, x, w->cols, w->data, w->row_bytes, w->type, M, (int)w->rows,
+               (int)w->cols, f->mm_scratch);
+}
+
+/* x[t] = embedding(token[t]); xb[t] = rmsnorm(x[t]) * layer0.attn_norm */
+static void task_embed(void *ctx, int ith, int nth)
+{
+    task *tk = ctx;
+    fwd_ctx *f = tk->f;
+    const td_model *m = f->model;
+    int d = m->shape.n_embd;
+    int64_t r0, r1;
+    td_split_range(tk->n_rows, ith, nth, &r0, &r1);
+    for (int64_t t = r0; t < r1; t++) {
+        int32_t id = tk->b->tokens[t];
+        const uint8_t *row = (const uint8_t *)m->tok_embd.data + (size_t)id * m->tok_embd.row_bytes;
+        cpu_dequant_row(m->tok_embd.type, row, f->x + t * d, d);
+        cpu_rmsnorm(f->xb + t * d, f->x + t * d, tk->next_layer->attn_norm.data, d,
+                    m->shape.rms_eps);
+    }
+}
+
+/* Add biases, apply RoPE to q and k, and store k, v into the paged cache. */
+static void task_rope_store(void *ctx, int ith, int nth)
+{
+    task *tk = ctx;
+    fwd_ctx *f = tk->f;
+    const td_model_shape *s = &f->model->shape;
+    const td_layer *L = tk->layer;
+    const kv_pool *kv = f->kv;
+    int hd = s->head_dim, qd = q_dim(f->model), kd = kv_dim(f->model);
+    int neox = s->rope_type == TD_ROPE_NEOX;
+    int64_t r0, r1;
+    td_split_range(tk->n_rows, ith, nth, &r0, &r1);
+    for (int64_t t = r0; t < r1; t++) {
+        float *q = f->q + t * qd, *k = f->k + t * kd, *v = f->v + t * kd;
+        if (L->bq.data) cpu_add(q, L->bq.data, qd);
+        if (L->bk.data) cpu_add(k, L->bk.data, kd);
+        if (L->bv.data) cpu_add(v, L->bv.data, kd);
+        int32_t pos = tk->b->pos[t];
+        for (int h = 0; h < s->n_head; h++)
+            cpu_rope(q + h * hd, hd, pos, s->rope_theta, s->rope_freq_scale,
+                     f->model->rope_freqs, neox);
+        for (int h = 0; h < s->n_head_kv; h++)
+            cpu_rope(k + h * hd, hd, pos, s->rope_theta, s->rope_freq_scale,
+                     f->model->rope_freqs, neox);
+        const int32_t *table = tk->b->block_tables[tk->b->seq[t]];
+        int block = table[pos / kv->block_size];
+        size_t off = (size_t)(pos % kv->block_size) * kv->token_bytes;
+        cpu_quant_row(kv->dtype, k, kv_k(kv, tk->il, block) + off, kd);
+        cpu_quant_row(kv->dtype, v, kv_v(kv, tk->il, block) + off, kd);
+    }
+}
+
+/*
+ * Attention: one work item is (token, head). Items are taken from a shared counter
+ * because their cost grows with the position; which thread computes an item does
+ * not change its arithmetic, so the result stays deterministic.
+ */
+static void task_attention(void *ctx, int ith, int nth)
+{
+    (void)nth;
+    task *tk = ctx;
+    fwd_ctx *f = tk->f;
+    const td_model_shape *s = &f->model->shape;
+    const kv_pool *kv = f->kv;
+    int hd = s->head_dim, qd = q_dim(f->model);
+    int group = s->n_head / s->n_head_kv;
+    size_t elem = (size_t)td_type_block_bytes(kv->dtype);
+    float scale = 1.0f / sqrtf((float)hd);
+    float *sc = f->scores + (size_t)ith * f->max_ctx;
+    int64_t n_items = (int64_t)tk->n_rows * s->n_head;
+    for (;;) {
+        int64_t item = __atomic_fetch_add(&tk->next_item, 1, __ATOMIC_RELAXED);
+        if (item >= n_items) break;
+        int t = (int)(item / s->n_head), h = (int)(item % s->n_head);
+        int g = h / group;
+        const float *q = f->q + (size_t)t * qd + (size_t)h * hd;
+        float *out = f->att + (size_t)t * qd + (size_t)h * hd;
+        int r = tk->row_map ? tk->row_map[t] : t;
+        int32_t pos = tk->b->pos[r];
+        const int32_t *table = tk->b->block_tables[tk->b->seq[r]];
+        size_t head_off = (size_t)g * hd * elem;
+        int n = pos + 1;
+        for (int j0 = 0; j0 < n; j0 += kv->block_size) {
+            const uint8_t *kb = kv_k(kv, tk->il, table[j0 / kv->block_size]) + head_off;
+            int jn = TD_MIN(kv->block_size, n - j0);
+            for (int j = 0; j < jn; j++)
+                sc[j0 + j] = cpu_dot_kv(q, kb + (size_t)j * kv->token_bytes, kv->dtype, hd) * scale;
+        }
+        cpu_softmax(sc, n);
+        memset(out, 0, (size_t)hd * sizeof(float));
+        for (int j0 = 0; j0 < n; j0 += kv->block_size) {
+            const uint8_t *vb = kv_v(kv, tk->il, table[j0 / kv->block_size]) + head_off;
+            int jn = TD_MIN(kv->block_size, n - j0);
+            for (int j = 0; j < jn; j++)
+                cpu_axpy_kv(out, sc[j0 + j], vb + (size_t)j * kv->token_bytes, kv->dtype, hd);
+        }
+    }
+}
+
+/* x += xb2; xb = rmsnorm(x) * norm   (norm is the next sub-layer's; NULL: skip) */
+static void task_residual_norm(void *ctx, int ith, int nth)
+{
+    task *tk = ctx;
+    fwd_ctx *f = tk->f;
+    int d = f->model->shape.n_embd;
+    const float *norm = tk->next_layer ? tk->next_layer->attn_norm.data : NULL;
+    if (tk->layer) norm = tk->layer->ffn_norm.data; /* after attention: the FFN norm */
+    int64_t r0, r1;
+    td_split_range(tk->n_rows, ith, nth, &r0, &r1);
+    for (int64_t t = r0; t < r1; t++) {
+        cpu_add(f->x + t * d, f->xb2 + t * d, d);
+        if (norm) cpu_rmsnorm(f->xb + t * d, f->x + t * d, norm, d, f->model->shape.rms_eps);
+    }
+}
+
+static void task_silu(void *ctx, int ith, int nth)
+{
+    task *tk = ctx;
+    fwd_ctx *f = tk->f;
+    int ff = f->model->shape.n_ff;
+    int64_t r0, r1;
+    td_split_range(tk->n_rows, ith, nth, &r0, &r1);
+    for (int64_t t = r0; t < r1; t++) cpu_silu_mul(f->hb + t * ff, f->hb + t * ff, f->hb2 + t * ff, ff);
+}
+
+static void task_final_norm(void *ctx, int ith, int nth)
+{
+    task *tk = ctx;
+    fwd_ctx *f = tk->f;
+    const td_model *m = f->model;
+    int d = m->shape.n_embd;
+    int64_t r0, r1;
+    td_split_range(tk->b->n_logits, ith, nth, &r0, &r1);
+    for (int64_t i = r0; i < r1; i++) {
+        size_t row = tk->row_map ? (size_t)i : (size_t)tk->b->logit_rows[i];
+        cpu_rmsnorm(f->xo + i * d, f->x + row * d, m->output_norm.data, d, m->shape.rms_eps);
+    }
+}
+
+/* Move the residual and query rows of the logit rows to the front (rows ascend, so
+ * copying forward in order never overwrites a row still to be read). */
+static void compact_rows(fwd_ctx *f, const fwd_batch *b)
+{
+    int d = f->model->shape.n_embd, qd = q_dim(f->model);
+    for (int i = 0; i < b->n_logits; i++) {
+        int r = b->logit_rows[i];
+        TD_ASSERT(r >= i && (i == 0 || r > b->logit_rows[i - 1]));
+        if (r == i) continue;
+        memcpy(f->x + (size_t)i * d, f->x + (size_t)r * d, (size_t)d * sizeof(float));
+        memcpy(f->q + (size_t)i * qd, f->q + (size_t)r * qd, (size_t)qd * sizeof(float));
+    }
+}
+
+void fwd_run(fwd_ctx *f, const fwd_batch *b)
+{
+    const td_model *m = f->model;
+    const td_model_shape *s = &m->shape;
+    int T = b->n_tokens;
+    TD_ASSERT(T > 0 && T <= f->max_tokens && b->n_logits <= f->max_logits);
+    task tk = {.f = f, .b = b, .n_rows = T, .next_layer = &m->layers[0]};
+    td_pool_run(f->pool, task_embed, &tk);
+    for (int il = 0; il < s->n_layer; il++) {
+        const td_layer *L = &m->layers[il];
+        tk.il = il;
+        matmul(f, f->q, f->xb, &L->wq, T);
+        matmul(f, f->k, f->xb, &L->wk, T);
+        matmul(f, f->v, f->xb, &L->wv, T);
+        tk.layer = L;
+        td_pool_run(f->pool, task_rope_store, &tk);
+        if (il == s->n_layer - 1 && b->n_logits < T) {
+            /* The last layer's output matters only for the rows that produce logits, and
+             * every row's K and V are already stored: finish just those rows. */
+            if (b->n_logits == 0) return;
+            compact_rows(f, b);
+            tk.row_map = b->logit_rows;
+            tk.n_rows = T = b->n_logits;
+        }
+        tk.next_item = 0;
+        td_pool_run(f->pool, task_attention, &tk);
+        matmul(f, f->xb2, f->att, &L->wo, T);
+        tk.layer = L; /* residual, then the FFN norm of this layer */
+        td_pool_run(f->pool, task_residual_norm, &tk);
+        matmul(f, f->hb, f->xb, &L->w_gate, T);
+        matmul(f, f->hb2, f->xb, &L->w_up, T);
+        td_pool_run(f->pool, task_silu, &tk);
+        matmul(f, f->xb2, f->hb, &L->w_down, T);
+        tk.layer = NULL; /* residual, then the next layer's attention norm (if any) */
+        tk.next_layer = il + 1 < s->n_layer ? &m->layers[il + 1] : NULL;
+        td_pool_run(f->pool, task_residual_norm, &tk);
+    }
+    if (b->n_logits > 0) {
+        td_pool_run(f->pool, task_final_norm, &tk);
+        matmul(f, b->logits, f->xo, &m->output, b->n_logits);
+    }
+}

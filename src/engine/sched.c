@@ -1,0 +1,373 @@
+/*
+ * engine/sched.c - continuous batching: admission, chunked prefill, preemption,
+ * the step, sampling, stop conditions and outputs.
+ *
+ * A step takes at most max_num_batched_tokens tokens:
+ *   1. running requests, oldest first: one token each when decoding, or the next
+ *      chunk of their prompt; when the pool runs dry the newest running request is
+ *      preempted (its blocks freed, back to the front of the waiting queue, to be
+ *      recomputed later);
+ *   2. then, if nothing was preempted, waiting requests in order, each starting
+ *      after the longest prefix the cache already holds.
+ * The whole batch runs through one forward pass.
+ */
+#include "engine/engine_internal.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---- outputs ---------------------------------------------------------------- */
+
+static int arena_put(td_engine *e, const char *s, size_t n, size_t *off)
+{
+    if (e->arena_len + n + 1 > e->arena_cap) {
+        size_t cap = TD_MAX(e->arena_cap * 2, e->arena_len + n + 1024);
+        char *a = realloc(e->arena, cap);
+        if (!a) return TD_ENOMEM;
+        e->arena = a;
+        e->arena_cap = cap;
+    }
+    *off = e->arena_len;
+    if (n) memcpy(e->arena + e->arena_len, s, n);
+    e->arena[e->arena_len + n] = '\0';
+    e->arena_len += n + 1;
+    return 0;
+}
+
+static void out_push(td_engine *e, req *r, int32_t token, const char *text, size_t len,
+                     td_finish finish, const char *error)
+{
+    if (e->n_outs == e->cap_outs) {
+        int cap = e->cap_outs ? e->cap_outs * 2 : 64;
+        out_rec *o = realloc(e->outs, (size_t)cap * sizeof(out_rec));
+        TD_ASSERT(o); /* a few bytes per live request; failing here is not recoverable */
+        e->outs = o;
+        e->cap_outs = cap;
+    }
+    out_rec *o = &e->outs[e->n_outs++];
+    memset(o, 0, sizeof(*o));
+    if (arena_put(e, text, len, &o->text_off) != 0) {
+        len = 0;
+        TD_ASSERT(arena_put(e, "", 0, &o->text_off) == 0);
+    }
+    o->out.id = r->id;
+    o->out.token = token;
+    o->out.text_len = (int)len;
+    o->out.finish = finish;
+    o->out.num_prompt_tokens = r->n_prompt;
+    o->out.num_cached_tokens = r->n_cached_prompt;
+    o->out.num_generated = r->n_generated;
+    o->out.num_preemptions = r->n_preemptions;
+    if (error) snprintf(o->error, sizeof(o->error), "%s", error);
+}
+
+/* ---- blocks ----------------------------------------------------------------- */
+
+void sched__release_blocks(td_engine *e, req *r)
+{
+    /* Release in reverse so that a request's tail blocks are evicted before its head,
+     * which other requests are more likely to share. */
+    for (int i = r->n_blocks - 1; i >= 0; i--) kv_release(&e->kv, r->blocks[i]);
+    r->n_blocks = 0;
+    r->n_hashed = 0;
+    r->n_computed = 0;
+}
+
+void sched__finish(td_engine *e, req *r, td_finish why, const char *error)
+{
+    sched__release_blocks(e, r);
+    out_push(e, r, -1, "", 0, why, error);
+    req__free(r);
+}
+
+/* Make sure r has blocks for its first n_tokens tokens. On failure nothing is kept. */
+static bool ensure_blocks(td_engine *e, req *r, int n_tokens)
+{
+    int need = (n_tokens + e->kv.block_size - 1) / e->kv.block_size;
+    if (need <= r->n_blocks) return true;
+    if (need - r->n_blocks > e->kv.n_free) return false;
+    while (r->n_blocks < need) r->blocks[r->n_blocks++] = kv_alloc(&e->kv);
+    return true;
+}
+
+/* Hash (and index) every block that is full and computed. */
+static void register_full_blocks(td_engine *e, req *r)
+{
+    int bs = e->kv.block_size;
+    while (r->n_hashed < r->n_blocks && (r->n_hashed + 1) * bs <= r->n_computed) {
+        int i = r->n_hashed;
+        uint64_t parent = i ? r->block_hash[i - 1] : e->root_hash;
+        r->block_hash[i] = kv_block_hash(parent, r->tokens + (size_t)i * bs, bs);
+        if (e->cfg.enable_prefix_caching) kv_register(&e->kv, r->blocks[i], r->block_hash[i]);
+        r->n_hashed++;
+    }
+}
+
+/* Start r from the longest cached prefix (at most n_tokens - 1 tokens, because the last
+ * token must be computed to produce logits). */
+static void lookup_prefix(td_engine *e, req *r)
+{
+    if (!e->cfg.enable_prefix_caching || r->n_blocks) return;
+    int bs = e->kv.block_size;
+    int max_blocks = (r->n_tokens - 1) / bs;
+    uint64_t parent = e->root_hash;
+    for (int i = 0; i < max_blocks; i++) {
+        uint64_t h = kv_block_hash(parent, r->tokens + (size_t)i * bs, bs);
+        int b = kv_lookup(&e->kv, h);
+        if (b < 0) break;
+        r->blocks[r->n_blocks] = b;
+        r->block_hash[r->n_blocks] = h;
+        r->n_blocks++;
+        parent = h;
+    }
+    r->n_hashed = r->n_blocks;
+    r->n_computed = r->n_blocks * bs;
+    e->stats.prefix_queries_tokens += (uint64_t)r->n_tokens;
+    e->stats.prefix_hits_tokens += (uint64_t)r->n_computed;
+}
+
+static void preempt(td_engine *e, req *r)
+{
+    sched__release_blocks(e, r);
+    r->state = REQ_WAITING;
+    r->n_preemptions++;
+    e->stats.num_preemptions++;
+    if (e->n_waiting == e->cap_waiting) {
+        int cap = e->cap_waiting ? e->cap_waiting * 2 : 16;
+        req **w = realloc(e->waiting, (size_t)cap * sizeof(req *));
+        TD_ASSERT(w);
+        e->waiting = w;
+        e->cap_waiting = cap;
+    }
+    memmove(&e->waiting[1], &e->waiting[0], (size_t)e->n_waiting * sizeof(req *));
+    e->waiting[0] = r;
+    e->n_waiting++;
+}
+
+/* ---- stop conditions -------------------------------------------------------- */
+
+static bool is_stop_token(const td_engine *e, const req *r, int32_t tok)
+{
+    if (!r->ignore_eos && tok_is_eog(e->tok, tok)) return true;
+    for (int i = 0; i < r->n_stop_ids; i++)
+        if (r->stop_ids[i] == tok) return true;
+    return false;
+}
+
+static int text_append(req *r, const char *s, size_t n)
+{
+    if (r->text_len + n + 1 > r->text_cap) {
+        size_t cap = TD_MAX(r->text_cap * 2, r->text_len + n + 256);
+        char *t = realloc(r->text, cap);
+        if (!t) return TD_ENOMEM;
+        r->text = t;
+        r->text_cap = cap;
+    }
+    memcpy(r->text + r->text_len, s, n);
+    r->text_len += n;
+    r->text[r->text_len] = '\0';
+    return 0;
+}
+
+/* Find the earliest stop string in text[from..). Returns its offset or -1; *len its length. */
+static long find_stop(const req *r, size_t from, size_t *len)
+{
+    long best = -1;
+    for (int i = 0; i < r->n_stop; i++) {
+        const char *hit = memmem(r->text + from, r->text_len - from, r->stop[i], strlen(r->stop[i]));
+        if (hit && (best < 0 || hit - r->text < best)) {
+            best = hit - r->text;
+            *len = strlen(r->stop[i]);
+        }
+    }
+    return best;
+}
+
+/* Bytes at the end of the text that could still grow into a stop string: held back. */
+static size_t held_back(const req *r)
+{
+    size_t hold = 0;
+    for (int i = 0; i < r->n_stop; i++) {
+        size_t sl = strlen(r->stop[i]);
+        for (size_t k = TD_MIN(sl - 1, r->text_len - r->emitted); k > hold; k--)
+            if (!memcmp(r->text + r->text_len - k, r->stop[i], k)) {
+                hold = k;
+                break;
+            }
+    }
+    return hold;
+}
+
+/* Account for a sampled token: stop checks, text, output. A request that ends here
+ * releases its blocks and is marked finished; the step frees it. */
+static void end_request(td_engine *e, req *r, td_finish why, const char *error)
+{
+    sched__release_blocks(e, r);
+    if (error) out_push(e, r, -1, "", 0, why, error);
+    r->finished = true;
+}
+
+static void accept_token(td_engine *e, req *r, int32_t tok)
+{
+    r->tokens[r->n_tokens++] = tok;
+    r->n_generated++;
+    td_finish fin = TD_FINISH_NONE;
+    char piece[1024];
+    size_t emit_from = r->emitted, emit_to;
+    if (is_stop_token(e, r, tok)) {
+        fin = TD_FINISH_STOP;
+    } else {
+        int n = tok_stream_push(&r->ts, tok, piece, sizeof(piece));
+        if (n > 0 && text_append(r, piece, (size_t)n) != 0) {
+            end_request(e, r, TD_FINISH_ERROR, "out of memory for the generated text");
+            return;
+        }
+    }
+    bool length = r->n_generated >= r->max_tokens || r->n_tokens >= e->max_model_len;
+    if (fin == TD_FINISH_NONE && length) fin = TD_FINISH_LENGTH;
+    if (fin != TD_FINISH_NONE) {
+        /* The sequence is over: bytes of an unfinished character come out as U+FFFD. */
+        int n = tok_stream_flush(&r->ts, piece, sizeof(piece));
+        if (n > 0) (void)text_append(r, piece, (size_t)n);
+    }
+    size_t stop_len = 0;
+    /* A stop string cannot begin before emitted: held_back() made sure of that. */
+    long at = r->n_stop ? find_stop(r, r->emitted, &stop_len) : -1;
+    if (at >= 0) {
+        fin = TD_FINISH_STOP;
+        emit_to = (size_t)at + (r->include_stop_str ? stop_len : 0);
+    } else if (fin != TD_FINISH_NONE) {
+        emit_to = r->text_len;
+    } else {
+        emit_to = r->text_len - held_back(r);
+    }
+    r->emitted = emit_to;
+    out_push(e, r, tok, r->text + emit_from, emit_to - emit_from, fin, NULL);
+    if (fin != TD_FINISH_NONE) end_request(e, r, fin, NULL);
+}
+
+/* ---- the step --------------------------------------------------------------- */
+
+static void drop_polled_outputs(td_engine *e)
+{
+    if (e->next_out >= e->n_outs) {
+        e->n_outs = e->next_out = 0;
+        e->arena_len = 0;
+    }
+}
+
+int sched__step(td_engine *e, td_err *err)
+{
+    (void)err;
+    drop_polled_outputs(e);
+    int budget = e->max_batched;
+    int n_sched = 0;
+    bool preempted = false;
+
+    /* 1. Running requests, oldest first. */
+    for (int i = 0; i < e->n_running && budget > 0; i++) {
+        req *r = e->running[i];
+        int n = TD_MIN(r->n_tokens - r->n_computed, budget);
+        TD_ASSERT(n > 0);
+        bool self_preempted = false;
+        while (!ensure_blocks(e, r, r->n_computed + n)) {
+            req *victim = e->running[e->n_running - 1];
+            e->n_running--;
+            preempt(e, victim);
+            preempted = true;
+            if (victim == r) {
+                self_preempted = true;
+                break;
+            }
+        }
+        if (self_preempted) break;
+        e->b_reqs[n_sched] = r;
+        e->b_n[n_sched] = n;
+        n_sched++;
+        budget -= n;
+    }
+
+    /* 2. Waiting requests, if the pool is not under pressure. */
+    while (!preempted && budget > 0 && e->n_waiting > 0 && e->n_running < e->max_num_seqs) {
+        req *r = e->waiting[0];
+        if (!r->admitted_once) {
+            lookup_prefix(e, r);
+            r->n_cached_prompt = r->n_computed;
+        } else {
+            lookup_prefix(e, r); /* a preempted request may find its own blocks again */
+        }
+        int n = TD_MIN(r->n_tokens - r->n_computed, budget);
+        if (!ensure_blocks(e, r, r->n_computed + n)) {
+            sched__release_blocks(e, r); /* could fit later: keep waiting */
+            break;
+        }
+        memmove(&e->waiting[0], &e->waiting[1], (size_t)(e->n_waiting - 1) * sizeof(req *));
+        e->n_waiting--;
+        if (e->n_running == e->cap_running) {
+            int cap = e->cap_running ? e->cap_running * 2 : 16;
+            req **rr = realloc(e->running, (size_t)cap * sizeof(req *));
+            TD_ASSERT(rr);
+            e->running = rr;
+            e->cap_running = cap;
+        }
+        e->running[e->n_running++] = r;
+        r->state = REQ_RUNNING;
+        r->admitted_once = true;
+        e->b_reqs[n_sched] = r;
+        e->b_n[n_sched] = n;
+        n_sched++;
+        budget -= n;
+    }
+    if (n_sched == 0) return 0;
+
+    /* Build the flat batch. */
+    int T = 0, n_logits = 0;
+    for (int s = 0; s < n_sched; s++) {
+        req *r = e->b_reqs[s];
+        e->b_tables[s] = r->blocks;
+        for (int j = 0; j < e->b_n[s]; j++) {
+            e->b_tokens[T] = r->tokens[r->n_computed + j];
+            e->b_pos[T] = r->n_computed + j;
+            e->b_seq[T] = s;
+            T++;
+        }
+        if (r->n_computed + e->b_n[s] == r->n_tokens) e->b_logit_rows[n_logits++] = T - 1;
+    }
+    fwd_batch b = {.n_tokens = T, .tokens = e->b_tokens, .pos = e->b_pos, .seq = e->b_seq,
+                   .block_tables = e->b_tables, .n_logits = n_logits,
+                   .logit_rows = e->b_logit_rows, .logits = e->logits};
+    fwd_run(&e->fwd, &b);
+    e->stats.steps++;
+
+    /* Sample and emit, then drop finished requests from the running list. */
+    const int n_vocab = e->model->shape.n_vocab;
+    int li = 0;
+    for (int s = 0; s < n_sched; s++) {
+        req *r = e->b_reqs[s];
+        bool decode = r->n_tokens - r->n_computed == 1 && r->n_generated > 0;
+        if (decode) e->stats.tokens_decoded++;
+        else e->stats.tokens_prefilled += (uint64_t)e->b_n[s];
+        r->n_computed += e->b_n[s];
+        register_full_blocks(e, r);
+        if (r->n_computed < r->n_tokens) continue; /* mid-prompt chunk: nothing to sample */
+        int32_t tok = sampler_sample(&r->sp, e->logits + (size_t)li * n_vocab, n_vocab, &r->rng,
+                                     &e->samp);
+        li++;
+        accept_token(e, r, tok);
+    }
+    /* Finished requests leave the running list here, and only here, so that the loop
+     * above never sees a freed request. */
+    int w = 0;
+    for (int i = 0; i < e->n_running; i++) {
+        if (e->running[i]->finished) req__free(e->running[i]);
+        else e->running[w++] = e->running[i];
+    }
+    e->n_running = w;
+    return T;
+}
+
+int td_engine_step(td_engine *e, td_err *err)
+{
+    return sched__step(e, err);
+}

@@ -1,0 +1,656 @@
+/*
+ * model/model.c - load a llama/qwen2 model from GGUF, or build one with random
+ * weights (`--load-format dummy`), and describe it.
+ *
+ * Loading never copies weights: each td_weight points into the GGUF mapping.
+ * Every tensor is checked against the hyper-parameters (shape) and against what
+ * the compute code can handle (type), so the engine can trust the model blindly.
+ */
+#include "model/model.h"
+
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "model/gguf_impl.h"
+#include "model/model_impl.h"
+
+/* Sanity bounds on hyper-parameters: far above real models, low enough that sizes
+ * computed from them cannot overflow 64-bit arithmetic. */
+#define MAX_VOCAB (1 << 24)
+#define MAX_EMBD (1 << 16)
+#define MAX_LAYER 1024
+#define MAX_HEAD 1024
+#define MAX_HEAD_DIM 1024
+#define MAX_FF (1 << 20)
+#define MAX_CTX (1 << 24)
+
+/* ---- shapes ---------------------------------------------------------------- */
+
+static int effective_head_dim(const td_model_shape *s)
+{
+    return s->head_dim > 0 ? s->head_dim : (s->n_head > 0 ? s->n_embd / s->n_head : 0);
+}
+
+int td_model_shape_validate(const td_model_shape *s, td_err *err)
+{
+    struct {
+        const char *name;
+        int v, max;
+    } dims[] = {
+        {"n_vocab", s->n_vocab, MAX_VOCAB},       {"n_embd", s->n_embd, MAX_EMBD},
+        {"n_layer", s->n_layer, MAX_LAYER},       {"n_head", s->n_head, MAX_HEAD},
+        {"n_head_kv", s->n_head_kv, MAX_HEAD},    {"n_ff", s->n_ff, MAX_FF},
+        {"n_ctx_train", s->n_ctx_train, MAX_CTX},
+    };
+    for (size_t i = 0; i < TD_ARRAY_LEN(dims); i++)
+        if (dims[i].v < 1 || dims[i].v > dims[i].max)
+            return td_err_set(err, TD_EINVAL, "model: %s = %d is out of range (1..%d)",
+                              dims[i].name, dims[i].v, dims[i].max);
+    if (s->arch != TD_ARCH_LLAMA && s->arch != TD_ARCH_QWEN2)
+        return td_err_set(err, TD_EINVAL, "model: unknown architecture id %d", (int)s->arch);
+    if (s->head_dim == 0 && s->n_embd % s->n_head)
+        return td_err_set(err, TD_EINVAL, "model: n_head %d does not divide n_embd %d", s->n_head,
+                          s->n_embd);
+    if (s->n_head % s->n_head_kv)
+        return td_err_set(err, TD_EINVAL, "model: n_head_kv %d does not divide n_head %d",
+                          s->n_head_kv, s->n_head);
+    int hd = effective_head_dim(s);
+    if (hd < 2 || hd > MAX_HEAD_DIM || hd % 2)
+        return td_err_set(err, TD_EINVAL,
+                          "model: head_dim %d must be even and in 2..%d (RoPE rotates pairs)", hd,
+                          MAX_HEAD_DIM);
+    if (!(s->rms_eps > 0 && s->rms_eps < 1))
+        return td_err_set(err, TD_EINVAL, "model: rms_eps %g must be in (0, 1)", s->rms_eps);
+    if (!(s->rope_theta > 0 && isfinite(s->rope_theta)))
+        return td_err_set(err, TD_EINVAL, "model: rope_theta %g must be positive", s->rope_theta);
+    if (!(s->rope_freq_scale > 0 && isfinite(s->rope_freq_scale)))
+        return td_err_set(err, TD_EINVAL, "model: rope_freq_scale %g must be positive",
+                          s->rope_freq_scale);
+    if (s->rope_type != TD_ROPE_NORM && s->rope_type != TD_ROPE_NEOX)
+        return td_err_set(err, TD_EINVAL, "model: unknown rope type %d", (int)s->rope_type);
+    return 0;
+}
+
+int64_t td_model_n_params(const td_model_shape *s)
+{
+    int64_t embd = s->n_embd, hd = effective_head_dim(s);
+    int64_t q = s->n_head * hd, kv = s->n_head_kv * hd;
+    int64_t layer = 2 * embd                   /* attn_norm, ffn_norm */
+                    + embd * q + 2 * embd * kv /* wq, wk, wv */
+                    + q * embd                 /* wo */
+                    + 3 * embd * s->n_ff;      /* gate, up, down */
+    if (s->arch == TD_ARCH_QWEN2) layer += q + 2 * kv;
+    int64_t vocab = (int64_t)s->n_vocab * embd;
+    return vocab * (s->tied_output ? 1 : 2) + embd + s->n_layer * layer;
+}
+
+int td_model_preset(const char *name, td_model_shape *out, td_err *err)
+{
+    static const struct {
+        const char *name;
+        int vocab, embd, layer, head, head_kv, ff, ctx;
+        float theta;
+    } presets[] = {
+        /* A model small enough for unit tests, big enough for 2-way GQA and 4 layers. */
+        {"tiny", 512, 128, 4, 4, 2, 384, 512, 10000.0f},
+        /* llama2.c's 110M-class shape with a 32k vocab: 134,105,856 parameters. */
+        {"llama-134m", 32000, 768, 12, 12, 12, 2048, 2048, 10000.0f},
+        /* TinyLlama 1.1B. */
+        {"llama-1b", 32000, 2048, 22, 32, 4, 5632, 2048, 10000.0f},
+        /* Llama 3 8B. */
+        {"llama3-8b", 128256, 4096, 32, 32, 8, 14336, 8192, 500000.0f},
+    };
+    for (size_t i = 0; i < TD_ARRAY_LEN(presets); i++) {
+        if (strcmp(presets[i].name, name) != 0) continue;
+        *out = (td_model_shape){
+            .arch = TD_ARCH_LLAMA,
+            .n_vocab = presets[i].vocab,
+            .n_embd = presets[i].embd,
+            .n_layer = presets[i].layer,
+            .n_head = presets[i].head,
+            .n_head_kv = presets[i].head_kv,
+            .n_ff = presets[i].ff,
+            .n_ctx_train = presets[i].ctx,
+            .head_dim = presets[i].embd / presets[i].head,
+            .rms_eps = 1e-5f,
+            .rope_theta = presets[i].theta,
+            .rope_freq_scale = 1.0f,
+            .rope_type = TD_ROPE_NORM,
+            .tied_output = false,
+        };
+        return 0;
+    }
+    return td_err_set(err, TD_EINVAL,
+                      "model: unknown preset '%s' (known: tiny, llama-134m, llama-1b, llama3-8b)",
+                      name);
+}
+
+/* ---- the tensor plan ------------------------------------------------------- */
+
+td_model__tensor *td_model__plan(const td_model_shape *s, td_type wtype, td_model *m, int *n_out)
+{
+    int64_t hd = effective_head_dim(s);
+    int64_t q = s->n_head * hd, kv = s->n_head_kv * hd, embd = s->n_embd;
+    bool bias = s->arch == TD_ARCH_QWEN2;
+    int per_layer = 9 + (bias ? 3 : 0);
+    td_model__tensor *p = td_xcalloc((size_t)(3 + s->n_layer * per_layer), sizeof(*p));
+    int n = 0;
+#define ADD(kind_, slot_, cols_, rows_, ...)                                                       \
+    do {                                                                                           \
+        td_model__tensor *t = &p[n++];                                                             \
+        snprintf(t->name, sizeof(t->name), __VA_ARGS__);                                           \
+        t->kind = (kind_);                                                                         \
+        t->type = (kind_) == TD_MODEL__NORM || (kind_) == TD_MODEL__BIAS ? TD_TYPE_F32 : wtype;    \
+        t->cols = (cols_);                                                                         \
+        t->rows = (rows_);                                                                         \
+        t->n_dims = (rows_) == 1 ? 1 : 2;                                                          \
+        t->slot = m ? (slot_) : NULL;                                                              \
+    } while (0)
+    ADD(TD_MODEL__EMBD, &m->tok_embd, embd, s->n_vocab, "token_embd.weight");
+    ADD(TD_MODEL__NORM, &m->output_norm, embd, 1, "output_norm.weight");
+    if (!s->tied_output) ADD(TD_MODEL__MATRIX, &m->output, embd, s->n_vocab, "output.weight");
+    for (int l = 0; l < s->n_layer; l++) {
+        td_layer *L = m ? &m->layers[l] : NULL;
+        ADD(TD_MODEL__NORM, &L->attn_norm, embd, 1, "blk.%d.attn_norm.weight", l);
+        ADD(TD_MODEL__MATRIX, &L->wq, embd, q, "blk.%d.attn_q.weight", l);
+        ADD(TD_MODEL__MATRIX, &L->wk, embd, kv, "blk.%d.attn_k.weight", l);
+        ADD(TD_MODEL__MATRIX, &L->wv, embd, kv, "blk.%d.attn_v.weight", l);
+        if (bias) {
+            ADD(TD_MODEL__BIAS, &L->bq, q, 1, "blk.%d.attn_q.bias", l);
+            ADD(TD_MODEL__BIAS, &L->bk, kv, 1, "blk.%d.attn_k.bias", l);
+            ADD(TD_MODEL__BIAS, &L->bv, kv, 1, "blk.%d.attn_v.bias", l);
+        }
+        ADD(TD_MODEL__MATRIX, &L->wo, q, embd, "blk.%d.attn_output.weight", l);
+        ADD(TD_MODEL__NORM, &L->ffn_norm, embd, 1, "blk.%d.ffn_norm.weight", l);
+        ADD(TD_MODEL__MATRIX, &L->w_gate, embd, s->n_ff, "blk.%d.ffn_gate.weight", l);
+        ADD(TD_MODEL__MATRIX, &L->w_up, embd, s->n_ff, "blk.%d.ffn_up.weight", l);
+        ADD(TD_MODEL__MATRIX, &L->w_down, s->n_ff, embd, "blk.%d.ffn_down.weight", l);
+    }
+#undef ADD
+    *n_out = n;
+    return p;
+}
+
+/*
+ * Random weights. Matrices are uniform with std 1/sqrt(cols) (a = sqrt(3/cols)),
+ * which keeps y = W x at the scale of x: with RMSNorm in front of every block,
+ * q/k/v, FFN activations and logits all stay O(1) through any number of layers,
+ * attention is neither uniform nor one-hot, and the logits' top-2 margins are wide
+ * enough (~0.1) for greedy decoding to be stable across batch shapes.
+ */
+void td_model__gen_rows(const td_model__tensor *t, uint64_t seed, int64_t row0, int64_t n_rows,
+                        void *dst, float *scratch)
+{
+    size_t row_bytes = td_row_bytes(t->type, t->cols);
+    uint64_t name_seed = td_hash64(t->name, strlen(t->name), seed);
+    float a = t->kind == TD_MODEL__EMBD   ? 1.0f
+              : t->kind == TD_MODEL__BIAS ? 0.1f
+                                          : sqrtf(3.0f / (float)t->cols);
+    for (int64_t r = 0; r < n_rows; r++) {
+        if (t->kind == TD_MODEL__NORM) {
+            for (int64_t i = 0; i < t->cols; i++)
+                scratch[i] = 1.0f;
+        } else {
+            uint64_t row = (uint64_t)(row0 + r);
+            td_rng rng;
+            td_rng_seed(&rng, td_hash64(&row, sizeof(row), name_seed));
+            for (int64_t i = 0; i < t->cols; i++)
+                scratch[i] = a * (2.0f * td_rng_float(&rng) - 1.0f);
+        }
+        td_quant_row_ref(t->type, scratch, (uint8_t *)dst + (size_t)r * row_bytes, t->cols);
+    }
+}
+
+/* ---- fingerprint and summary ----------------------------------------------- */
+
+static uint64_t hash_weight(uint64_t h, const td_weight *w)
+{
+    uint64_t head[4] = {(uint64_t)w->type, (uint64_t)w->cols, (uint64_t)w->rows, w->data != NULL};
+    h = td_hash64(head, sizeof(head), h);
+    if (!w->data) return h;
+    /* Eight 32-byte windows spread over the tensor: enough to tell two weight sets
+     * apart, cheap enough for a mapped 16 GB model (a few pages per tensor). */
+    size_t n = w->row_bytes * (size_t)w->rows;
+    const uint8_t *p = w->data;
+    for (int i = 0; i < 8; i++) {
+        size_t off = n > 32 ? (size_t)((unsigned __int128)(n - 32) * (unsigned)i / 7) : 0;
+        h = td_hash64(p + off, TD_MIN(n, (size_t)32), h);
+    }
+    return h;
+}
+
+static void finish_model(td_model *m)
+{
+    const td_model_shape *s = &m->shape;
+    uint32_t eps, theta, scale;
+    memcpy(&eps, &s->rms_eps, 4);
+    memcpy(&theta, &s->rope_theta, 4);
+    memcpy(&scale, &s->rope_freq_scale, 4);
+    uint64_t fields[] = {s->arch,      s->n_vocab, s->n_embd,      s->n_layer,    s->n_head,
+                         s->n_head_kv, s->n_ff,    s->n_ctx_train, s->head_dim,   eps,
+                         theta,        scale,      s->rope_type,   s->tied_output};
+    uint64_t h = td_hash64(fields, sizeof(fields), 0x746d6f64656cull);
+    h = hash_weight(h, &m->tok_embd);
+    h = hash_weight(h, &m->output_norm);
+    h = hash_weight(h, &m->output);
+    size_t bytes = m->tok_embd.row_bytes * (size_t)m->tok_embd.rows +
+                   m->output_norm.row_bytes * (size_t)m->output_norm.rows;
+    if (!s->tied_output) bytes += m->output.row_bytes * (size_t)m->output.rows;
+    /* Matrix bytes per type, to name the dominant type. */
+    size_t by_type[TD_TYPE_BF16 + 1] = {0};
+    by_type[m->tok_embd.type] += m->tok_embd.row_bytes * (size_t)m->tok_embd.rows;
+    if (!s->tied_output) by_type[m->output.type] += m->output.row_bytes * (size_t)m->output.rows;
+    for (int l = 0; l < s->n_layer; l++) {
+        td_weight *ws[] = {&m->layers[l].attn_norm, &m->layers[l].wq,   &m->layers[l].wk,
+                           &m->layers[l].wv,        &m->layers[l].bq,   &m->layers[l].bk,
+                           &m->layers[l].bv,        &m->layers[l].wo,   &m->layers[l].ffn_norm,
+                           &m->layers[l].w_gate,    &m->layers[l].w_up, &m->layers[l].w_down};
+        for (size_t i = 0; i < TD_ARRAY_LEN(ws); i++) {
+            h = hash_weight(h, ws[i]);
+            if (!ws[i]->data) continue;
+            size_t b = ws[i]->row_bytes * (size_t)ws[i]->rows;
+            bytes += b;
+            if (ws[i]->rows > 1) by_type[ws[i]->type] += b;
+        }
+    }
+    if (m->rope_freqs) {
+        size_t n = (size_t)effective_head_dim(s) / 2 * sizeof(float);
+        h = td_hash64(m->rope_freqs, n, h);
+        bytes += n;
+    }
+    m->fingerprint = h;
+    m->weight_bytes = bytes;
+    m->weight_type = TD_TYPE_F32;
+    for (int t = 0; t <= TD_TYPE_BF16; t++)
+        if (by_type[t] > by_type[m->weight_type]) m->weight_type = (td_type)t;
+}
+
+void td_model_describe(const td_model *m, char *buf, size_t cap)
+{
+    const td_model_shape *s = &m->shape;
+    double params = (double)td_model_n_params(s);
+    const char *unit = params >= 1e9 ? "B" : params >= 1e6 ? "M" : "K";
+    double pv = params >= 1e9 ? params / 1e9 : params >= 1e6 ? params / 1e6 : params / 1e3;
+    snprintf(buf, cap,
+             "%s (%s): %.1f%s params, dim %d, %d layers, %d heads (%d kv, head_dim %d), ffn %d, "
+             "vocab %d, ctx %d, %s, %.1f MiB, rope %s theta %g%s",
+             m->name, s->arch == TD_ARCH_QWEN2 ? "qwen2" : "llama", pv, unit, s->n_embd, s->n_layer,
+             s->n_head, s->n_head_kv, s->head_dim, s->n_ff, s->n_vocab, s->n_ctx_train,
+             td_type_name(m->weight_type), (double)m->weight_bytes / (1024.0 * 1024.0),
+             s->rope_type == TD_ROPE_NEOX ? "neox" : "norm", (double)s->rope_theta,
+             s->tied_output ? ", tied output" : "");
+}
+
+/* ---- loading from GGUF ----------------------------------------------------- */
+
+/* Read `<arch>.<suffix>` as an int in 1..max; absent → *out = def, or an error if def < 0. */
+static int hparam(const gguf_file *f, const char *arch, const char *suffix, int def, int max,
+                  int *out, td_err *err)
+{
+    char key[128];
+    snprintf(key, sizeof(key), "%s.%s", arch, suffix);
+    int64_t v;
+    int rc = gguf_get_i64(f, key, &v, err);
+    if (rc == TD_ENOTFOUND) {
+        if (def < 0) return td_err_set(err, TD_EFORMAT, "model: missing key '%s'", key);
+        *out = def;
+        return 0;
+    }
+    if (rc) return rc;
+    if (v < 1 || v > max)
+        return td_err_set(err, TD_EFORMAT, "model: key '%s' = %lld is out of range (1..%d)", key,
+                          (long long)v, max);
+    *out = (int)v;
+    return 0;
+}
+
+static int fparam(const gguf_file *f, const char *arch, const char *suffix, float def, float *out,
+                  td_err *err)
+{
+    char key[128];
+    snprintf(key, sizeof(key), "%s.%s", arch, suffix);
+    int rc = gguf_get_f32(f, key, out, err);
+    if (rc == TD_ENOTFOUND) {
+        *out = def;
+        return 0;
+    }
+    if (rc) return rc;
+    if (!(*out > 0 && isfinite(*out)))
+        return td_err_set(err, TD_EFORMAT, "model: key '%s' = %g must be positive", key,
+                          (double)*out);
+    return 0;
+}
+
+static int read_shape(const gguf_file *f, td_model_shape *s, td_err *err)
+{
+    gguf_str a;
+    int rc = gguf_get_str(f, "general.architecture", &a, err);
+    if (rc == TD_ENOTFOUND)
+        return td_err_set(err, TD_EFORMAT, "model: missing key 'general.architecture'");
+    if (rc) return rc;
+    char arch[32];
+    if (a.len == 5 && !memcmp(a.ptr, "llama", 5)) {
+        s->arch = TD_ARCH_LLAMA;
+        s->rope_type = TD_ROPE_NORM;
+    } else if (a.len == 5 && !memcmp(a.ptr, "qwen2", 5)) {
+        s->arch = TD_ARCH_QWEN2;
+        s->rope_type = TD_ROPE_NEOX;
+    } else {
+        return td_err_set(err, TD_EUNSUPPORTED,
+                          "model: unsupported architecture '%.*s' (supported: llama, qwen2)",
+                          a.len > 40 ? 40 : (int)a.len, a.ptr);
+    }
+    memcpy(arch, a.ptr, a.len);
+    arch[a.len] = 0;
+
+    if ((rc = hparam(f, arch, "embedding_length", -1, MAX_EMBD, &s->n_embd, err)) ||
+        (rc = hparam(f, arch, "block_count", -1, MAX_LAYER, &s->n_layer, err)) ||
+        (rc = hparam(f, arch, "attention.head_count", -1, MAX_HEAD, &s->n_head, err)) ||
+        (rc =
+             hparam(f, arch, "attention.head_count_kv", s->n_head, MAX_HEAD, &s->n_head_kv, err)) ||
+        (rc = hparam(f, arch, "feed_forward_length", -1, MAX_FF, &s->n_ff, err)) ||
+        (rc = hparam(f, arch, "context_length", -1, MAX_CTX, &s->n_ctx_train, err)))
+        return rc;
+    int hd_default = s->n_embd % s->n_head ? 0 : s->n_embd / s->n_head;
+    if ((rc = hparam(f, arch, "attention.key_length", hd_default ? hd_default : -1, MAX_HEAD_DIM,
+                     &s->head_dim, err)))
+        return rc;
+    int vlen = 0, rot = 0;
+    if ((rc = hparam(f, arch, "attention.value_length", s->head_dim, MAX_HEAD_DIM, &vlen, err)))
+        return rc;
+    if (vlen != s->head_dim)
+        return td_err_set(err, TD_EUNSUPPORTED,
+                          "model: value_length %d differs from key_length %d (not supported)", vlen,
+                          s->head_dim);
+    if ((rc = hparam(f, arch, "rope.dimension_count", s->head_dim, MAX_HEAD_DIM, &rot, err)))
+        return rc;
+    if (rot != s->head_dim)
+        return td_err_set(err, TD_EUNSUPPORTED,
+                          "model: partial RoPE (rope.dimension_count %d of head_dim %d) is not "
+                          "supported",
+                          rot, s->head_dim);
+
+    if ((rc = fparam(f, arch, "attention.layer_norm_rms_epsilon", 1e-5f, &s->rms_eps, err)) ||
+        (rc = fparam(f, arch, "rope.freq_base", 10000.0f, &s->rope_theta, err)))
+        return rc;
+    s->rope_freq_scale = 1.0f;
+    char key[128];
+    snprintf(key, sizeof(key), "%s.rope.scaling.type", arch);
+    gguf_str st;
+    rc = gguf_get_str(f, key, &st, err);
+    if (rc && rc != TD_ENOTFOUND) return rc;
+    if (rc == 0 && !(st.len == 4 && !memcmp(st.ptr, "none", 4))) {
+        if (!(st.len == 6 && !memcmp(st.ptr, "linear", 6)))
+            return td_err_set(err, TD_EUNSUPPORTED,
+                              "model: rope scaling '%.*s' is not supported (none, linear are)",
+                              st.len > 32 ? 32 : (int)st.len, st.ptr);
+        float factor;
+        if ((rc = fparam(f, arch, "rope.scaling.factor", 1.0f, &factor, err))) return rc;
+        s->rope_freq_scale = 1.0f / factor;
+    }
+
+    /* Vocabulary size: the tokenizer's list, else <arch>.vocab_size, else the
+     * embedding's row count (checked against the tensor when it is bound). */
+    uint64_t n_tok;
+    gguf_vtype et;
+    rc = gguf_get_arr(f, "tokenizer.ggml.tokens", &et, &n_tok, err);
+    if (rc == 0) {
+        if (n_tok < 1 || n_tok > MAX_VOCAB)
+            return td_err_set(err, TD_EFORMAT, "model: tokenizer.ggml.tokens has %llu entries",
+                              (unsigned long long)n_tok);
+        s->n_vocab = (int)n_tok;
+    } else if (rc == TD_ENOTFOUND) {
+        if ((rc = hparam(f, arch, "vocab_size", 0, MAX_VOCAB, &s->n_vocab, err))) return rc;
+        if (s->n_vocab == 0) {
+            const gguf_tensor *te = gguf_find_tensor(f, "token_embd.weight");
+            if (!te)
+                return td_err_set(err, TD_EFORMAT, "model: missing tensor 'token_embd.weight'");
+            if (te->ne[1] < 1 || te->ne[1] > MAX_VOCAB)
+                return td_err_set(err, TD_EFORMAT, "model: token_embd.weight has %lld rows",
+                                  (long long)te->ne[1]);
+            s->n_vocab = (int)te->ne[1];
+        }
+    } else {
+        return rc;
+    }
+    s->tied_output = gguf_find_tensor(f, "output.weight") == NULL;
+    return td_model_shape_validate(s, err);
+}
+
+static const char *kind_what(td_model__kind k)
+{
+    return k == TD_MODEL__NORM ? "norms" : k == TD_MODEL__BIAS ? "biases" : "matrices";
+}
+
+/* Point a planned tensor's slot at the file's tensor after checking shape and type. */
+static int bind_tensor(const gguf_file *f, const td_model__tensor *p, td_err *err)
+{
+    const gguf_tensor *t = gguf_find_tensor(f, p->name);
+    if (!t) return td_err_set(err, TD_EFORMAT, "model: missing tensor '%s'", p->name);
+    if (t->ne[0] != p->cols || t->ne[1] != p->rows || t->ne[2] != 1 || t->ne[3] != 1)
+        return td_err_set(err, TD_EFORMAT,
+                          "model: tensor '%s' has shape [%lld, %lld, %lld, %lld], expected [%lld, "
+                          "%lld]",
+                          p->name, (long long)t->ne[0], (long long)t->ne[1], (long long)t->ne[2],
+                          (long long)t->ne[3], (long long)p->cols, (long long)p->rows);
+    bool want_f32 = p->kind == TD_MODEL__NORM || p->kind == TD_MODEL__BIAS;
+    if (want_f32 ? t->type != TD_TYPE_F32 : !td_row_bytes(t->type, t->ne[0]))
+        return td_err_set(
+            err, TD_EUNSUPPORTED, "model: tensor '%s' has type %s, which is not supported for %s%s",
+            p->name, td_type_name(t->type), kind_what(p->kind), want_f32 ? " (must be f32)" : "");
+    *p->slot = (td_weight){
+        .type = t->type,
+        .cols = t->ne[0],
+        .rows = t->ne[1],
+        .row_bytes = td_row_bytes(t->type, t->ne[0]),
+        .data = t->data,
+    };
+    return 0;
+}
+
+int td_model_from_gguf(td_model **out, gguf_file *f, td_err *err)
+{
+    *out = NULL;
+    td_model *m = calloc(1, sizeof(*m));
+    if (!m) return td_err_set(err, TD_ENOMEM, "model: out of memory");
+    int rc = read_shape(f, &m->shape, err);
+    if (rc) {
+        free(m);
+        return rc;
+    }
+    m->layers = calloc((size_t)m->shape.n_layer, sizeof(*m->layers));
+    if (!m->layers) {
+        free(m);
+        return td_err_set(err, TD_ENOMEM, "model: out of memory");
+    }
+    int n;
+    td_model__tensor *plan = td_model__plan(&m->shape, TD_TYPE_F32, m, &n);
+    for (int i = 0; i < n && !rc; i++)
+        rc = bind_tensor(f, &plan[i], err);
+    free(plan);
+    if (!rc && m->shape.tied_output) m->output = m->tok_embd;
+
+    const gguf_tensor *rf = rc ? NULL : gguf_find_tensor(f, "rope_freqs.weight");
+    if (rf) {
+        if (rf->type != TD_TYPE_F32 || rf->ne[0] != m->shape.head_dim / 2 || rf->ne[1] != 1 ||
+            rf->ne[2] != 1 || rf->ne[3] != 1)
+            rc = td_err_set(err, TD_EFORMAT,
+                            "model: tensor 'rope_freqs.weight' must be f32 [%d] (head_dim/2), "
+                            "has %s [%lld, %lld]",
+                            m->shape.head_dim / 2, td_type_name(rf->type), (long long)rf->ne[0],
+                            (long long)rf->ne[1]);
+        else
+            m->rope_freqs = rf->data;
+    }
+    if (rc) {
+        free(m->layers);
+        free(m);
+        return rc;
+    }
+    gguf_str name;
+    if (gguf_get_str(f, "general.name", &name, NULL) == 0 && name.len > 0) {
+        size_t len = TD_MIN(name.len, sizeof(m->name) - 1);
+        memcpy(m->name, name.ptr, len);
+        m->name[len] = 0;
+    }
+    finish_model(m);
+    m->gguf = f;
+    *out = m;
+    return 0;
+}
+
+int td_model_load(td_model **out, const char *path, td_err *err)
+{
+    *out = NULL;
+    gguf_file *f;
+    int rc = gguf_open(&f, path, err);
+    if (rc) return rc;
+    if ((rc = td_model_from_gguf(out, f, err))) {
+        gguf_close(f);
+        return rc;
+    }
+    if (!(*out)->name[0]) {
+        const char *base = strrchr(path, '/');
+        snprintf((*out)->name, sizeof((*out)->name), "%s", base ? base + 1 : path);
+    }
+    return 0;
+}
+
+/* ---- dummy weights --------------------------------------------------------- */
+
+int td_model__check_wtype(const td_model_shape *s, td_type wtype, td_err *err)
+{
+    if (!gguf__tensor_type_ok((uint32_t)wtype))
+        return td_err_set(err, TD_EUNSUPPORTED,
+                          "model: weight type %s is not supported (f32, f16, bf16, q8_0, q4_0 are)",
+                          td_type_name(wtype));
+    int hd = effective_head_dim(s);
+    if (!td_row_bytes(wtype, s->n_embd) || !td_row_bytes(wtype, s->n_ff) ||
+        !td_row_bytes(wtype, (int64_t)s->n_head * hd))
+        return td_err_set(err, TD_EINVAL,
+                          "model: %s needs every row length (n_embd %d, n_ff %d, q dim %d) to be "
+                          "a multiple of %d",
+                          td_type_name(wtype), s->n_embd, s->n_ff, s->n_head * hd,
+                          td_type_block_elems(wtype));
+    return 0;
+}
+
+typedef struct fill_chunk {
+    int tensor;
+    int64_t row0, n_rows;
+} fill_chunk;
+
+typedef struct fill_job {
+    const td_model__tensor *plan;
+    const fill_chunk *chunks;
+    int64_t n_chunks;
+    atomic_llong next;
+    uint64_t seed;
+    int64_t max_cols;
+} fill_job;
+
+static void *fill_worker(void *arg)
+{
+    fill_job *job = arg;
+    float *scratch = td_xmalloc((size_t)job->max_cols * sizeof(float));
+    for (;;) {
+        int64_t c = atomic_fetch_add(&job->next, 1);
+        if (c >= job->n_chunks) break;
+        const fill_chunk *ch = &job->chunks[c];
+        const td_model__tensor *t = &job->plan[ch->tensor];
+        uint8_t *dst = (uint8_t *)t->slot->data + (size_t)ch->row0 * t->slot->row_bytes;
+        td_model__gen_rows(t, job->seed, ch->row0, ch->n_rows, dst, scratch);
+    }
+    free(scratch);
+    return NULL;
+}
+
+int td_model_load_dummy(td_model **out, const td_model_shape *shape, td_type weight_type,
+                        uint64_t seed, td_err *err)
+{
+    *out = NULL;
+    td_model_shape s = *shape;
+    int rc = td_model_shape_validate(&s, err);
+    if (rc) return rc;
+    if (s.head_dim == 0) s.head_dim = s.n_embd / s.n_head;
+    if ((rc = td_model__check_wtype(&s, weight_type, err))) return rc;
+
+    td_model *m = td_xcalloc(1, sizeof(*m));
+    m->shape = s;
+    m->layers = td_xcalloc((size_t)s.n_layer, sizeof(*m->layers));
+    snprintf(m->name, sizeof(m->name), "dummy");
+    int n;
+    td_model__tensor *plan = td_model__plan(&s, weight_type, m, &n);
+
+    /* One anonymous mapping for all tensors, each 64-byte aligned. */
+    size_t total = 0;
+    int64_t max_cols = 1, n_chunks = 0;
+    for (int i = 0; i < n; i++) {
+        size_t rb = td_row_bytes(plan[i].type, plan[i].cols);
+        total = TD_ALIGN_UP(total, 64) + rb * (size_t)plan[i].rows;
+        max_cols = TD_MAX(max_cols, plan[i].cols);
+        int64_t rows_per = TD_MAX(1, (int64_t)((4u << 20) / rb));
+        n_chunks += (plan[i].rows + rows_per - 1) / rows_per;
+    }
+    void *base = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (base == MAP_FAILED) {
+        free(plan);
+        free(m->layers);
+        free(m);
+        return td_err_set(err, TD_ENOMEM, "model: cannot allocate %.1f MiB for dummy weights",
+                          (double)total / (1024.0 * 1024.0));
+    }
+    m->owned = base;
+    m->owned_bytes = total;
+
+    fill_chunk *chunks = td_xmalloc((size_t)n_chunks * sizeof(*chunks));
+    size_t off = 0;
+    int64_t c = 0;
+    for (int i = 0; i < n; i++) {
+        size_t rb = td_row_bytes(plan[i].type, plan[i].cols);
+        off = TD_ALIGN_UP(off, 64);
+        *plan[i].slot =
+            (td_weight){plan[i].type, plan[i].cols, plan[i].rows, rb, (uint8_t *)base + off};
+        off += rb * (size_t)plan[i].rows;
+        int64_t rows_per = TD_MAX(1, (int64_t)((4u << 20) / rb));
+        for (int64_t r = 0; r < plan[i].rows; r += rows_per)
+            chunks[c++] = (fill_chunk){i, r, TD_MIN(rows_per, plan[i].rows - r)};
+    }
+
+    /* Fill in parallel: rows are seeded independently, so the result is the same for
+     * any number of threads. Small models are filled on this thread. */
+    fill_job job = {
+        .plan = plan, .chunks = chunks, .n_chunks = n_chunks, .seed = seed, .max_cols = max_cols};
+    atomic_init(&job.next, 0);
+    long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+    int n_threads = total < (64u << 20) ? 1 : (int)TD_MIN(TD_MAX(ncpu, 1), 32);
+    pthread_t th[32];
+    int started = 0;
+    for (int i = 1; i < n_threads; i++)
+        if (pthread_create(&th[started], NULL, fill_worker, &job) == 0) started++;
+    fill_worker(&job);
+    for (int i = 0; i < started; i++)
+        pthread_join(th[i], NULL);
+    free(chunks);
+    free(plan);
+
+    if (s.tied_output) m->output = m->tok_embd;
+    finish_model(m);
+    *out = m;
+    return 0;
+}
+
+void td_model_free(td_model *m)
+{
+    if (!m) return;
+    if (m->owned) munmap(m->owned, m->owned_bytes);
+    if (m->gguf) gguf_close(m->gguf);
+    free(m->layers);
+    free(m);
+}

@@ -1,0 +1,252 @@
+/*
+ * util/pool.c - the fork/join pool behind td_pool_run.
+ *
+ * A run is announced by bumping a generation counter. Workers spin on it for a
+ * short while after each run (a decode step issues ~100 runs a few microseconds
+ * apart, and waking a sleeping vCPU costs ~60 us in this VM), then sleep on a
+ * futex keyed on the same counter. The caller is thread 0: it bumps the counter,
+ * wakes sleepers only if some thread announced that it sleeps, runs its own share
+ * and then spins until the workers have counted themselves done.
+ *
+ * The sleep handshake is Dekker-style and uses sequentially consistent atomics on
+ * both sides: a worker increments n_sleeping and then re-reads the generation;
+ * the caller bumps the generation and then reads n_sleeping. One of the two must
+ * see the other's write, so a run is never missed, and the common case (all
+ * workers spinning) costs no system call.
+ */
+#include "util/pool.h"
+
+#include <errno.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define cpu_relax() _mm_pause()
+#elif defined(__aarch64__)
+#define cpu_relax() __asm__ __volatile__("yield" ::: "memory")
+#else
+#define cpu_relax() __asm__ __volatile__("" ::: "memory")
+#endif
+
+/* How long a worker spins after a run before it goes to sleep. */
+#define POOL_SPIN_NS 200000ull
+/* Pause instructions between two reads of the clock while spinning. */
+#define POOL_SPIN_BATCH 64
+
+typedef struct pool_worker {
+    td_pool *pool;
+    pthread_t thread;
+    int ith;
+    bool started;
+} pool_worker;
+
+struct td_pool {
+    /* Written by the caller once per run, read by every worker: one cache line. */
+    _Alignas(64) _Atomic uint32_t gen; /* the futex word */
+    td_pool_fn fn;
+    void *ctx;
+    _Atomic bool stop;
+
+    /* Written by workers. */
+    _Alignas(64) _Atomic int n_done;
+    _Alignas(64) _Atomic int n_sleeping;
+    /* td_pool_barrier: arrival count and a sense flag that flips per barrier. */
+    _Alignas(64) _Atomic int bar_count;
+    _Atomic uint32_t bar_sense;
+
+    _Alignas(64) int n_threads;
+    bool oversubscribed; /* more threads than allowed CPUs: yield instead of pausing */
+    bool caller_pinned;
+    cpu_set_t caller_affinity; /* restored in td_pool_free */
+    pool_worker *workers;      /* n_threads - 1 of them; thread 0 is the caller */
+};
+
+static long futex(_Atomic uint32_t *addr, int op, uint32_t val)
+{
+    return syscall(SYS_futex, (uint32_t *)addr, op, val, NULL, NULL, 0);
+}
+
+/* The i-th CPU of the process's allowed set (wrapping around), or -1. */
+static int allowed_cpu(const cpu_set_t *set, int i)
+{
+    int count = CPU_COUNT(set);
+    if (count <= 0) return -1;
+    i %= count;
+    for (int cpu = 0; cpu < CPU_SETSIZE; cpu++)
+        if (CPU_ISSET(cpu, set) && i-- == 0) return cpu;
+    return -1;
+}
+
+static void pin_self(const cpu_set_t *allowed, int ith)
+{
+    int cpu = allowed_cpu(allowed, ith);
+    if (cpu < 0) return;
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(cpu, &one);
+    int rc = pthread_setaffinity_np(pthread_self(), sizeof(one), &one);
+    if (rc != 0) TD_DEBUG("pool: pinning thread %d to cpu %d failed: %s", ith, cpu, strerror(rc));
+}
+
+typedef struct {
+    pool_worker *w;
+    cpu_set_t allowed;
+    bool pin;
+} worker_start;
+
+/* Wait until the generation differs from `seen`; spin first, then sleep. */
+static uint32_t wait_for_run(td_pool *pool, uint32_t seen)
+{
+    uint64_t spin_start = 0;
+    for (;;) {
+        for (int i = 0; i < POOL_SPIN_BATCH; i++) {
+            uint32_t g = atomic_load_explicit(&pool->gen, memory_order_acquire);
+            if (g != seen) return g;
+            if (pool->oversubscribed)
+                sched_yield();
+            else
+                cpu_relax();
+        }
+        uint64_t now = td_now_ns();
+        if (spin_start == 0) {
+            spin_start = now;
+        } else if (now - spin_start > POOL_SPIN_NS) {
+            atomic_fetch_add(&pool->n_sleeping, 1);
+            if (atomic_load(&pool->gen) == seen) futex(&pool->gen, FUTEX_WAIT_PRIVATE, seen);
+            atomic_fetch_sub(&pool->n_sleeping, 1);
+            spin_start = 0;
+        }
+    }
+}
+
+static void *worker_main(void *arg)
+{
+    worker_start *start = arg;
+    pool_worker *w = start->w;
+    td_pool *pool = w->pool;
+    if (start->pin) pin_self(&start->allowed, w->ith);
+    free(start);
+
+    uint32_t seen = 0; /* the generation at creation */
+    for (;;) {
+        seen = wait_for_run(pool, seen);
+        if (atomic_load_explicit(&pool->stop, memory_order_acquire)) break;
+        pool->fn(pool->ctx, w->ith, pool->n_threads);
+        atomic_fetch_add_explicit(&pool->n_done, 1, memory_order_release);
+    }
+    return NULL;
+}
+
+int td_pool_create(td_pool **out, int n_threads, bool pin, td_err *err)
+{
+    *out = NULL;
+    if (n_threads < 1 || n_threads > 1024)
+        return td_err_set(err, TD_EINVAL, "thread pool: bad thread count %d", n_threads);
+    td_pool *pool = td_aligned_alloc(sizeof(*pool));
+    if (!pool) return td_err_set(err, TD_ENOMEM, "thread pool: out of memory");
+    pool->n_threads = n_threads;
+
+    cpu_set_t allowed;
+    CPU_ZERO(&allowed);
+    if (sched_getaffinity(0, sizeof(allowed), &allowed) != 0) {
+        pin = false;
+        pool->oversubscribed = n_threads > (int)sysconf(_SC_NPROCESSORS_ONLN);
+    } else {
+        pool->oversubscribed = n_threads > CPU_COUNT(&allowed);
+    }
+    if (pin && pthread_getaffinity_np(pthread_self(), sizeof(pool->caller_affinity),
+                                      &pool->caller_affinity) == 0) {
+        pool->caller_pinned = true;
+        pin_self(&allowed, 0);
+    }
+
+    pool->workers = n_threads > 1 ? td_xcalloc((size_t)n_threads - 1, sizeof(pool_worker)) : NULL;
+    for (int i = 1; i < n_threads; i++) {
+        pool_worker *w = &pool->workers[i - 1];
+        w->pool = pool;
+        w->ith = i;
+        worker_start *start = td_xmalloc(sizeof(*start));
+        start->w = w;
+        start->allowed = allowed;
+        start->pin = pin;
+        int rc = pthread_create(&w->thread, NULL, worker_main, start);
+        if (rc != 0) {
+            free(start);
+            td_pool_free(pool);
+            return td_err_set(err, TD_ENOMEM, "thread pool: cannot start thread %d: %s", i,
+                              strerror(rc));
+        }
+        w->started = true;
+    }
+    *out = pool;
+    return 0;
+}
+
+void td_pool_free(td_pool *pool)
+{
+    if (!pool) return;
+    atomic_store(&pool->stop, true);
+    atomic_fetch_add(&pool->gen, 1);
+    futex(&pool->gen, FUTEX_WAKE_PRIVATE, INT_MAX);
+    for (int i = 1; i < pool->n_threads; i++)
+        if (pool->workers[i - 1].started) pthread_join(pool->workers[i - 1].thread, NULL);
+    if (pool->caller_pinned)
+        pthread_setaffinity_np(pthread_self(), sizeof(pool->caller_affinity),
+                               &pool->caller_affinity);
+    free(pool->workers);
+    td_aligned_free(pool);
+}
+
+int td_pool_size(const td_pool *pool)
+{
+    return pool ? pool->n_threads : 1;
+}
+
+void td_pool_run(td_pool *pool, td_pool_fn fn, void *ctx)
+{
+    if (!pool || pool->n_threads == 1) {
+        fn(ctx, 0, 1);
+        return;
+    }
+    int n_workers = pool->n_threads - 1;
+    pool->fn = fn;
+    pool->ctx = ctx;
+    atomic_store_explicit(&pool->n_done, 0, memory_order_relaxed);
+    atomic_fetch_add(&pool->gen, 1); /* seq_cst: publishes fn/ctx, pairs with n_sleeping */
+    if (atomic_load(&pool->n_sleeping) > 0) futex(&pool->gen, FUTEX_WAKE_PRIVATE, INT_MAX);
+
+    fn(ctx, 0, pool->n_threads);
+
+    while (atomic_load_explicit(&pool->n_done, memory_order_acquire) != n_workers) {
+        if (pool->oversubscribed)
+            sched_yield();
+        else
+            cpu_relax();
+    }
+}
+
+void td_pool_barrier(td_pool *pool)
+{
+    if (!pool || pool->n_threads == 1) return;
+    uint32_t sense = atomic_load_explicit(&pool->bar_sense, memory_order_acquire);
+    if (atomic_fetch_add_explicit(&pool->bar_count, 1, memory_order_acq_rel) ==
+        pool->n_threads - 1) {
+        atomic_store_explicit(&pool->bar_count, 0, memory_order_relaxed);
+        atomic_store_explicit(&pool->bar_sense, sense + 1, memory_order_release);
+        return;
+    }
+    while (atomic_load_explicit(&pool->bar_sense, memory_order_acquire) == sense) {
+        if (pool->oversubscribed)
+            sched_yield();
+        else
+            cpu_relax();
+    }
+}

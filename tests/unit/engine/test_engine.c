@@ -1,0 +1,396 @@
+/*
+ * Engine tests on the real stories260K model against llama.cpp's greedy outputs,
+ * and the invariance contract: the same greedy tokens whether a prompt runs alone,
+ * batched with 15 others, in chunks of 1, 7, 16 or 64 tokens, with or without a
+ * prefix-cache hit, after preemption, with 1 or 2 threads.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <cmocka.h>
+
+#include <cjson/cJSON.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "model/model.h"
+#include "tandem/engine.h"
+#include "test_shared.h"
+
+#define MAX_CASES 32
+#define N_OUT 24
+
+typedef struct golden {
+    int32_t prompt[128];
+    int n_prompt;
+    int32_t out[N_OUT];
+} golden;
+
+static golden g_cases[MAX_CASES];
+static int g_n_cases;
+
+static void load_golden(void)
+{
+    if (g_n_cases) return;
+    FILE *f = fopen(td_test_shared_path("golden/stories260K-greedy.jsonl"), "r");
+    assert_non_null(f);
+    char line[16384];
+    while (fgets(line, sizeof(line), f) && g_n_cases < MAX_CASES) {
+        cJSON *j = cJSON_Parse(line);
+        assert_non_null(j);
+        golden *g = &g_cases[g_n_cases++];
+        cJSON *p = cJSON_GetObjectItem(j, "prompt_ids"), *o = cJSON_GetObjectItem(j, "output_ids");
+        g->n_prompt = cJSON_GetArraySize(p);
+        assert_true(g->n_prompt <= 128);
+        for (int i = 0; i < g->n_prompt; i++) g->prompt[i] = cJSON_GetArrayItem(p, i)->valueint;
+        assert_int_equal(cJSON_GetArraySize(o), N_OUT);
+        for (int i = 0; i < N_OUT; i++) g->out[i] = cJSON_GetArrayItem(o, i)->valueint;
+        cJSON_Delete(j);
+    }
+    fclose(f);
+    assert_true(g_n_cases >= 8);
+}
+
+static td_engine *make_engine(int threads, int chunk, uint64_t kv_bytes, const char *kv_dtype,
+                              bool prefix)
+{
+    td_engine_config c;
+    td_engine_config_default(&c);
+    c.model_path = td_test_shared_path("models/stories260K.gguf");
+    c.n_threads = threads;
+    c.pin_threads = false;
+    c.max_num_batched_tokens = chunk;
+    c.kv_cache_memory = kv_bytes;
+    c.kv_cache_dtype = kv_dtype;
+    c.enable_prefix_caching = prefix;
+    td_engine *e = NULL;
+    td_err err = {0};
+    int rc = td_engine_create(&e, &c, &err);
+    if (rc) fprintf(stderr, "engine create: %s\n", err.msg);
+    assert_int_equal(rc, 0);
+    return e;
+}
+
+/* Run requests to completion; outs[i] receives request i's tokens. */
+static void run_all(td_engine *e, const int32_t *const *prompts, const int *n_prompts, int n,
+                    int max_tokens, int32_t (*outs)[N_OUT], int *n_outs)
+{
+    uint64_t ids[64];
+    td_sampling sp;
+    td_sampling_default(&sp);
+    sp.temperature = 0;
+    sp.max_tokens = max_tokens;
+    sp.ignore_eos = true;
+    td_err err;
+    for (int i = 0; i < n; i++) {
+        assert_int_equal(td_engine_add_request(e, &ids[i], prompts[i], n_prompts[i], &sp, &err), 0);
+        n_outs[i] = 0;
+    }
+    int guard = 0;
+    while (td_engine_has_work(e)) {
+        assert_true(td_engine_step(e, &err) >= 0);
+        assert_true(++guard < 100000);
+        td_output o;
+        while (td_engine_poll(e, &o)) {
+            int k = -1;
+            for (int i = 0; i < n; i++)
+                if (ids[i] == o.id) k = i;
+            assert_true(k >= 0);
+            if (o.token >= 0) {
+                assert_true(n_outs[k] < N_OUT);
+                outs[k][n_outs[k]++] = o.token;
+            }
+            assert_true(o.finish == TD_FINISH_NONE || o.finish == TD_FINISH_LENGTH);
+        }
+    }
+    td_engine_stats st;
+    td_engine_get_stats(e, &st);
+    assert_int_equal(st.num_blocks_free, st.num_blocks_total); /* nothing leaked */
+}
+
+static void check_golden(td_engine *e, const int *order, int n)
+{
+    const int32_t *prompts[64];
+    int lens[64];
+    int32_t outs[64][N_OUT];
+    int n_outs[64];
+    for (int i = 0; i < n; i++) {
+        prompts[i] = g_cases[order[i]].prompt;
+        lens[i] = g_cases[order[i]].n_prompt;
+    }
+    run_all(e, prompts, lens, n, N_OUT, outs, n_outs);
+    for (int i = 0; i < n; i++) {
+        assert_int_equal(n_outs[i], N_OUT);
+        for (int t = 0; t < N_OUT; t++) {
+            if (outs[i][t] != g_cases[order[i]].out[t])
+                fprintf(stderr, "case %d token %d: got %d want %d\n", order[i], t, outs[i][t],
+                        g_cases[order[i]].out[t]);
+            assert_int_equal(outs[i][t], g_cases[order[i]].out[t]);
+        }
+    }
+}
+
+static void test_golden_alone(void **state)
+{
+    (void)state;
+    load_golden();
+    const char *dtypes[] = {"f32", "f16"};
+    for (int d = 0; d < 2; d++) {
+        td_engine *e = make_engine(2, 512, 0, dtypes[d], false);
+        for (int i = 0; i < g_n_cases; i++) check_golden(e, &i, 1);
+        td_engine_free(e);
+    }
+}
+
+static void test_golden_one_thread(void **state)
+{
+    (void)state;
+    load_golden();
+    td_engine *e = make_engine(1, 512, 0, "f32", false);
+    for (int i = 0; i < g_n_cases; i++) check_golden(e, &i, 1);
+    td_engine_free(e);
+}
+
+/* 16 requests of mixed lengths in one batch: the golden cases plus repeats in other
+ * orders; every one must produce its own golden tokens. */
+static void test_golden_batched(void **state)
+{
+    (void)state;
+    load_golden();
+    int order[16];
+    for (int i = 0; i < 16; i++) order[i] = (i * 5 + 3) % g_n_cases;
+    td_engine *e = make_engine(2, 512, 0, "f32", false);
+    check_golden(e, order, 16);
+    td_engine_free(e);
+}
+
+static void test_golden_chunked(void **state)
+{
+    (void)state;
+    load_golden();
+    const int chunks[] = {1, 7, 16, 64};
+    int order[16];
+    for (int i = 0; i < 16; i++) order[i] = i % g_n_cases;
+    for (size_t c = 0; c < 4; c++) {
+        td_engine *e = make_engine(2, chunks[c], 0, "f32", false);
+        check_golden(e, order, chunks[c] == 1 ? 4 : 16); /* chunk 1 is slow: fewer requests */
+        td_engine_free(e);
+    }
+}
+
+static void test_golden_prefix_cache(void **state)
+{
+    (void)state;
+    load_golden();
+    td_engine *e = make_engine(2, 512, 0, "f32", true);
+    for (int i = 0; i < g_n_cases; i++) check_golden(e, &i, 1); /* fills the cache */
+    td_engine_stats before, after;
+    td_engine_get_stats(e, &before);
+    for (int i = 0; i < g_n_cases; i++) check_golden(e, &i, 1); /* hits */
+    td_engine_get_stats(e, &after);
+    assert_true(after.prefix_hits_tokens > before.prefix_hits_tokens);
+    /* A longer prompt that starts with a cached one: run prompt+output as a new prompt and
+     * check it continues exactly like the golden tail. */
+    int32_t ext[160];
+    int k = 0;
+    for (int i = 0; i < g_n_cases; i++)
+        if (g_cases[i].n_prompt + 8 > g_cases[k].n_prompt + 8 && g_cases[i].n_prompt >= 16) k = i;
+    golden *g = &g_cases[k];
+    memcpy(ext, g->prompt, (size_t)g->n_prompt * 4);
+    memcpy(ext + g->n_prompt, g->out, 8 * 4);
+    const int32_t *pp[1] = {ext};
+    int lens[1] = {g->n_prompt + 8};
+    int32_t outs[1][N_OUT];
+    int n_outs[1];
+    td_engine_get_stats(e, &before);
+    run_all(e, pp, lens, 1, 16, outs, n_outs);
+    td_engine_get_stats(e, &after);
+    assert_true(after.prefix_hits_tokens - before.prefix_hits_tokens >= 16);
+    for (int t = 0; t < 16; t++) assert_int_equal(outs[0][t], g->out[8 + t]);
+    td_engine_free(e);
+}
+
+static void test_golden_preemption(void **state)
+{
+    (void)state;
+    load_golden();
+    /* stories260K: 5 layers x 4 kv heads x 8 dims x 2 (K,V) x 4 bytes = 1280 B/token in f32,
+     * so 12 blocks of 16 tokens is 240 KiB: room for about three sequences at a time. */
+    uint64_t kv = 5ull * 32 * 2 * 4 * 16 * 12;
+    int order[16];
+    for (int i = 0; i < 16; i++) order[i] = (i * 7) % g_n_cases;
+    const int chunks[] = {512, 16};
+    for (int c = 0; c < 2; c++) {
+        td_engine *e = make_engine(2, chunks[c], kv, "f32", c == 1);
+        check_golden(e, order, 16);
+        td_engine_stats st;
+        td_engine_get_stats(e, &st);
+        assert_true(st.num_preemptions > 0);
+        td_engine_free(e);
+    }
+}
+
+static void test_abort_frees_everything(void **state)
+{
+    (void)state;
+    load_golden();
+    td_engine *e = make_engine(2, 16, 0, "f16", true);
+    td_sampling sp;
+    td_sampling_default(&sp);
+    sp.max_tokens = 50;
+    td_err err;
+    uint64_t ids[8];
+    for (int i = 0; i < 8; i++)
+        assert_int_equal(td_engine_add_request(e, &ids[i], g_cases[i].prompt, g_cases[i].n_prompt,
+                                               &sp, &err), 0);
+    for (int s = 0; s < 3; s++) td_engine_step(e, &err);
+    td_output o;
+    while (td_engine_poll(e, &o)) {}
+    for (int i = 0; i < 8; i++) assert_int_equal(td_engine_abort(e, ids[i]), 0);
+    assert_int_equal(td_engine_abort(e, ids[0]), TD_ENOTFOUND);
+    int aborted = 0;
+    while (td_engine_poll(e, &o))
+        if (o.finish == TD_FINISH_ABORT) aborted++;
+    assert_int_equal(aborted, 8);
+    assert_false(td_engine_has_work(e));
+    td_engine_stats st;
+    td_engine_get_stats(e, &st);
+    assert_int_equal(st.num_blocks_free, st.num_blocks_total);
+    td_engine_free(e);
+}
+
+static void test_refuses_what_never_fits(void **state)
+{
+    (void)state;
+    td_engine *e = make_engine(1, 512, 0, "f32", true);
+    td_sampling sp;
+    td_sampling_default(&sp);
+    td_err err = {0};
+    int32_t prompt[200];
+    for (int i = 0; i < 200; i++) prompt[i] = 5;
+    /* stories260K's context is 128 tokens. */
+    assert_int_equal(td_engine_add_request(e, NULL, prompt, 200, &sp, &err), TD_ETOOLARGE);
+    assert_non_null(strstr(err.msg, "maximum context length is 128"));
+    sp.max_tokens = 100;
+    assert_int_equal(td_engine_add_request(e, NULL, prompt, 50, &sp, &err), TD_ETOOLARGE);
+    assert_int_equal(td_engine_add_request(e, NULL, prompt, 0, &sp, &err), TD_EINVAL);
+    prompt[3] = 512;
+    sp.max_tokens = 4;
+    assert_int_equal(td_engine_add_request(e, NULL, prompt, 10, &sp, &err), TD_EINVAL);
+    assert_non_null(strstr(err.msg, "outside the vocabulary"));
+    prompt[3] = 5;
+    sp.top_p = 0;
+    assert_int_equal(td_engine_add_request(e, NULL, prompt, 10, &sp, &err), TD_EINVAL);
+    assert_false(td_engine_has_work(e));
+    td_engine_free(e);
+}
+
+/* Same seed, same tokens - alone or next to other requests; different seeds differ. */
+static void test_seeded_sampling(void **state)
+{
+    (void)state;
+    load_golden();
+    td_engine *e = make_engine(2, 512, 0, "f32", true);
+    td_sampling sp;
+    td_sampling_default(&sp);
+    sp.temperature = 1.0f;
+    sp.top_k = 40;
+    sp.top_p = 0.9f;
+    sp.min_p = 0.01f;
+    sp.max_tokens = 20;
+    sp.ignore_eos = true;
+    sp.has_seed = true;
+    int32_t got[3][20];
+    td_err err;
+    for (int run = 0; run < 3; run++) {
+        uint64_t id, other;
+        sp.seed = run == 2 ? 1234 : 77;
+        assert_int_equal(td_engine_add_request(e, &id, g_cases[0].prompt, g_cases[0].n_prompt, &sp, &err), 0);
+        if (run == 1) {
+            td_sampling sp2 = sp;
+            sp2.seed = 5;
+            assert_int_equal(td_engine_add_request(e, &other, g_cases[1].prompt,
+                                                   g_cases[1].n_prompt, &sp2, &err), 0);
+        }
+        int n = 0;
+        while (td_engine_has_work(e)) {
+            td_engine_step(e, &err);
+            td_output o;
+            while (td_engine_poll(e, &o))
+                if (o.id == id && o.token >= 0) got[run][n++] = o.token;
+        }
+        assert_int_equal(n, 20);
+    }
+    assert_memory_equal(got[0], got[1], sizeof(got[0]));
+    assert_memory_not_equal(got[0], got[2], sizeof(got[0]));
+    td_engine_free(e);
+}
+
+/* Stop strings end the request, across token boundaries, and are not in the text. */
+static void test_stop_string(void **state)
+{
+    (void)state;
+    load_golden();
+    td_engine *e = make_engine(1, 512, 0, "f32", true);
+    td_sampling sp;
+    td_sampling_default(&sp);
+    sp.temperature = 0;
+    sp.max_tokens = N_OUT;
+    sp.ignore_eos = true;
+    td_err err;
+    /* First get the full text of case 0. */
+    char full[4096] = "";
+    uint64_t id;
+    assert_int_equal(td_engine_add_request(e, &id, g_cases[0].prompt, g_cases[0].n_prompt, &sp, &err), 0);
+    while (td_engine_has_work(e)) {
+        td_engine_step(e, &err);
+        td_output o;
+        while (td_engine_poll(e, &o)) strncat(full, o.text, (size_t)o.text_len);
+    }
+    size_t len = strlen(full);
+    assert_true(len > 12);
+    /* A stop string that spans the middle of the text (likely crossing a token boundary). */
+    char stop[8];
+    memcpy(stop, full + len / 2, 5);
+    stop[5] = '\0';
+    const char *where = strstr(full, stop);
+    const char *stops[1] = {stop};
+    sp.stop = stops;
+    sp.n_stop = 1;
+    char text[4096] = "";
+    td_finish fin = TD_FINISH_NONE;
+    int n_tok = 0;
+    assert_int_equal(td_engine_add_request(e, &id, g_cases[0].prompt, g_cases[0].n_prompt, &sp, &err), 0);
+    while (td_engine_has_work(e)) {
+        td_engine_step(e, &err);
+        td_output o;
+        while (td_engine_poll(e, &o)) {
+            strncat(text, o.text, (size_t)o.text_len);
+            if (o.token >= 0) n_tok++;
+            if (o.finish) fin = o.finish;
+        }
+    }
+    assert_int_equal(fin, TD_FINISH_STOP);
+    assert_int_equal(strlen(text), (size_t)(where - full));
+    assert_memory_equal(text, full, strlen(text));
+    assert_true(n_tok < N_OUT);
+    td_engine_free(e);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_golden_alone),
+        cmocka_unit_test(test_golden_one_thread),
+        cmocka_unit_test(test_golden_batched),
+        cmocka_unit_test(test_golden_chunked),
+        cmocka_unit_test(test_golden_prefix_cache),
+        cmocka_unit_test(test_golden_preemption),
+        cmocka_unit_test(test_abort_frees_everything),
+        cmocka_unit_test(test_refuses_what_never_fits),
+        cmocka_unit_test(test_seeded_sampling),
+        cmocka_unit_test(test_stop_string),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

@@ -1,0 +1,114 @@
+/* Unit tests for the paged KV pool: allocation order, reference counts, the prefix
+ * index, eviction order, and the layout promise (consecutive blocks are contiguous). */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <cmocka.h>
+
+#include "engine/kvcache.h"
+#include "engine/sampler.h"
+
+static void test_layout_and_alloc(void **state)
+{
+    (void)state;
+    kv_pool p;
+    td_err err;
+    assert_int_equal(kv_pool_init(&p, 3, 64, 16, TD_TYPE_F16, 10, &err), 0);
+    assert_int_equal(p.token_bytes, 128);
+    assert_int_equal(p.block_bytes, 2 * 16 * 128);
+    assert_int_equal(p.n_free, 10);
+    int a = kv_alloc(&p), b = kv_alloc(&p), c = kv_alloc(&p);
+    assert_int_equal(a, 0);
+    assert_int_equal(b, 1);
+    assert_int_equal(c, 2);
+    /* Consecutive block ids of a layer form one contiguous byte range. */
+    assert_ptr_equal(kv_k(&p, 1, b), kv_k(&p, 1, a) + p.block_bytes);
+    assert_ptr_equal(kv_v(&p, 2, a), kv_k(&p, 2, a) + 16 * p.token_bytes);
+    assert_int_equal(p.n_free, 7);
+    kv_release(&p, b);
+    assert_int_equal(kv_alloc(&p), b); /* uncached blocks are reused first */
+    kv_release(&p, a);
+    kv_release(&p, b);
+    kv_release(&p, c);
+    assert_int_equal(p.n_free, 10);
+    for (int i = 0; i < 10; i++) assert_true(kv_alloc(&p) >= 0);
+    assert_int_equal(kv_alloc(&p), -1);
+    kv_pool_free(&p);
+}
+
+static void test_prefix_index(void **state)
+{
+    (void)state;
+    kv_pool p;
+    td_err err;
+    assert_int_equal(kv_pool_init(&p, 1, 8, 4, TD_TYPE_F32, 4, &err), 0);
+    int32_t toks[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+    uint64_t h0 = kv_block_hash(99, toks, 4), h1 = kv_block_hash(h0, toks + 4, 4);
+    assert_true(h0 != h1);
+    assert_true(kv_block_hash(98, toks, 4) != h0); /* the chain depends on the parent */
+    int a = kv_alloc(&p), b = kv_alloc(&p);
+    kv_register(&p, a, h0);
+    kv_register(&p, b, h1);
+    assert_int_equal(p.n_cached, 2);
+    /* Shared while referenced. */
+    assert_int_equal(kv_lookup(&p, h0), a);
+    assert_int_equal(p.ref[a], 2);
+    kv_release(&p, a);
+    kv_release(&p, a);
+    kv_release(&p, b);
+    assert_int_equal(p.n_free, 4);
+    /* Free but still cached: found again, and taken off the free queue. */
+    assert_int_equal(kv_lookup(&p, h1), b);
+    assert_int_equal(p.n_free, 3);
+    kv_release(&p, b);
+    /* Fresh blocks are handed out before cached ones; then cached ones, least recent first. */
+    int x = kv_alloc(&p), y = kv_alloc(&p);
+    assert_true(x != a && x != b && y != a && y != b);
+    assert_int_equal(kv_alloc(&p), a); /* a was freed before b */
+    assert_int_equal(kv_lookup(&p, h0), -1); /* evicted */
+    assert_int_equal(kv_lookup(&p, h1), b);
+    assert_int_equal(p.n_cached, 1);
+    kv_pool_free(&p);
+}
+
+static void test_sampler(void **state)
+{
+    (void)state;
+    float logits[6] = {0.1f, 3.0f, 2.9f, -1.0f, 3.0f, 0.0f};
+    assert_int_equal(sampler_argmax(logits, 6), 1); /* lowest id on ties */
+    sampler_scratch s;
+    assert_int_equal(sampler_scratch_init(&s, 6), 0);
+    td_rng rng;
+    td_rng_seed(&rng, 1);
+    sampler_params topk1 = {1.0f, 1, 1.0f, 0.0f};
+    assert_int_equal(sampler_sample(&topk1, logits, 6, &rng, &s), 1);
+    /* top_k = 3 only ever returns the three best tokens. */
+    sampler_params topk3 = {1.0f, 3, 1.0f, 0.0f};
+    int seen[6] = {0};
+    for (int i = 0; i < 2000; i++) seen[sampler_sample(&topk3, logits, 6, &rng, &s)]++;
+    assert_int_equal(seen[0] + seen[3] + seen[5], 0);
+    assert_true(seen[1] > 0 && seen[2] > 0 && seen[4] > 0);
+    /* min_p = 0.5 drops tokens below half the best probability. */
+    sampler_params minp = {1.0f, 0, 1.0f, 0.5f};
+    for (int i = 0; i < 500; i++) {
+        int t = sampler_sample(&minp, logits, 6, &rng, &s);
+        assert_true(t == 1 || t == 2 || t == 4);
+    }
+    /* a tiny top_p keeps only the single best token. */
+    sampler_params topp = {1.0f, 0, 0.01f, 0.0f};
+    for (int i = 0; i < 100; i++) assert_int_equal(sampler_sample(&topp, logits, 6, &rng, &s), 1);
+    td_err err;
+    sampler_params bad = {-1.0f, 0, 1.0f, 0.0f};
+    assert_int_equal(sampler_check(&bad, &err), TD_EINVAL);
+    sampler_scratch_free(&s);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_layout_and_alloc),
+        cmocka_unit_test(test_prefix_index),
+        cmocka_unit_test(test_sampler),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

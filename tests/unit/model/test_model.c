@@ -1,0 +1,422 @@
+/*
+ * Unit tests for model/model.c: loading the shared models, shape and type checks
+ * (each bad file asserts the code and the message), presets, parameter counts
+ * and dummy weights.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <cmocka.h>
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "model/mkmodel.h"
+#include "model/model.h"
+
+static const char *shared_dir(void)
+{
+    const char *d = getenv("TD_SHARED_DIR");
+    struct stat st;
+    if (!d || stat(d, &st) != 0 || !S_ISDIR(st.st_mode))
+        fail_msg("the shared data folder is missing: TD_SHARED_DIR='%s'. Run the tests through "
+                 "ctest, or export TD_SHARED_DIR=/path/to/shared (it holds models/ and "
+                 "tokenizer/)",
+                 d ? d : "(unset)");
+    return d;
+}
+
+static void tmp_path(char *buf, size_t cap, const char *name)
+{
+    const char *dir = getenv("TMPDIR");
+    snprintf(buf, cap, "%s/td_test_model_%d_%s", dir && *dir ? dir : "/tmp", (int)getpid(), name);
+}
+
+#define assert_err(rc_expr, err, code, substr)                                                     \
+    do {                                                                                           \
+        int rc_ = (rc_expr);                                                                       \
+        if (rc_ != (code) || !strstr((err).msg, (substr)))                                         \
+            fail_msg("expected %d with '%s', got %d: '%s'", (code), (substr), rc_, (err).msg);     \
+    } while (0)
+
+static td_model *load_shared(const char *rel)
+{
+    char path[1024];
+    snprintf(path, sizeof(path), "%s/%s", shared_dir(), rel);
+    td_model *m;
+    td_err err;
+    if (td_model_load(&m, path, &err)) fail_msg("%s", err.msg);
+    return m;
+}
+
+static void test_stories260k(void **state)
+{
+    (void)state;
+    td_model *m = load_shared("models/stories260K.gguf");
+    const td_model_shape *s = &m->shape;
+    assert_int_equal(s->arch, TD_ARCH_LLAMA);
+    assert_int_equal(s->n_embd, 64);
+    assert_int_equal(s->n_layer, 5);
+    assert_int_equal(s->n_head, 8);
+    assert_int_equal(s->n_head_kv, 4);
+    assert_int_equal(s->n_ff, 172);
+    assert_int_equal(s->n_vocab, 512);
+    assert_int_equal(s->n_ctx_train, 128);
+    assert_int_equal(s->head_dim, 8);
+    assert_true(s->rms_eps == 1e-5f);
+    assert_true(s->rope_theta == 10000.0f);
+    assert_true(s->rope_freq_scale == 1.0f);
+    assert_int_equal(s->rope_type, TD_ROPE_NORM);
+    assert_false(s->tied_output);
+    assert_int_equal(m->weight_type, TD_TYPE_F32);
+    assert_int_equal(m->tok_embd.cols, 64);
+    assert_int_equal(m->tok_embd.rows, 512);
+    assert_int_equal(m->tok_embd.row_bytes, 256);
+    assert_int_equal(m->layers[0].wk.rows, 32);
+    assert_int_equal(m->layers[4].w_down.cols, 172);
+    assert_int_equal(m->layers[4].w_down.rows, 64);
+    assert_int_equal(m->output_norm.cols, 64);
+    assert_null(m->layers[0].bq.data);
+    assert_null(m->rope_freqs);
+    assert_ptr_not_equal(m->output.data, m->tok_embd.data);
+    assert_non_null(m->gguf);
+    assert_string_equal(m->name, "llama");
+    /* every tensor of the file is used: the byte count equals the file's data */
+    size_t sum = 0;
+    for (int64_t i = 0; i < gguf_n_tensors(m->gguf); i++)
+        sum += gguf_tensor_at(m->gguf, i)->nbytes;
+    assert_int_equal(m->weight_bytes, sum);
+    assert_int_equal(td_model_n_params(s), (int64_t)(sum / 4));
+    char desc[512];
+    td_model_describe(m, desc, sizeof(desc));
+    assert_non_null(strstr(desc, "dim 64, 5 layers, 8 heads (4 kv, head_dim 8)"));
+    /* the fingerprint is stable across loads */
+    uint64_t fp = m->fingerprint;
+    assert_true(fp != 0);
+    td_model_free(m);
+    m = load_shared("models/stories260K.gguf");
+    assert_true(m->fingerprint == fp);
+    td_model_free(m);
+}
+
+static void test_tiny_random(void **state)
+{
+    (void)state;
+    td_model *m = load_shared("models/llama-2-tiny-random.gguf");
+    const td_model_shape *s = &m->shape;
+    assert_int_equal(s->n_embd, 8);
+    assert_int_equal(s->n_layer, 1);
+    assert_int_equal(s->n_head, 2);
+    assert_int_equal(s->n_head_kv, 2);
+    assert_int_equal(s->head_dim, 4);
+    assert_int_equal(s->n_ff, 32);
+    assert_int_equal(s->n_vocab, 32000);
+    assert_int_equal(s->n_ctx_train, 4096);
+    assert_int_equal(m->weight_type, TD_TYPE_F16);
+    assert_int_equal(m->tok_embd.type, TD_TYPE_F16);
+    assert_int_equal(m->layers[0].attn_norm.type, TD_TYPE_F32);
+    assert_false(s->tied_output);
+    assert_string_equal(m->name, "LLaMA v2");
+    td_model_free(m);
+}
+
+/* ---- malformed models ------------------------------------------------------- */
+
+/*
+ * Rewrite a model file with one change: keys edited by `edit`, a tensor dropped,
+ * a tensor's shape transposed or its type changed to f16 (data zeroed).
+ */
+typedef struct rewrite_opts {
+    void (*edit)(gguf_writer *w);
+    const char *drop;
+    const char *transpose;
+    const char *to_f16;
+} rewrite_opts;
+
+static int copy_fill(void *ctx, const gguf_tensor *t, void *dst, td_err *err)
+{
+    (void)err;
+    const gguf_tensor *src = ctx;
+    memset(dst, 0, t->nbytes);
+    memcpy(dst, src->data, TD_MIN(t->nbytes, src->nbytes));
+    return 0;
+}
+
+static void rewrite(const char *src_path, const char *dst_path, const rewrite_opts *o)
+{
+    gguf_file *src;
+    td_err err;
+    if (gguf_open(&src, src_path, &err)) fail_msg("%s", err.msg);
+    gguf_writer *w = gguf_writer_new();
+    assert_int_equal(gguf_writer_copy_kv(w, src, "", &err), 0);
+    if (o->edit) o->edit(w);
+    for (int64_t i = 0; i < gguf_n_tensors(src); i++) {
+        const gguf_tensor *t = gguf_tensor_at(src, i);
+        if (o->drop && !strcmp(t->name, o->drop)) continue;
+        int64_t ne[4] = {t->ne[0], t->ne[1], t->ne[2], t->ne[3]};
+        if (o->transpose && !strcmp(t->name, o->transpose)) {
+            ne[0] = t->ne[1];
+            ne[1] = t->ne[0];
+        }
+        td_type type = o->to_f16 && !strcmp(t->name, o->to_f16) ? TD_TYPE_F16 : t->type;
+        int n_dims = o->transpose && !strcmp(t->name, o->transpose) ? 2 : t->n_dims;
+        assert_int_equal(
+            gguf_writer_add_tensor(w, t->name, type, n_dims, ne, copy_fill, (void *)t, &err), 0);
+    }
+    if (gguf_writer_write(w, dst_path, &err)) fail_msg("%s", err.msg);
+    gguf_writer_free(w);
+    gguf_close(src);
+}
+
+static void edit_arch_gpt2(gguf_writer *w)
+{
+    gguf_writer_set_str(w, "general.architecture", "gpt2");
+}
+static void edit_arch_qwen2(gguf_writer *w)
+{
+    /* qwen2 keys come from the llama ones; the biases are still missing */
+    gguf_writer_set_str(w, "general.architecture", "qwen2");
+    gguf_writer_set_u32(w, "qwen2.embedding_length", 64);
+    gguf_writer_set_u32(w, "qwen2.block_count", 5);
+    gguf_writer_set_u32(w, "qwen2.attention.head_count", 8);
+    gguf_writer_set_u32(w, "qwen2.attention.head_count_kv", 4);
+    gguf_writer_set_u32(w, "qwen2.feed_forward_length", 172);
+    gguf_writer_set_u32(w, "qwen2.context_length", 128);
+}
+static void edit_no_embd(gguf_writer *w)
+{
+    gguf_writer_set_str(w, "llama.embedding_length", "64");
+}
+static void edit_kv_heads(gguf_writer *w)
+{
+    gguf_writer_set_u32(w, "llama.attention.head_count_kv", 3);
+}
+static void edit_rope_linear(gguf_writer *w)
+{
+    gguf_writer_set_str(w, "llama.rope.scaling.type", "linear");
+    gguf_writer_set_f32(w, "llama.rope.scaling.factor", 4.0f);
+    gguf_writer_set_f32(w, "llama.rope.freq_base", 500000.0f);
+}
+static void edit_rope_yarn(gguf_writer *w)
+{
+    gguf_writer_set_str(w, "llama.rope.scaling.type", "yarn");
+}
+static void edit_partial_rope(gguf_writer *w)
+{
+    gguf_writer_set_u32(w, "llama.rope.dimension_count", 4);
+}
+static void edit_huge_layers(gguf_writer *w)
+{
+    gguf_writer_set_u32(w, "llama.block_count", 100000);
+}
+
+static void test_bad_models(void **state)
+{
+    (void)state;
+    char src[1024], dst[512];
+    snprintf(src, sizeof(src), "%s/models/stories260K.gguf", shared_dir());
+    tmp_path(dst, sizeof(dst), "bad.gguf");
+    td_model *m = NULL;
+    td_err err;
+    static const struct {
+        rewrite_opts o;
+        int code;
+        const char *msg;
+    } cases[] = {
+        {{.edit = edit_arch_gpt2},
+         TD_EUNSUPPORTED,
+         "model: unsupported architecture 'gpt2' (supported: llama, qwen2)"},
+        {{.drop = "blk.3.ffn_up.weight"},
+         TD_EFORMAT,
+         "model: missing tensor 'blk.3.ffn_up.weight'"},
+        {{.drop = "token_embd.weight"}, TD_EFORMAT, "missing tensor 'token_embd.weight'"},
+        {{.drop = "blk.0.attn_norm.weight"}, TD_EFORMAT, "missing tensor 'blk.0.attn_norm.weight'"},
+        {{.transpose = "blk.2.attn_k.weight"},
+         TD_EFORMAT,
+         "tensor 'blk.2.attn_k.weight' has shape [32, 64, 1, 1], expected [64, 32]"},
+        {{.transpose = "blk.0.ffn_down.weight"}, TD_EFORMAT, "'blk.0.ffn_down.weight' has shape"},
+        {{.to_f16 = "blk.1.ffn_norm.weight"},
+         TD_EUNSUPPORTED,
+         "tensor 'blk.1.ffn_norm.weight' has type f16, which is not supported for norms (must be "
+         "f32)"},
+        {{.edit = edit_arch_qwen2}, TD_EFORMAT, "missing tensor 'blk.0.attn_q.bias'"},
+        {{.edit = edit_no_embd}, TD_EFORMAT, "'llama.embedding_length' has type string"},
+        {{.edit = edit_kv_heads}, TD_EINVAL, "n_head_kv 3 does not divide n_head 8"},
+        {{.edit = edit_rope_yarn}, TD_EUNSUPPORTED, "rope scaling 'yarn' is not supported"},
+        {{.edit = edit_partial_rope}, TD_EUNSUPPORTED, "partial RoPE"},
+        {{.edit = edit_huge_layers}, TD_EFORMAT, "'llama.block_count' = 100000 is out of range"},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        rewrite(src, dst, &cases[i].o);
+        td_err_clear(&err);
+        int rc = td_model_load(&m, dst, &err);
+        if (rc != cases[i].code || !strstr(err.msg, cases[i].msg))
+            fail_msg("case %zu: expected %d '%s', got %d '%s'", i, cases[i].code, cases[i].msg, rc,
+                     err.msg);
+        assert_null(m);
+    }
+
+    /* linear rope scaling is read, and output.weight absent means tied */
+    rewrite_opts o = {.edit = edit_rope_linear, .drop = "output.weight"};
+    rewrite(src, dst, &o);
+    if (td_model_load(&m, dst, &err)) fail_msg("%s", err.msg);
+    assert_true(m->shape.rope_freq_scale == 0.25f);
+    assert_true(m->shape.rope_theta == 500000.0f);
+    assert_true(m->shape.tied_output);
+    assert_ptr_equal(m->output.data, m->tok_embd.data);
+    assert_int_equal(m->output.rows, 512);
+    td_model_free(m);
+    unlink(dst);
+
+    /* not a model at all */
+    assert_err(td_model_load(&m, "/nonexistent/model.gguf", &err), err, TD_EIO, "cannot open");
+    char path[1024];
+    snprintf(path, sizeof(path), "%s/tokenizer/ggml-vocab-gpt-2.gguf", shared_dir());
+    assert_err(td_model_load(&m, path, &err), err, TD_EUNSUPPORTED, "architecture 'gpt2'");
+    snprintf(path, sizeof(path), "%s/tokenizer/ggml-vocab-llama-spm.gguf", shared_dir());
+    assert_err(td_model_load(&m, path, &err), err, TD_EFORMAT,
+               "missing tensor 'token_embd.weight'");
+}
+
+/* ---- presets, shapes, dummy weights ---------------------------------------- */
+
+static void test_presets(void **state)
+{
+    (void)state;
+    td_model_shape s;
+    td_err err;
+    assert_int_equal(td_model_preset("llama-134m", &s, &err), 0);
+    assert_int_equal(s.n_embd, 768);
+    assert_int_equal(s.n_layer, 12);
+    assert_int_equal(s.n_head, 12);
+    assert_int_equal(s.n_head_kv, 12);
+    assert_int_equal(s.n_ff, 2048);
+    assert_int_equal(s.n_ctx_train, 2048);
+    assert_int_equal(s.n_vocab, 32000);
+    assert_false(s.tied_output);
+    assert_int_equal(td_model_n_params(&s), 134105856);
+    assert_int_equal(td_model_shape_validate(&s, &err), 0);
+
+    assert_int_equal(td_model_preset("llama3-8b", &s, &err), 0);
+    assert_int_equal(s.n_vocab, 128256);
+    assert_int_equal(s.n_head_kv, 8);
+    assert_true(s.rope_theta == 500000.0f);
+    assert_int_equal(td_model_n_params(&s), 8030261248ll); /* Meta's Llama-3-8B count */
+    assert_int_equal(td_model_preset("llama-1b", &s, &err), 0);
+    assert_int_equal(td_model_n_params(&s), 1100048384ll); /* TinyLlama-1.1B */
+    assert_int_equal(td_model_preset("tiny", &s, &err), 0);
+    assert_int_equal(s.n_embd, 128);
+    assert_int_equal(s.n_head_kv, 2);
+    assert_err(td_model_preset("gpt-5", &s, &err), err, TD_EINVAL, "unknown preset 'gpt-5'");
+
+    td_model_shape b = s;
+    b.n_head = 3;
+    b.head_dim = 0;
+    assert_err(td_model_shape_validate(&b, &err), err, TD_EINVAL,
+               "n_head 3 does not divide n_embd 128");
+    b = s;
+    b.n_head_kv = 3;
+    assert_err(td_model_shape_validate(&b, &err), err, TD_EINVAL, "n_head_kv 3 does not divide");
+    b = s;
+    b.n_layer = 0;
+    assert_err(td_model_shape_validate(&b, &err), err, TD_EINVAL, "n_layer = 0 is out of range");
+    b = s;
+    b.head_dim = 7;
+    assert_err(td_model_shape_validate(&b, &err), err, TD_EINVAL, "head_dim 7 must be even");
+    b = s;
+    b.rope_theta = NAN;
+    assert_err(td_model_shape_validate(&b, &err), err, TD_EINVAL, "rope_theta");
+}
+
+static void test_dummy(void **state)
+{
+    (void)state;
+    td_model_shape s;
+    td_err err;
+    assert_int_equal(td_model_preset("tiny", &s, &err), 0);
+    td_model *a, *b, *c;
+    if (td_model_load_dummy(&a, &s, TD_TYPE_F32, 7, &err)) fail_msg("%s", err.msg);
+    if (td_model_load_dummy(&b, &s, TD_TYPE_F32, 7, &err)) fail_msg("%s", err.msg);
+    if (td_model_load_dummy(&c, &s, TD_TYPE_F32, 8, &err)) fail_msg("%s", err.msg);
+    assert_true(a->fingerprint == b->fingerprint);
+    assert_true(a->fingerprint != c->fingerprint);
+    assert_memory_equal(a->layers[3].w_down.data, b->layers[3].w_down.data,
+                        a->layers[3].w_down.row_bytes * 128);
+    assert_null(a->gguf);
+    assert_non_null(a->owned);
+    assert_int_equal(a->weight_type, TD_TYPE_F32);
+    assert_int_equal(a->weight_bytes, (size_t)td_model_n_params(&s) * 4);
+
+    /* distributions: norms 1, embeddings in [-1, 1), matrices std 1/sqrt(cols) */
+    const float *norm = a->layers[0].attn_norm.data;
+    for (int i = 0; i < 128; i++)
+        assert_true(norm[i] == 1.0f);
+    const float *e = a->tok_embd.data;
+    double sum2 = 0;
+    for (int i = 0; i < 512 * 128; i++) {
+        assert_true(e[i] >= -1.0f && e[i] < 1.0f);
+        sum2 += (double)e[i] * e[i];
+    }
+    assert_true(fabs(sqrt(sum2 / (512 * 128)) - 1 / sqrt(3.0)) < 0.01);
+    const float *wq = a->layers[1].wq.data;
+    sum2 = 0;
+    for (int i = 0; i < 128 * 128; i++)
+        sum2 += (double)wq[i] * wq[i];
+    assert_true(fabs(sqrt(sum2 / (128 * 128)) * sqrt(128.0) - 1.0) < 0.03);
+    td_model_free(a);
+    td_model_free(b);
+    td_model_free(c);
+
+    /* every weight type; q8_0 dequantizes close to the f32 weights */
+    td_type types[] = {TD_TYPE_F16, TD_TYPE_BF16, TD_TYPE_Q8_0, TD_TYPE_Q4_0};
+    if (td_model_load_dummy(&a, &s, TD_TYPE_F32, 1, &err)) fail_msg("%s", err.msg);
+    for (size_t i = 0; i < sizeof(types) / sizeof(types[0]); i++) {
+        if (td_model_load_dummy(&b, &s, types[i], 1, &err)) fail_msg("%s", err.msg);
+        assert_int_equal(b->weight_type, types[i]);
+        assert_int_equal(b->layers[0].wq.type, types[i]);
+        assert_int_equal(b->layers[0].attn_norm.type, TD_TYPE_F32);
+        float row[128];
+        td_dequant_row_ref(types[i], b->layers[2].w_up.data, row, 128);
+        const float *ref = a->layers[2].w_up.data;
+        float tol = types[i] == TD_TYPE_Q4_0 ? 0.03f : 0.003f;
+        for (int k = 0; k < 128; k++)
+            assert_true(fabsf(row[k] - ref[k]) < tol);
+        td_model_free(b);
+    }
+    td_model_free(a);
+
+    td_model_shape q = s;
+    q.arch = TD_ARCH_QWEN2;
+    q.rope_type = TD_ROPE_NEOX;
+    q.tied_output = true;
+    if (td_model_load_dummy(&a, &q, TD_TYPE_F16, 1, &err)) fail_msg("%s", err.msg);
+    assert_non_null(a->layers[0].bq.data);
+    assert_int_equal(a->layers[0].bk.cols, 64);
+    assert_ptr_equal(a->output.data, a->tok_embd.data);
+    char desc[512];
+    td_model_describe(a, desc, sizeof(desc));
+    assert_non_null(strstr(desc, "qwen2"));
+    assert_non_null(strstr(desc, "tied output"));
+    td_model_free(a);
+
+    td_model_shape bad = s;
+    bad.n_ff = 100; /* not a multiple of 32 */
+    assert_err(td_model_load_dummy(&a, &bad, TD_TYPE_Q8_0, 1, &err), err, TD_EINVAL,
+               "multiple of 32");
+    assert_err(td_model_load_dummy(&a, &s, TD_TYPE_FP8_E4M3, 1, &err), err, TD_EUNSUPPORTED,
+               "fp8_e4m3");
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_stories260k), cmocka_unit_test(test_tiny_random),
+        cmocka_unit_test(test_bad_models),  cmocka_unit_test(test_presets),
+        cmocka_unit_test(test_dummy),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

@@ -1,0 +1,136 @@
+/* Unit tests for util/pool.c: every thread runs once per run, many tiny runs in a row,
+ * the barrier, sleeping workers waking up, and pinning. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <cmocka.h>
+
+#include <stdatomic.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "util/pool.h"
+
+typedef struct {
+    _Atomic int hits[16];
+    _Atomic int64_t sum;
+    int nth_seen[16];
+    int64_t n;
+} count_job;
+
+static void count_fn(void *ctx, int ith, int nth)
+{
+    count_job *job = ctx;
+    atomic_fetch_add(&job->hits[ith], 1);
+    job->nth_seen[ith] = nth;
+    int64_t b, e, s = 0;
+    td_split_range(job->n, ith, nth, &b, &e);
+    for (int64_t i = b; i < e; i++) s += i;
+    atomic_fetch_add(&job->sum, s);
+}
+
+static void check_runs(int n_threads, bool pin, int runs)
+{
+    td_pool *pool;
+    td_err err;
+    assert_int_equal(td_pool_create(&pool, n_threads, pin, &err), 0);
+    assert_int_equal(td_pool_size(pool), n_threads);
+    for (int r = 0; r < runs; r++) {
+        count_job job;
+        memset(&job, 0, sizeof(job));
+        job.n = 1000 + r % 7;
+        td_pool_run(pool, count_fn, &job);
+        for (int i = 0; i < n_threads; i++) {
+            if (atomic_load(&job.hits[i]) != 1) fail_msg("run %d: thread %d ran %d times", r, i, job.hits[i]);
+            assert_int_equal(job.nth_seen[i], n_threads);
+        }
+        for (int i = n_threads; i < 16; i++) assert_int_equal(atomic_load(&job.hits[i]), 0);
+        assert_true(atomic_load(&job.sum) == job.n * (job.n - 1) / 2);
+    }
+    td_pool_free(pool);
+}
+
+static void test_many_tiny_runs(void **state)
+{
+    (void)state;
+    for (int n = 1; n <= 4; n++) check_runs(n, false, 20000 / n);
+    check_runs(2, true, 2000);
+    check_runs(3, true, 500); /* more threads than CPUs on small machines: must still work */
+}
+
+static void test_sleep_and_wake(void **state)
+{
+    (void)state;
+    td_pool *pool;
+    assert_int_equal(td_pool_create(&pool, 3, false, NULL), 0);
+    for (int round = 0; round < 3; round++) {
+        usleep(300 * 1000); /* longer than the spin: workers are asleep on the futex */
+        count_job job;
+        memset(&job, 0, sizeof(job));
+        job.n = 10;
+        td_pool_run(pool, count_fn, &job);
+        for (int i = 0; i < 3; i++) assert_int_equal(atomic_load(&job.hits[i]), 1);
+    }
+    td_pool_free(pool);
+}
+
+typedef struct {
+    td_pool *pool;
+    _Atomic int phase_count[8];
+    _Atomic int errors;
+} barrier_job;
+
+static void barrier_fn(void *ctx, int ith, int nth)
+{
+    barrier_job *job = ctx;
+    (void)ith;
+    for (int p = 0; p < 8; p++) {
+        atomic_fetch_add(&job->phase_count[p], 1);
+        td_pool_barrier(job->pool);
+        if (atomic_load(&job->phase_count[p]) != nth) atomic_fetch_add(&job->errors, 1);
+    }
+}
+
+static void test_barrier(void **state)
+{
+    (void)state;
+    for (int n = 1; n <= 3; n++) {
+        td_pool *pool;
+        assert_int_equal(td_pool_create(&pool, n, false, NULL), 0);
+        for (int r = 0; r < 300; r++) {
+            barrier_job job;
+            memset(&job, 0, sizeof(job));
+            job.pool = pool;
+            td_pool_run(pool, barrier_fn, &job);
+            assert_int_equal(atomic_load(&job.errors), 0);
+        }
+        td_pool_free(pool);
+    }
+}
+
+static void test_null_pool_and_errors(void **state)
+{
+    (void)state;
+    count_job job;
+    memset(&job, 0, sizeof(job));
+    job.n = 5;
+    td_pool_run(NULL, count_fn, &job);
+    assert_int_equal(atomic_load(&job.hits[0]), 1);
+    assert_int_equal(job.nth_seen[0], 1);
+    td_pool *pool = (td_pool *)1;
+    td_err err;
+    assert_int_equal(td_pool_create(&pool, 0, false, &err), TD_EINVAL);
+    assert_null(pool);
+    td_pool_free(NULL);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_many_tiny_runs),
+        cmocka_unit_test(test_sleep_and_wake),
+        cmocka_unit_test(test_barrier),
+        cmocka_unit_test(test_null_pool_and_errors),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
