@@ -112,7 +112,7 @@ int cli_bench_engine(int argc, char **argv)
     td_engine *e;
     if (td_engine_create(&e, &cfg, &err)) {
         fprintf(stderr, "error: %s\n", err.msg);
-        return 1;
+        return err.code == TD_EINVAL ? 2 : 1; /* a bad setting is a usage error */
     }
     const td_model *m = td_engine_model(e);
     int ctx = td_engine_max_model_len(e);

@@ -73,14 +73,16 @@ int cli_flags_parse(cli_flag *flags, int n_flags, int argc, char **argv, const c
             value = eq + 1;
         } else if (f->kind != CLI_FLAG_BOOL) {
             if (i + 1 >= argc) {
-                fprintf(stderr, "error: option '--%s' needs a value\n", f->name);
+                fprintf(stderr, "error: option '%s%s' needs a value\n", f->name[1] ? "--" : "-",
+                        f->name);
                 return 2;
             }
             value = argv[++i];
         }
         int rc = value ? set_value(f, value) : (*(bool *)f->dst = true, 0);
         if (rc != 0) {
-            fprintf(stderr, "error: invalid value '%s' for option '--%s'\n", value, f->name);
+            fprintf(stderr, "error: invalid value '%s' for option '%s%s'\n", value,
+                    f->name[1] ? "--" : "-", f->name);
             return 2;
         }
         f->seen = true;

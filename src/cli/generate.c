@@ -92,7 +92,7 @@ int cli_generate(int argc, char **argv)
     td_engine *e = NULL;
     if (td_engine_create(&e, &cfg, &err)) {
         fprintf(stderr, "error: %s\n", err.msg);
-        return 1;
+        return err.code == TD_EINVAL ? 2 : 1; /* a bad setting is a usage error */
     }
     int32_t *ids = NULL;
     int n_ids = 0;
@@ -169,6 +169,7 @@ int cli_generate(int argc, char **argv)
     }
     double t1 = td_now_s();
     printf("\n");
+    fflush(stdout);
     fprintf(stderr, "[%d prompt tokens, %d generated, finish=%s; prefill %.1f ms, decode %.1f tok/s]\n",
             n_ids, n_gen, finish, (t_first - t0) * 1e3,
             n_gen > 1 ? (n_gen - 1) / (t1 - t_first) : 0.0);

@@ -37,17 +37,13 @@ int cli_mkmodel(int argc, char **argv)
     double rope_theta = 0;
     cli_flag flags[] = {
         {"out", CLI_FLAG_STR, &out, "output GGUF path (required)", false},
-        {"preset", CLI_FLAG_STR, &preset,
-         "base shape: tiny, llama-134m, llama-1b, llama3-8b "
-         "(default tiny)",
+        {"preset", CLI_FLAG_STR, &preset, "tiny, llama-134m, llama-1b, llama3-8b (default tiny)",
          false},
         {"arch", CLI_FLAG_STR, &arch, "llama or qwen2 (default llama)", false},
         {"dim", CLI_FLAG_INT, &dim, "embedding dimension", false},
         {"layers", CLI_FLAG_INT, &layers, "number of layers", false},
         {"heads", CLI_FLAG_INT, &heads, "attention heads (must divide --dim)", false},
-        {"kv-heads", CLI_FLAG_INT, &kv_heads,
-         "KV heads (must divide --heads; default: the "
-         "preset's when it divides, else --heads)",
+        {"kv-heads", CLI_FLAG_INT, &kv_heads, "KV heads (must divide --heads; default: preset's)",
          false},
         {"ffn", CLI_FLAG_INT, &ffn, "feed-forward dimension", false},
         {"vocab", CLI_FLAG_INT, &vocab, "vocabulary size (with --vocab-from: pad up to N)", false},

@@ -329,6 +329,11 @@ int gguf_writer_write(gguf_writer *w, const char *path, td_err *err)
     /* Written in place (not to a temporary and renamed), so that paths such as
      * /proc/self/fd/N of a memfd work; a failed write removes the partial file, and
      * a file cut short by a crash is rejected by the reader as truncated. */
+    /* This writer always aligns to 32 bytes; a general.alignment copied from another
+     * file (or set by the caller) must not claim otherwise. */
+    for (size_t i = 0; i < w->n_kv; i++)
+        if (!strcmp(w->kvs[i].key, "general.alignment"))
+            gguf_writer_set_u32(w, "general.alignment", GGUF_DEFAULT_ALIGNMENT);
     FILE *fp = fopen(path, "wb");
     if (!fp)
         return td_err_set(err, TD_EIO, "gguf writer: cannot create '%s': %s", path,

@@ -219,7 +219,7 @@ static uint64_t hash_weight(uint64_t h, const td_weight *w)
     size_t n = w->row_bytes * (size_t)w->rows;
     const uint8_t *p = w->data;
     for (int i = 0; i < 8; i++) {
-        size_t off = n > 32 ? (size_t)((unsigned __int128)(n - 32) * (unsigned)i / 7) : 0;
+        size_t off = n > 32 ? (n - 32) / 7 * (size_t)i : 0;
         h = td_hash64(p + off, TD_MIN(n, (size_t)32), h);
     }
     return h;

@@ -378,6 +378,48 @@ static void test_stop_string(void **state)
     td_engine_free(e);
 }
 
+/* llama-2-tiny-random (f16 weights, real Llama-2 vocabulary): its logits are nearly
+ * uniform (top-2 margins down to 1e-5), so only the first greedy token of each prompt is
+ * compared with llama.cpp's; it is robust to f32 rounding where later steps are not. */
+static void test_llama2_tiny_first_token(void **state)
+{
+    (void)state;
+    FILE *f = fopen(td_test_shared_path("golden/llama-2-tiny-random.jsonl"), "r");
+    assert_non_null(f);
+    td_engine_config c;
+    td_engine_config_default(&c);
+    c.model_path = td_test_shared_path("models/llama-2-tiny-random.gguf");
+    c.n_threads = 2;
+    c.pin_threads = false;
+    c.kv_cache_dtype = "f32";
+    c.max_model_len = 256;
+    td_engine *e = NULL;
+    td_err err = {0};
+    assert_int_equal(td_engine_create(&e, &c, &err), 0);
+    char line[16384];
+    int n_cases = 0;
+    while (fgets(line, sizeof(line), f)) {
+        cJSON *j = cJSON_Parse(line);
+        assert_non_null(j);
+        cJSON *p = cJSON_GetObjectItem(j, "prompt_ids"), *o = cJSON_GetObjectItem(j, "output_ids");
+        int32_t prompt[256];
+        int n = cJSON_GetArraySize(p);
+        assert_true(n > 0 && n < 256);
+        for (int i = 0; i < n; i++) prompt[i] = cJSON_GetArrayItem(p, i)->valueint;
+        const int32_t *pp[1] = {prompt};
+        int32_t outs[1][N_OUT];
+        int n_outs[1];
+        run_all(e, pp, &n, 1, 1, outs, n_outs);
+        assert_int_equal(n_outs[0], 1);
+        assert_int_equal(outs[0][0], cJSON_GetArrayItem(o, 0)->valueint);
+        cJSON_Delete(j);
+        n_cases++;
+    }
+    fclose(f);
+    assert_true(n_cases >= 4);
+    td_engine_free(e);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -391,6 +433,7 @@ int main(void)
         cmocka_unit_test(test_refuses_what_never_fits),
         cmocka_unit_test(test_seeded_sampling),
         cmocka_unit_test(test_stop_string),
+        cmocka_unit_test(test_llama2_tiny_first_token),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

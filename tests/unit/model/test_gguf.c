@@ -329,6 +329,7 @@ static void test_writer_round_trip(void **state)
     gguf_writer_set_str(w, "a.replaced", "first");
     gguf_writer_set_str(w, "a.replaced", "second"); /* replaces, no duplicate key */
     gguf_writer_set_str(w, "a.empty", "");
+    gguf_writer_set_u32(w, "general.alignment", 64); /* the writer aligns to 32: overridden */
     uint8_t u8s[3] = {1, 2, 255};
     int8_t i8s[2] = {-1, 5};
     uint16_t u16s[2] = {1, 65535};
@@ -412,7 +413,10 @@ static void test_writer_round_trip(void **state)
     assert_true(str_eq(s, "second"));
     assert_int_equal(gguf_get_str(f, "a.empty", &s, &err), 0);
     assert_int_equal(s.len, 0);
-    assert_int_equal(gguf_n_kv(f), 20);
+    assert_int_equal(gguf_n_kv(f), 21);
+    assert_int_equal(gguf_alignment(f), 32);
+    assert_int_equal(gguf_get_u32(f, "general.alignment", &u, &err), 0);
+    assert_int_equal(u, 32);
 
     struct {
         const char *key;

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# `tandem generate` as a user runs it: the golden continuation through the CLI, text
+# output, dummy weights at a preset shape, and clear errors (exit 2 for usage, 1 for a
+# bad model file) for bad flags, bad ids, invalid UTF-8 and broken GGUF files.
+set -euo pipefail
+: "${TD_BIN:?set TD_BIN to the tandem binary}"
+SHARED=${TD_SHARED_DIR:-../shared}
+[ -d "$SHARED/models" ] || { echo "shared data missing at '$SHARED': set TD_SHARED_DIR" >&2; exit 1; }
+M="$SHARED/models/stories260K.gguf"
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+fail() { echo "FAIL: $*" >&2; exit 1; }
+
+# expect RC "substring of stderr" args...
+expect() {
+    local want_rc=$1 want=$2
+    shift 2
+    local rc=0
+    "$TD_BIN" generate "$@" >"$tmp/out" 2>"$tmp/err" || rc=$?
+    [ "$rc" -eq "$want_rc" ] || fail "generate $* exited $rc, expected $want_rc: $(cat "$tmp/err")"
+    grep -qF -- "$want" "$tmp/err" || fail "generate $*: stderr lacks '$want': $(cat "$tmp/err")"
+}
+
+# The first golden case, token for token.
+line=$(head -n 1 "$SHARED/golden/stories260K-greedy.jsonl")
+prompt=$(echo "$line" | sed -E 's/.*"prompt_ids": \[([^]]*)\].*/\1/' | tr -d ' ')
+want=$(echo "$line" | sed -E 's/.*"output_ids": \[([^]]*)\].*/\1/' | tr -d ',')
+got=$("$TD_BIN" generate --model "$M" --prompt-ids "$prompt" -n 24 --print-ids --threads 2 --log-level warn 2>/dev/null)
+[ "$got" = "$want" ] || fail "golden mismatch: got '$got' want '$want'"
+
+# Text in, text out.
+"$TD_BIN" generate --model "$M" --prompt "Once upon a time" -n 8 --log-level warn >"$tmp/out" 2>"$tmp/err"
+grep -q "8 generated" "$tmp/err" || fail "text generation: $(cat "$tmp/err")"
+
+# Random weights at a preset shape, no file.
+"$TD_BIN" generate --load-format dummy --model tiny --dtype q8_0 --prompt "hello" -n 4 --log-level warn >"$tmp/out" 2>"$tmp/err" ||
+    fail "dummy model: $(cat "$tmp/err")"
+
+expect 2 "unknown option '--modle'" --modle "$M" --prompt hi
+expect 2 "needs a value" --model "$M" --prompt
+expect 2 "invalid value 'x' for option '-n'" --model "$M" --prompt hi -n x
+expect 2 "give exactly one of --prompt and --prompt-ids" --model "$M"
+expect 2 "--prompt-ids must be comma-separated token ids" --model "$M" --prompt-ids "1,,2"
+expect 2 "outside the vocabulary" --model "$M" --prompt-ids 1,99999
+expect 2 "--kv-cache-dtype" --model "$M" --prompt hi --kv-cache-dtype q3
+expect 2 "maximum context length is 128" --model "$M" --prompt-ids 1,2,3 -n 500
+expect 2 "invalid UTF-8" --model "$M" --prompt "$(printf 'ab\xffcd')"
+expect 1 "not found" --model "$tmp/nope.gguf" --prompt hi
+
+# Broken model files: one clear line, exit 1, never a crash.
+printf 'GGUX\003\000\000\000' >"$tmp/magic.gguf"
+expect 1 "magic" --model "$tmp/magic.gguf" --prompt hi
+head -c 3000 "$M" >"$tmp/trunc.gguf"
+expect 1 "truncated" --model "$tmp/trunc.gguf" --prompt hi
+echo "ok"
