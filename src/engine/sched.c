@@ -218,6 +218,8 @@ static void accept_token(td_engine *e, req *r, int32_t tok)
     if (is_stop_token(e, r, tok)) {
         fin = TD_FINISH_STOP;
     } else {
+        /* An id past the tokenizer's vocabulary (models may pad their output rows) has no
+         * text: it still counts as a generated token. */
         int n = tok_stream_push(&r->ts, tok, piece, sizeof(piece));
         if (n > 0 && text_append(r, piece, (size_t)n) != 0) {
             end_request(e, r, TD_FINISH_ERROR, "out of memory for the generated text");

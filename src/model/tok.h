@@ -7,9 +7,15 @@
  *    pre-tokenizer split rules named by `tokenizer.ggml.pre` (gpt2, llama3/llama-bpe,
  *    qwen2, deepseek-llm, starcoder, falcon, ...), implemented with PCRE2.
  *
- * Special tokens (control / user-defined types) are matched in the text only
- * when `parse_special` is set. BOS/EOS are added as the metadata says
- * (tokenizer.ggml.add_bos_token / add_eos_token) when `add_special` is set.
+ * Special tokens of the control and unknown types are matched in the text only
+ * when `parse_special` is set; user-defined tokens (added tokens, such as
+ * deepseek's "ö") are always matched, as llama.cpp and HF tokenizers do. BOS/EOS
+ * are added as the metadata says (tokenizer.ggml.add_bos_token / add_eos_token,
+ * defaulting like llama.cpp: BOS for llama and the llama3 pre-tokenizer) when
+ * `add_special` is set.
+ *
+ * The file may be closed once tok_load returns (the tokenizer copies what it
+ * needs). A loaded tokenizer is immutable: it may be used from many threads.
  */
 #ifndef TD_MODEL_TOK_H
 #define TD_MODEL_TOK_H
@@ -19,7 +25,11 @@
 
 typedef struct td_tokenizer td_tokenizer;
 
-/** Build a tokenizer from a GGUF file's `tokenizer.*` metadata. */
+/**
+ * Build a tokenizer from a GGUF file's `tokenizer.*` metadata. Errors:
+ * TD_EUNSUPPORTED for a tokenizer model other than llama/gpt2 (err names it),
+ * TD_EFORMAT for missing or inconsistent keys (err names the key).
+ */
 int tok_load(td_tokenizer **out, const gguf_file *f, td_err *err);
 void tok_free(td_tokenizer *t);
 
@@ -80,8 +90,8 @@ int tok_decode(const td_tokenizer *t, const int32_t *ids, int n, bool skip_speci
 typedef struct tok_stream {
     const td_tokenizer *tok;
     bool skip_special;
-    bool at_start;      /* no piece emitted yet (for the SentencePiece leading space) */
-    bool after_bos;     /* the sequence began with BOS and this is the token after it */
+    bool at_start;      /* no id pushed yet (for the SentencePiece leading space) */
+    bool after_bos;     /* the first id was BOS: the next piece loses a leading space */
     unsigned char pending[8];
     int n_pending;
 } tok_stream;
@@ -96,7 +106,8 @@ void tok_stream_init(tok_stream *s, const td_tokenizer *t, bool skip_special);
  * pieces are at most 256 bytes of mostly valid text, so 1024 is plenty.
  */
 int tok_stream_push(tok_stream *s, int32_t id, char *out, int cap);
-/** At the end of a sequence: flush held bytes as U+FFFD. Returns length. */
+/** At the end of a sequence: flush held bytes as U+FFFD. Returns the length (at most 3),
+ *  or TD_ERANGE when cap is too small (nothing is consumed). */
 int tok_stream_flush(tok_stream *s, char *out, int cap);
 
 /** Length of the longest valid UTF-8 prefix of s[0..len). */

@@ -83,8 +83,8 @@ INLINE __m512 wloadz(int kind, const void *p, int k, __mmask16 mask)
  * One register tile: out[m * NR + n] = dot(x row m, w row n) for m < MR, n < NR.
  * MR, NR and kind are compile-time constants at every call site.
  */
-INLINE void ftile(int MR, int NR, int kind, const float *const *xr, const void *const *wr, int K,
-                  float *out)
+INLINE void ftile_pf(int MR, int NR, int kind, const float *const *xr, const void *const *wr, int K,
+                     float *out, const uint8_t *const *pf)
 {
     __m512 acc[FT_MAXM][FT_MAXN];
 #pragma GCC unroll 6
@@ -101,6 +101,8 @@ INLINE void ftile(int MR, int NR, int kind, const float *const *xr, const void *
             __m512 wv = wload(kind, wr[n], k);
 #pragma GCC unroll 6
             for (int m = 0; m < MR; m++) acc[m][n] = _mm512_fmadd_ps(xv[m], wv, acc[m][n]);
+            /* One line of the next rows per step (f16/bf16 steps are half a line). */
+            if (pf) _mm_prefetch((const char *)pf[n] + (size_t)k * (kind == WK_F32 ? 4 : 2), _MM_HINT_T0);
         }
     }
     if (k < K) {
@@ -126,6 +128,12 @@ INLINE void ftile(int MR, int NR, int kind, const float *const *xr, const void *
     }
 }
 
+INLINE void ftile(int MR, int NR, int kind, const float *const *xr, const void *const *wr, int K,
+                  float *out)
+{
+    ftile_pf(MR, NR, kind, xr, wr, K, out, NULL);
+}
+
 /* Copy an mr x nr corner of a tile's outputs (row stride NR) into y. */
 static void store_tile(float *y, int64_t ldy, const float *out, int NR, int mr, int nr)
 {
@@ -146,12 +154,15 @@ INLINE void fdirect(const cpu__mm *mm, int kind, int n0, int n1)
         int NR = mr == 1 ? 16 : mr == 2 ? 8 : 5;
         for (int n = n0; n < n1; n += NR) {
             const void *wr[16];
+            const uint8_t *pf[16];
             int nr = TD_MIN(NR, n1 - n);
-            for (int j = 0; j < NR; j++)
+            for (int j = 0; j < NR; j++) {
                 wr[j] = mm->w + (size_t)(n + TD_MIN(j, nr - 1)) * mm->w_row_bytes;
+                pf[j] = mm->w + (size_t)TD_MIN(n + NR + j, n1 - 1) * mm->w_row_bytes;
+            }
             if (mr == 1) {
-                /* Pull the next group's rows toward L2 while this one streams. */
-                ftile(1, 16, kind, xr, wr, K, out);
+                /* GEMV streams the weights: fetch the next group's rows while this one runs. */
+                ftile_pf(1, 16, kind, xr, wr, K, out, pf);
             } else if (mr == 2) {
                 ftile(2, 8, kind, xr, wr, K, out);
             } else {
@@ -326,8 +337,14 @@ INLINE void qdirect(const cpu__mm *mm, td_type t, int n0, int n1)
             }
             __m512i vidx = _mm512_loadu_si512(off);
             __m512 acc = _mm512_setzero_ps();
+            /* Fetch the next 16 rows while these stream: a share of their lines per step. */
+            const uint8_t *next = mm->w + (size_t)TD_MIN(n + 16, n1 - 1) * rb;
+            size_t pf_lines = (TD_MIN((size_t)16, (size_t)(n1 - TD_MIN(n + 16, n1 - 1))) * rb + 63) / 64;
+            size_t pf_per_step = (pf_lines + (size_t)nb / 2) / (size_t)(nb / 2 + 1) + 1, pf_at = 0;
             int b = 0;
             for (; b + 2 <= nb; b += 2) {
+                for (size_t i = 0; i < pf_per_step && pf_at < pf_lines; i++, pf_at++)
+                    _mm_prefetch((const char *)next + pf_at * 64, _MM_HINT_T0);
                 __m512i xv = _mm512_load_si512(xq + b * 32), r[16], v0, v1;
 #pragma GCC unroll 16
                 for (int j = 0; j < 16; j++)

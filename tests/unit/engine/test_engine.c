@@ -111,10 +111,11 @@ static void run_all(td_engine *e, const int32_t *const *prompts, const int *n_pr
 
 static void check_golden(td_engine *e, const int *order, int n)
 {
-    const int32_t *prompts[64];
-    int lens[64];
+    const int32_t *prompts[64] = {0};
+    int lens[64] = {0};
     int32_t outs[64][N_OUT];
-    int n_outs[64];
+    int n_outs[64] = {0};
+    assert_true(n <= 64);
     for (int i = 0; i < n; i++) {
         prompts[i] = g_cases[order[i]].prompt;
         lens[i] = g_cases[order[i]].n_prompt;

@@ -302,6 +302,13 @@ static void test_special_tokens(void **state)
     assert_true(tok_is_control(spm.tok, 1));
     assert_false(tok_is_control(spm.tok, 15043));
     assert_int_equal(tok_find(spm.tok, "<0x0A>", 6), 13);
+    assert_int_equal(tok_find(spm.tok, "no such token", 13), -1);
+    int tl;
+    const char *tt = tok_text(spm.tok, 15043, &tl);
+    assert_int_equal(tl, 8);
+    assert_memory_equal(tt, "\xe2\x96\x81Hello", 8);
+    assert_null(tok_text(spm.tok, 32000, &tl));
+    assert_int_equal(tok_max_piece_len(spm.tok), 27);
     unload_tok(&spm);
 
     /* phi-3: chat markers are control tokens and end-of-generation ids. */
