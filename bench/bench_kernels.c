@@ -48,13 +48,15 @@ static void fill_matrix(td_rng *rng, td_type t, int N, int K, uint8_t *dst, size
 {
     float *row = td_xmalloc(sizeof(float) * (size_t)K);
     for (int n = 0; n < N; n++) {
-        for (int k = 0; k < K; k++) row[k] = (td_rng_float(rng) * 2.0f - 1.0f) * 0.05f;
+        for (int k = 0; k < K; k++)
+            row[k] = (td_rng_float(rng) * 2.0f - 1.0f) * 0.05f;
         cpu_quant_row(t, row, dst + (size_t)n * row_bytes, K);
     }
     free(row);
 }
 
-static void init_shape(shape *s, td_rng *rng, td_type t, const char *name, int N, int K, int per_layer, int count)
+static void init_shape(shape *s, td_rng *rng, td_type t, const char *name, int N, int K,
+                       int per_layer, int count)
 {
     s->name = name;
     s->N = N;
@@ -71,12 +73,13 @@ static void init_shape(shape *s, td_rng *rng, td_type t, const char *name, int N
 
 static void free_shape(shape *s)
 {
-    for (int i = 0; i < s->count; i++) td_aligned_free(s->w[i]);
+    for (int i = 0; i < s->count; i++)
+        td_aligned_free(s->w[i]);
 }
 
 /* Seconds per call of shape s at batch M (median over repetitions, rotating matrices). */
-static double time_shape(td_pool *pool, td_type t, shape *s, int M, const float *x, float *y, void *scratch,
-                         double budget_s)
+static double time_shape(td_pool *pool, td_type t, shape *s, int M, const float *x, float *y,
+                         void *scratch, double budget_s)
 {
     int calls_per_rep = s->count;
     /* Aim for about 7 repetitions within the budget, at least 1 call each. */
@@ -84,22 +87,23 @@ static double time_shape(td_pool *pool, td_type t, shape *s, int M, const float 
     cpu_matmul(pool, y, s->N, x, s->K, s->w[0], s->row_bytes, t, M, s->N, s->K, scratch);
     double one = td_now_s() - t0;
     int reps = 7;
-    if (one * calls_per_rep * reps > budget_s) calls_per_rep = (int)TD_MAX(1.0, budget_s / reps / one);
+    if (one * calls_per_rep * reps > budget_s)
+        calls_per_rep = (int)TD_MAX(1.0, budget_s / reps / one);
     if (calls_per_rep > s->count) calls_per_rep = s->count;
     double times[7];
     for (int r = 0; r < reps; r++) {
         t0 = td_now_s();
         for (int c = 0; c < calls_per_rep; c++)
-            cpu_matmul(pool, y, s->N, x, s->K, s->w[(r * calls_per_rep + c) % s->count], s->row_bytes, t, M,
-                       s->N, s->K, scratch);
+            cpu_matmul(pool, y, s->N, x, s->K, s->w[(r * calls_per_rep + c) % s->count],
+                       s->row_bytes, t, M, s->N, s->K, scratch);
         times[r] = (td_now_s() - t0) / calls_per_rep;
     }
     return median(times, reps);
 }
 
 /* One decode pass: every layer's 7 matrices, then the output matrix. */
-static double time_pass(td_pool *pool, td_type t, shape *shapes, int n_shapes, int M, const float *x, float *y,
-                        void *scratch, int reps)
+static double time_pass(td_pool *pool, td_type t, shape *shapes, int n_shapes, int M,
+                        const float *x, float *y, void *scratch, int reps)
 {
     double times[16];
     reps = TD_MIN(reps, 16);
@@ -110,12 +114,14 @@ static double time_pass(td_pool *pool, td_type t, shape *shapes, int n_shapes, i
                 shape *s = &shapes[si];
                 if (s->count < N_LAYERS) continue;
                 for (int j = 0; j < s->per_layer; j++)
-                    cpu_matmul(pool, y, s->N, x, s->K, s->w[(l * s->per_layer + j) % s->count], s->row_bytes, t,
-                               M, s->N, s->K, scratch);
+                    cpu_matmul(pool, y, s->N, x, s->K, s->w[(l * s->per_layer + j) % s->count],
+                               s->row_bytes, t, M, s->N, s->K, scratch);
             }
         for (int si = 0; si < n_shapes; si++) {
             shape *s = &shapes[si];
-            if (s->count == 1) cpu_matmul(pool, y, s->N, x, s->K, s->w[0], s->row_bytes, t, M, s->N, s->K, scratch);
+            if (s->count == 1)
+                cpu_matmul(pool, y, s->N, x, s->K, s->w[0], s->row_bytes, t, M, s->N, s->K,
+                           scratch);
         }
         times[r] = td_now_s() - t0;
     }
@@ -139,7 +145,8 @@ int main(int argc, char **argv)
         } else {
             td_type t = td_type_parse(argv[i]);
             if (t == TD_TYPE_INVALID || t == TD_TYPE_FP8_E4M3 || n_types == 8) {
-                fprintf(stderr, "usage: bench_kernels [-t threads] [-r seconds] [-n] [f32|f16|bf16|q8_0|q4_0 ...]\n");
+                fprintf(stderr, "usage: bench_kernels [-t threads] [-r seconds] [-n] "
+                                "[f32|f16|bf16|q8_0|q4_0 ...]\n");
                 return 2;
             }
             types[n_types++] = t;
@@ -164,7 +171,8 @@ int main(int argc, char **argv)
     td_rng_seed(&rng, 42);
     float *x = td_aligned_alloc(sizeof(float) * MAX_M * FFN);
     float *y = td_aligned_alloc(sizeof(float) * MAX_M * VOCAB);
-    for (size_t i = 0; i < (size_t)MAX_M * FFN; i++) x[i] = td_rng_float(&rng) * 2.0f - 1.0f;
+    for (size_t i = 0; i < (size_t)MAX_M * FFN; i++)
+        x[i] = td_rng_float(&rng) * 2.0f - 1.0f;
 
     for (int ti = 0; ti < n_types; ti++) {
         td_type t = types[ti];
@@ -175,7 +183,8 @@ int main(int argc, char **argv)
         init_shape(&shapes[3], &rng, t, "out  32000x768", VOCAB, DIM, 1, 1);
         size_t scratch_bytes = 0;
         for (int si = 0; si < 4; si++)
-            scratch_bytes = TD_MAX(scratch_bytes, cpu_matmul_scratch_size(t, MAX_M, shapes[si].K, threads));
+            scratch_bytes =
+                TD_MAX(scratch_bytes, cpu_matmul_scratch_size(t, MAX_M, shapes[si].K, threads));
         void *scratch = td_aligned_alloc(scratch_bytes);
 
         printf("\n== %s ==\n", td_type_name(t));
@@ -189,8 +198,8 @@ int main(int argc, char **argv)
                 int M = Ms[mi];
                 double sec = time_shape(pool, t, s, M, x, y, scratch, budget);
                 if (M == 1) t1 = sec;
-                printf("%-15s %5d %10.1f %9.2f %9.1f %9.2f\n", s->name, M, sec * 1e6, bytes / sec / 1e9,
-                       2.0 * M * s->N * s->K / sec / 1e9, sec / t1);
+                printf("%-15s %5d %10.1f %9.2f %9.1f %9.2f\n", s->name, M, sec * 1e6,
+                       bytes / sec / 1e9, 2.0 * M * s->N * s->K / sec / 1e9, sec / t1);
             }
         }
         double pass_bytes = 0, pass_flops = 0;
@@ -202,11 +211,14 @@ int main(int argc, char **argv)
         }
         double p1 = time_pass(pool, t, shapes, 4, 1, x, y, scratch, 9);
         double p32 = time_pass(pool, t, shapes, 4, 32, x, y, scratch, 5);
-        printf("decode pass M=1 : %7.2f ms  %6.2f GB/s  %7.1f tok/s\n", p1 * 1e3, pass_bytes / p1 / 1e9, 1 / p1);
-        printf("decode pass M=32: %7.2f ms  %6.2f GB/s  %7.1f tok/s  (%.2fx the M=1 time, %.1f GFLOP/s)\n",
+        printf("decode pass M=1 : %7.2f ms  %6.2f GB/s  %7.1f tok/s\n", p1 * 1e3,
+               pass_bytes / p1 / 1e9, 1 / p1);
+        printf("decode pass M=32: %7.2f ms  %6.2f GB/s  %7.1f tok/s  (%.2fx the M=1 time, %.1f "
+               "GFLOP/s)\n",
                p32 * 1e3, pass_bytes / p32 / 1e9, 32 / p32, p32 / p1, 32 * pass_flops / p32 / 1e9);
         td_aligned_free(scratch);
-        for (int si = 0; si < 4; si++) free_shape(&shapes[si]);
+        for (int si = 0; si < 4; si++)
+            free_shape(&shapes[si]);
     }
     td_aligned_free(x);
     td_aligned_free(y);

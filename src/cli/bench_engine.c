@@ -17,6 +17,7 @@
 
 #include "cli/cli.h"
 #include "cli/engine_opts.h"
+#include "backend/cpu/probe.h"
 #include "model/model.h"
 
 static double run_prefill(td_engine *e, int prompt_len, td_rng *rng)
@@ -73,6 +74,34 @@ static double run_decode(td_engine *e, int batch, int gen_len, td_rng *rng)
     return (double)decoded / (td_now_s() - t0);
 }
 
+static size_t weight_bytes(const td_weight *w)
+{
+    return w->data ? w->row_bytes * (size_t)w->rows : 0;
+}
+
+/* Bytes a decode step must read (every matrix and vector except the embedding table,
+ * which is only indexed) and FLOPs of a P-token prefill (every matrix once per token,
+ * attention over the causal triangle, the output matrix once). */
+static void model_costs(const td_model *m, int P, double *decode_bytes, double *prefill_flops)
+{
+    const td_model_shape *s = &m->shape;
+    double bytes = weight_bytes(&m->output) + weight_bytes(&m->output_norm), flops = 0;
+    for (int l = 0; l < s->n_layer; l++) {
+        const td_layer *L = &m->layers[l];
+        const td_weight *mats[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up,
+                                   &L->w_down};
+        for (size_t i = 0; i < TD_ARRAY_LEN(mats); i++) {
+            bytes += weight_bytes(mats[i]);
+            flops += 2.0 * (double)mats[i]->rows * (double)mats[i]->cols * P;
+        }
+        bytes += weight_bytes(&L->attn_norm) + weight_bytes(&L->ffn_norm);
+    }
+    flops += 2.0 * (double)m->output.rows * (double)m->output.cols;
+    flops += 4.0 * s->n_layer * s->n_head * s->head_dim * (double)P * (P + 1) / 2;
+    *decode_bytes = bytes;
+    *prefill_flops = flops;
+}
+
 int cli_bench_engine(int argc, char **argv)
 {
     engine_opts eo;
@@ -86,6 +115,9 @@ int cli_bench_engine(int argc, char **argv)
                              "tokens generated per sequence in the decode test (128)");
     flags[nf++] = CLI_FLAG("batch", CLI_FLAG_STR, &batches, "decode batch sizes (1,32)");
     flags[nf++] = CLI_FLAG("reps", CLI_FLAG_INT, &reps, "repetitions per test (3)");
+    bool no_floor = false;
+    flags[nf++] = CLI_FLAG("no-floor", CLI_FLAG_BOOL, &no_floor,
+                           "skip measuring the machine's read bandwidth and FMA peak");
     int rc = cli_flags_parse(flags, nf, argc, argv, "tandem bench-engine --model M [options]");
     if (rc) return rc == 1 ? 0 : 2;
     if (prompt_len < 1 || gen_len < 2 || reps < 1 || reps > 100) {
@@ -122,6 +154,22 @@ int cli_bench_engine(int argc, char **argv)
     td_model_describe(m, desc, sizeof(desc));
     printf("model: %s\n", desc);
     printf("threads: %d, kv: %s\n", cfg.n_threads, cfg.kv_cache_dtype);
+    double dec_bytes, pf_flops, bw = 0, peak = 0;
+    model_costs(m, (int)prompt_len, &dec_bytes, &pf_flops);
+    if (!no_floor) {
+        td_pool *pool;
+        if (td_pool_create(&pool, cfg.n_threads > 0 ? cfg.n_threads : 1, cfg.pin_threads, &err) == 0) {
+            bw = cpu_probe_read_gbs(pool, 1ull << 30, 3);
+            peak = cpu_probe_peak_gflops(pool);
+            td_pool_free(pool);
+        }
+        printf("machine: read %.1f GB/s, f32 FMA peak %.0f GFLOP/s (%lld threads)\n", bw, peak,
+               (long long)cfg.n_threads);
+        printf("floor: decode reads %.1f MB/token -> %.1f tok/s at batch 1; pp%lld needs %.1f "
+               "GFLOP -> %.0f tok/s at peak\n",
+               dec_bytes / 1e6, bw * 1e9 / dec_bytes, (long long)prompt_len, pf_flops / 1e9,
+               peak * 1e9 / pf_flops * (double)prompt_len);
+    }
     printf("%-12s %-8s %10s %12s\n", "test", "tokens", "tok/s", "ms/token");
     td_rng rng;
     td_rng_seed(&rng, 42);

@@ -72,7 +72,8 @@ static cpu_isa detect_isa(void)
 
 static void cpu_init_once(void)
 {
-    for (int i = 0; i < 256; i++) cpu__fp8_table[i] = td_fp8e4m3_to_f32((uint8_t)i);
+    for (int i = 0; i < 256; i++)
+        cpu__fp8_table[i] = td_fp8e4m3_to_f32((uint8_t)i);
     cpu_best = detect_isa();
     cpu_active = cpu_best;
     const char *env = getenv("TD_CPU_ISA");
@@ -121,10 +122,14 @@ int cpu_set_isa(cpu_isa isa)
 const char *cpu_isa_name(cpu_isa isa)
 {
     switch (isa) {
-    case CPU_ISA_GENERIC: return "generic";
-    case CPU_ISA_AVX2: return "avx2";
-    case CPU_ISA_AVX512: return "avx512";
-    default: return "unknown";
+    case CPU_ISA_GENERIC:
+        return "generic";
+    case CPU_ISA_AVX2:
+        return "avx2";
+    case CPU_ISA_AVX512:
+        return "avx512";
+    default:
+        return "unknown";
     }
 }
 
@@ -221,10 +226,20 @@ void cpu_matmul(td_pool *pool, float *y, int64_t ldy, const float *x, int64_t ld
     mm_layout l = mm_layout_for(wtype, M, K, td_pool_size(pool));
     uint8_t *s = scratch;
     mm_job job = {
-        .mm = {.y = y, .ldy = ldy, .x = x, .ldx = ldx, .w = w, .w_row_bytes = w_row_bytes,
-               .wtype = wtype, .M = M, .N = N, .K = K,
-               .xq = (const int8_t *)(s + l.xq_off), .xd = (const float *)(void *)(s + l.xd_off),
-               .xc = (const int32_t *)(void *)(s + l.xc_off), .xq_stride = l.xq_stride,
+        .mm = {.y = y,
+               .ldy = ldy,
+               .x = x,
+               .ldx = ldx,
+               .w = w,
+               .w_row_bytes = w_row_bytes,
+               .wtype = wtype,
+               .M = M,
+               .N = N,
+               .K = K,
+               .xq = (const int8_t *)(s + l.xq_off),
+               .xd = (const float *)(void *)(s + l.xd_off),
+               .xc = (const int32_t *)(void *)(s + l.xc_off),
+               .xq_stride = l.xq_stride,
                .xs_stride = l.xs_stride},
         .kern = active(),
         .pool = pool,
@@ -256,14 +271,16 @@ void cpu_matmul_ref(float *y, int64_t ldy, const float *x, int64_t ldx, const vo
                     wd[b] = td_fp16_to_f32(h);
                     const uint8_t *qs = row + (size_t)b * (size_t)td_type_block_bytes(wtype) + 2;
                     for (int j = 0; j < 32; j++)
-                        wq[b * 32 + j] = wtype == TD_TYPE_Q8_0
-                                             ? (int8_t)qs[j]
-                                             : (int8_t)((j < 16 ? qs[j] & 0xf : qs[j - 16] >> 4) - 8);
+                        wq[b * 32 + j] =
+                            wtype == TD_TYPE_Q8_0
+                                ? (int8_t)qs[j]
+                                : (int8_t)((j < 16 ? qs[j] & 0xf : qs[j - 16] >> 4) - 8);
                 }
                 float acc = 0;
                 for (int b = 0; b < nb; b++) {
                     int32_t s = 0;
-                    for (int j = 0; j < 32; j++) s += (int32_t)xq[b].qs[j] * wq[b * 32 + j];
+                    for (int j = 0; j < 32; j++)
+                        s += (int32_t)xq[b].qs[j] * wq[b * 32 + j];
                     acc += (float)s * (td_fp16_to_f32(xq[b].d) * wd[b]);
                 }
                 y[m * ldy + n] = acc;
@@ -279,7 +296,8 @@ void cpu_matmul_ref(float *y, int64_t ldy, const float *x, int64_t ldx, const vo
         td_dequant_row_ref(wtype, wb + (size_t)n * w_row_bytes, wf, K);
         for (int m = 0; m < M; m++) {
             float acc = 0;
-            for (int k = 0; k < K; k++) acc += x[m * ldx + k] * wf[k];
+            for (int k = 0; k < K; k++)
+                acc += x[m * ldx + k] * wf[k];
             y[m * ldy + n] = acc;
         }
     }
@@ -338,8 +356,8 @@ void cpu_axpy_kv(float *y, float a, const void *v, td_type t, int n)
     active()->axpy_kv_multi(y, &a, v, 0, t, n, 1);
 }
 
-void cpu_dot_kv_multi(float *out, const float *q, const void *k, size_t k_stride, td_type t,
-                      int n, int count)
+void cpu_dot_kv_multi(float *out, const float *q, const void *k, size_t k_stride, td_type t, int n,
+                      int count)
 {
     active()->dot_kv_multi(out, q, k, k_stride, t, n, count);
 }
@@ -417,5 +435,6 @@ void cpu_rope_heads(float *x, int n_heads, int64_t head_stride, int head_dim, in
 {
     TD_ASSERT(head_dim > 0 && head_dim % 2 == 0 && head_dim / 2 <= ROPE_MAX_PAIRS);
     const rope_table *t = rope_table_for(head_dim, pos, base, freq_scale, freq_factors);
-    for (int h = 0; h < n_heads; h++) rope_apply(x + h * head_stride, t, head_dim, neox);
+    for (int h = 0; h < n_heads; h++)
+        rope_apply(x + h * head_stride, t, head_dim, neox);
 }

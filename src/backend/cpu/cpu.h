@@ -80,8 +80,8 @@ void cpu_axpy_kv(float *y, float a, const void *v, td_type t, int n);
  *   cpu_axpy_kv_multi: for j = 0 .. count-1 in order: cpu_axpy_kv(y, a[j], v + j * v_stride, t, n)
  * Strides are in bytes.
  */
-void cpu_dot_kv_multi(float *out, const float *q, const void *k, size_t k_stride, td_type t,
-                      int n, int count);
+void cpu_dot_kv_multi(float *out, const float *q, const void *k, size_t k_stride, td_type t, int n,
+                      int count);
 void cpu_axpy_kv_multi(float *y, const float *a, const void *v, size_t v_stride, td_type t, int n,
                        int count);
 

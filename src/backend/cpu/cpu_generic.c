@@ -35,9 +35,9 @@ uint8_t cpu__f32_to_fp8(float f)
     uint32_t x = f32_bits(f);
     uint8_t sign = (uint8_t)((x >> 24) & 0x80);
     uint32_t ax = x & 0x7fffffffu;
-    if (ax > 0x7f800000u) return 0x7f;          /* nan */
-    if (ax >= 0x43e00000u) return sign | 0x7e;  /* >= 448: saturate */
-    if (ax < 0x3c800000u) {                     /* < 2^-6: multiples of 2^-9 */
+    if (ax > 0x7f800000u) return 0x7f;         /* nan */
+    if (ax >= 0x43e00000u) return sign | 0x7e; /* >= 448: saturate */
+    if (ax < 0x3c800000u) {                    /* < 2^-6: multiples of 2^-9 */
         float q = nearbyintf(bits_f32(ax) * 512.0f);
         return sign | (uint8_t)q;
     }
@@ -50,7 +50,8 @@ void cpu__quant_x_ref(const float *x, int K, int offset, int8_t *xq, float *xd, 
     for (int b = 0; b < K / 32; b++) {
         const float *xb = x + b * 32;
         float amax = 0;
-        for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(xb[j]));
+        for (int j = 0; j < 32; j++)
+            amax = fmaxf(amax, fabsf(xb[j]));
         float d = amax / 127.0f;
         float id = d ? 1.0f / d : 0.0f;
         xd[b] = td_fp16_to_f32(td_f32_to_fp16(d));
@@ -73,7 +74,8 @@ static float dot_lanes(const float *x, const float *w, int K)
     float acc[GEN_LANES] = {0};
     int k = 0;
     for (; k + GEN_LANES <= K; k += GEN_LANES)
-        for (int l = 0; l < GEN_LANES; l++) acc[l] += x[k + l] * w[k + l];
+        for (int l = 0; l < GEN_LANES; l++)
+            acc[l] += x[k + l] * w[k + l];
     if (k < K) {
         for (int l = 0; l < GEN_LANES; l++) {
             float xv = k + l < K ? x[k + l] : 0.0f, wv = k + l < K ? w[k + l] : 0.0f;
@@ -121,7 +123,8 @@ static void gen_matmul(const cpu__mm *mm, int n0, int n1, void *scratch)
                 float acc = 0.0f;
                 for (int b = 0; b < nb; b++) {
                     int32_t s = 0;
-                    for (int j = 0; j < 32; j++) s += (int32_t)xq[b * 32 + j] * wq[b * 32 + j];
+                    for (int j = 0; j < 32; j++)
+                        s += (int32_t)xq[b * 32 + j] * wq[b * 32 + j];
                     acc += (float)s * (xd[b] * wd[b]);
                 }
                 mm->y[(size_t)m * mm->ldy + n] = acc;
@@ -156,8 +159,10 @@ static float sum_lanes(const float *x, const float *y, int n, bool square)
     float acc[GEN_LANES] = {0};
     int i = 0;
     for (; i + GEN_LANES <= n; i += GEN_LANES)
-        for (int l = 0; l < GEN_LANES; l++) acc[l] += square ? x[i + l] * x[i + l] : x[i + l] * y[i + l];
-    for (int l = 0; i + l < n; l++) acc[l] += square ? x[i + l] * x[i + l] : x[i + l] * y[i + l];
+        for (int l = 0; l < GEN_LANES; l++)
+            acc[l] += square ? x[i + l] * x[i + l] : x[i + l] * y[i + l];
+    for (int l = 0; i + l < n; l++)
+        acc[l] += square ? x[i + l] * x[i + l] : x[i + l] * y[i + l];
     return cpu__tree16(acc);
 }
 
@@ -165,7 +170,8 @@ static void gen_rmsnorm(float *out, const float *x, const float *w, int n, float
 {
     float ss = sum_lanes(x, NULL, n, true);
     float scale = 1.0f / sqrtf(ss / (float)n + eps);
-    for (int i = 0; i < n; i++) out[i] = x[i] * scale * w[i];
+    for (int i = 0; i < n; i++)
+        out[i] = x[i] * scale * w[i];
 }
 
 static void gen_silu_mul(float *out, const float *gate, const float *up, int n)
@@ -178,7 +184,8 @@ static void gen_silu_mul(float *out, const float *gate, const float *up, int n)
 
 static void gen_add(float *y, const float *x, int n)
 {
-    for (int i = 0; i < n; i++) y[i] += x[i];
+    for (int i = 0; i < n; i++)
+        y[i] += x[i];
 }
 
 static float gen_dot_f32(const float *a, const float *b, int n)
@@ -190,14 +197,16 @@ static void gen_softmax(float *x, int n)
 {
     if (n <= 0) return;
     float max = x[0];
-    for (int i = 1; i < n; i++) max = fmaxf(max, x[i]);
+    for (int i = 1; i < n; i++)
+        max = fmaxf(max, x[i]);
     float acc[GEN_LANES] = {0};
     for (int i = 0; i < n; i++) {
         x[i] = expf(x[i] - max);
         acc[i % GEN_LANES] += x[i];
     }
     float inv = 1.0f / cpu__tree16(acc);
-    for (int i = 0; i < n; i++) x[i] *= inv;
+    for (int i = 0; i < n; i++)
+        x[i] *= inv;
 }
 
 static bool gen_quant_row(td_type t, const float *src, void *dst, int64_t n)
@@ -205,7 +214,8 @@ static bool gen_quant_row(td_type t, const float *src, void *dst, int64_t n)
     switch (t) {
     case TD_TYPE_FP8_E4M3: {
         uint8_t *d = dst;
-        for (int64_t i = 0; i < n; i++) d[i] = cpu__f32_to_fp8(src[i]);
+        for (int64_t i = 0; i < n; i++)
+            d[i] = cpu__f32_to_fp8(src[i]);
         return true;
     }
     default:
@@ -218,7 +228,8 @@ static bool gen_dequant_row(td_type t, const void *src, float *dst, int64_t n)
 {
     if (t == TD_TYPE_FP8_E4M3) {
         const uint8_t *s = src;
-        for (int64_t i = 0; i < n; i++) dst[i] = cpu__fp8_table[s[i]];
+        for (int64_t i = 0; i < n; i++)
+            dst[i] = cpu__fp8_table[s[i]];
         return true;
     }
     td_dequant_row_ref(t, src, dst, n);
@@ -228,30 +239,36 @@ static bool gen_dequant_row(td_type t, const void *src, float *dst, int64_t n)
 static inline float kv_elem(const void *p, td_type t, int i)
 {
     switch (t) {
-    case TD_TYPE_F16: return td_fp16_to_f32(((const uint16_t *)p)[i]);
-    case TD_TYPE_BF16: return td_bf16_to_f32(((const uint16_t *)p)[i]);
-    case TD_TYPE_FP8_E4M3: return cpu__fp8_table[((const uint8_t *)p)[i]];
-    default: return ((const float *)p)[i];
+    case TD_TYPE_F16:
+        return td_fp16_to_f32(((const uint16_t *)p)[i]);
+    case TD_TYPE_BF16:
+        return td_bf16_to_f32(((const uint16_t *)p)[i]);
+    case TD_TYPE_FP8_E4M3:
+        return cpu__fp8_table[((const uint8_t *)p)[i]];
+    default:
+        return ((const float *)p)[i];
     }
 }
 
-static void gen_dot_kv_multi(float *out, const float *q, const void *k, size_t k_stride,
-                             td_type t, int n, int count)
+static void gen_dot_kv_multi(float *out, const float *q, const void *k, size_t k_stride, td_type t,
+                             int n, int count)
 {
     for (int j = 0; j < count; j++) {
         const void *kj = (const uint8_t *)k + (size_t)j * k_stride;
         float acc[GEN_LANES] = {0};
-        for (int i = 0; i < n; i++) acc[i % GEN_LANES] += q[i] * kv_elem(kj, t, i);
+        for (int i = 0; i < n; i++)
+            acc[i % GEN_LANES] += q[i] * kv_elem(kj, t, i);
         out[j] = cpu__tree16(acc);
     }
 }
 
-static void gen_axpy_kv_multi(float *y, const float *a, const void *v, size_t v_stride,
-                              td_type t, int n, int count)
+static void gen_axpy_kv_multi(float *y, const float *a, const void *v, size_t v_stride, td_type t,
+                              int n, int count)
 {
     for (int j = 0; j < count; j++) {
         const void *vj = (const uint8_t *)v + (size_t)j * v_stride;
-        for (int i = 0; i < n; i++) y[i] += a[j] * kv_elem(vj, t, i);
+        for (int i = 0; i < n; i++)
+            y[i] += a[j] * kv_elem(vj, t, i);
     }
 }
 

@@ -45,11 +45,11 @@ typedef struct cpu__mm {
     td_type wtype;
     int M, N, K;
     /* Quantized activations, only for q8_0/q4_0 weights; row m of each at m * stride. */
-    const int8_t *xq;   /* K int8 per row, row stride xq_stride bytes (64-aligned) */
-    const float *xd;    /* K/32 block scales per row (f32 value of the fp16 scale) */
-    const int32_t *xc;  /* K/32 block corrections per row: -cpu__q_offset(wtype) * sum(q) */
-    size_t xq_stride;   /* bytes */
-    size_t xs_stride;   /* elements, for xd and xc */
+    const int8_t *xq;  /* K int8 per row, row stride xq_stride bytes (64-aligned) */
+    const float *xd;   /* K/32 block scales per row (f32 value of the fp16 scale) */
+    const int32_t *xc; /* K/32 block corrections per row: -cpu__q_offset(wtype) * sum(q) */
+    size_t xq_stride;  /* bytes */
+    size_t xs_stride;  /* elements, for xd and xc */
 } cpu__mm;
 
 typedef struct cpu__kernels {
@@ -74,10 +74,10 @@ typedef struct cpu__kernels {
     /* Return false when the type is not handled here (cpu.c then uses the generic one). */
     bool (*quant_row)(td_type t, const float *src, void *dst, int64_t n);
     bool (*dequant_row)(td_type t, const void *src, float *dst, int64_t n);
-    void (*dot_kv_multi)(float *out, const float *q, const void *k, size_t k_stride,
-                         td_type t, int n, int count);
-    void (*axpy_kv_multi)(float *y, const float *a, const void *v, size_t v_stride,
-                          td_type t, int n, int count);
+    void (*dot_kv_multi)(float *out, const float *q, const void *k, size_t k_stride, td_type t,
+                         int n, int count);
+    void (*axpy_kv_multi)(float *y, const float *a, const void *v, size_t v_stride, td_type t,
+                          int n, int count);
 } cpu__kernels;
 
 extern const cpu__kernels cpu__generic;
@@ -102,17 +102,22 @@ static inline bool cpu__is_quantized(td_type t)
 static inline float cpu__tree16(const float a[16])
 {
     float t[8], u[4], v[2];
-    for (int i = 0; i < 8; i++) t[i] = a[i] + a[i + 8];
-    for (int i = 0; i < 4; i++) u[i] = t[i] + t[i + 4];
-    for (int i = 0; i < 2; i++) v[i] = u[i] + u[i + 2];
+    for (int i = 0; i < 8; i++)
+        t[i] = a[i] + a[i + 8];
+    for (int i = 0; i < 4; i++)
+        u[i] = t[i] + t[i + 4];
+    for (int i = 0; i < 2; i++)
+        v[i] = u[i] + u[i + 2];
     return v[0] + v[1];
 }
 
 static inline float cpu__tree8(const float a[8])
 {
     float t[4], u[2];
-    for (int i = 0; i < 4; i++) t[i] = a[i] + a[i + 4];
-    for (int i = 0; i < 2; i++) u[i] = t[i] + t[i + 2];
+    for (int i = 0; i < 4; i++)
+        t[i] = a[i] + a[i + 4];
+    for (int i = 0; i < 2; i++)
+        u[i] = t[i] + t[i + 2];
     return u[0] + u[1];
 }
 

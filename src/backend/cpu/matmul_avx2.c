@@ -23,7 +23,8 @@ INLINE __m256 reduce8(const __m256 *v)
 {
     __m256 s[8], c[4], g[2];
 #pragma GCC unroll 8
-    for (int i = 0; i < 8; i++) s[i] = v[4 * (i & 1) + (i >> 1)];
+    for (int i = 0; i < 8; i++)
+        s[i] = v[4 * (i & 1) + (i >> 1)];
 #pragma GCC unroll 4
     for (int i = 0; i < 4; i++)
         c[i] = _mm256_add_ps(_mm256_permute2f128_ps(s[2 * i], s[2 * i + 1], 0x20),
@@ -72,28 +73,33 @@ INLINE void ftile(int MR, int NR, int kind, const float *const *xr, const void *
 #pragma GCC unroll 4
     for (int m = 0; m < MR; m++)
 #pragma GCC unroll 8
-        for (int n = 0; n < NR; n++) acc[m][n] = _mm256_setzero_ps();
+        for (int n = 0; n < NR; n++)
+            acc[m][n] = _mm256_setzero_ps();
     int k = 0;
     for (; k + 8 <= K; k += 8) {
         __m256 xv[FT_MAXM];
 #pragma GCC unroll 4
-        for (int m = 0; m < MR; m++) xv[m] = _mm256_loadu_ps(xr[m] + k);
+        for (int m = 0; m < MR; m++)
+            xv[m] = _mm256_loadu_ps(xr[m] + k);
 #pragma GCC unroll 8
         for (int n = 0; n < NR; n++) {
             __m256 wv = wload(kind, wr[n], k);
 #pragma GCC unroll 4
-            for (int m = 0; m < MR; m++) acc[m][n] = _mm256_fmadd_ps(xv[m], wv, acc[m][n]);
+            for (int m = 0; m < MR; m++)
+                acc[m][n] = _mm256_fmadd_ps(xv[m], wv, acc[m][n]);
         }
     }
     if (k < K) {
         __m256 xv[FT_MAXM];
 #pragma GCC unroll 4
-        for (int m = 0; m < MR; m++) xv[m] = _mm256_maskload_ps(xr[m] + k, tail_mask8(K - k));
+        for (int m = 0; m < MR; m++)
+            xv[m] = _mm256_maskload_ps(xr[m] + k, tail_mask8(K - k));
 #pragma GCC unroll 8
         for (int n = 0; n < NR; n++) {
             __m256 wv = wloadz(kind, wr[n], k, K - k);
 #pragma GCC unroll 4
-            for (int m = 0; m < MR; m++) acc[m][n] = _mm256_fmadd_ps(xv[m], wv, acc[m][n]);
+            for (int m = 0; m < MR; m++)
+                acc[m][n] = _mm256_fmadd_ps(xv[m], wv, acc[m][n]);
         }
     }
     const int total = MR * NR;
@@ -109,7 +115,8 @@ INLINE void ftile(int MR, int NR, int kind, const float *const *xr, const void *
 
 static void store_tile(float *y, int64_t ldy, const float *out, int NR, int mr, int nr)
 {
-    for (int m = 0; m < mr; m++) memcpy(y + m * ldy, out + m * NR, sizeof(float) * (size_t)nr);
+    for (int m = 0; m < mr; m++)
+        memcpy(y + m * ldy, out + m * NR, sizeof(float) * (size_t)nr);
 }
 
 INLINE void fdirect(const cpu__mm *mm, int kind, int n0, int n1)
@@ -118,7 +125,8 @@ INLINE void fdirect(const cpu__mm *mm, int kind, int n0, int n1)
     for (int m = 0; m < mm->M;) {
         int mr = TD_MIN(mm->M - m, 2);
         const float *xr[2];
-        for (int i = 0; i < mr; i++) xr[i] = mm->x + (m + i) * mm->ldx;
+        for (int i = 0; i < mr; i++)
+            xr[i] = mm->x + (m + i) * mm->ldx;
         int NR = mr == 1 ? 8 : 4;
         for (int n = n0; n < n1; n += NR) {
             const void *wr[8];
@@ -144,7 +152,8 @@ INLINE void fpacked(const cpu__mm *mm, int kind, int n0, int n1, float *panel)
     int mb_rows = (int)TD_MAX((size_t)FP_MR, (256u << 10) / ((size_t)K * 4) / FP_MR * FP_MR);
     float out[TD_ALIGN_UP(FP_MR * FP_NR, 8)];
     const void *wr[FP_NR];
-    for (int j = 0; j < FP_NR; j++) wr[j] = panel + (size_t)j * Kp;
+    for (int j = 0; j < FP_NR; j++)
+        wr[j] = panel + (size_t)j * Kp;
     for (int mb = 0; mb < M; mb += mb_rows) {
         int me = TD_MIN(M, mb + mb_rows);
         for (int n = n0; n < n1; n += FP_NR) {
@@ -157,17 +166,25 @@ INLINE void fpacked(const cpu__mm *mm, int kind, int n0, int n1, float *panel)
                 }
                 const uint8_t *src = mm->w + (size_t)(n + j) * mm->w_row_bytes;
                 int k = 0;
-                for (; k + 8 <= K; k += 8) _mm256_storeu_ps(dst + k, wload(kind, src, k));
+                for (; k + 8 <= K; k += 8)
+                    _mm256_storeu_ps(dst + k, wload(kind, src, k));
                 if (k < K) _mm256_storeu_ps(dst + k, wloadz(kind, src, k, K - k));
             }
             for (int m = mb; m < me; m += FP_MR) {
                 int mr = TD_MIN(FP_MR, me - m);
                 const float *xr[FP_MR];
-                for (int i = 0; i < FP_MR; i++) xr[i] = mm->x + (m + TD_MIN(i, mr - 1)) * mm->ldx;
+                for (int i = 0; i < FP_MR; i++)
+                    xr[i] = mm->x + (m + TD_MIN(i, mr - 1)) * mm->ldx;
                 switch (mr) {
-                case 3: ftile(3, FP_NR, WK_F32, xr, wr, K, out); break;
-                case 2: ftile(2, FP_NR, WK_F32, xr, wr, K, out); break;
-                default: ftile(1, FP_NR, WK_F32, xr, wr, K, out); break;
+                case 3:
+                    ftile(3, FP_NR, WK_F32, xr, wr, K, out);
+                    break;
+                case 2:
+                    ftile(2, FP_NR, WK_F32, xr, wr, K, out);
+                    break;
+                default:
+                    ftile(1, FP_NR, WK_F32, xr, wr, K, out);
+                    break;
                 }
                 store_tile(mm->y + m * mm->ldy + n, mm->ldy, out, FP_NR, mr, nr);
             }
@@ -183,7 +200,8 @@ INLINE void fpacked(const cpu__mm *mm, int kind, int n0, int n1, float *panel)
 INLINE __m256i qdot_block(td_type t, const uint8_t *row, int b, __m256i xv)
 {
     if (t == TD_TYPE_Q8_0) {
-        __m256i w = _mm256_loadu_si256((const __m256i *)(row + (size_t)b * sizeof(td_block_q8_0) + 2));
+        __m256i w =
+            _mm256_loadu_si256((const __m256i *)(row + (size_t)b * sizeof(td_block_q8_0) + 2));
         __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w));
         return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
     }
@@ -199,40 +217,51 @@ INLINE __m256i reduce_q8(const __m256i *r)
     __m256i h01 = _mm256_hadd_epi32(r[0], r[1]), h23 = _mm256_hadd_epi32(r[2], r[3]);
     __m256i h45 = _mm256_hadd_epi32(r[4], r[5]), h67 = _mm256_hadd_epi32(r[6], r[7]);
     __m256i a = _mm256_hadd_epi32(h01, h23), b = _mm256_hadd_epi32(h45, h67);
-    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20),
+                            _mm256_permute2x128_si256(a, b, 0x31));
 }
 
+/* 8 weight rows at a time, for each x row while they are in L1; the next 8 rows are
+ * prefetched during the first x row. */
 INLINE void qdirect(const cpu__mm *mm, td_type t, int n0, int n1)
 {
     const int nb = mm->K / 32;
     const size_t bb = t == TD_TYPE_Q8_0 ? sizeof(td_block_q8_0) : sizeof(td_block_q4_0);
+    const size_t rb = mm->w_row_bytes;
     /* q8_0 uses the sign trick (exact S directly); q4_0 needs the -8 * sum(q) correction. */
     const bool corr = t == TD_TYPE_Q4_0;
-    for (int m = 0; m < mm->M; m++) {
-        const int8_t *xq = mm->xq + (size_t)m * mm->xq_stride;
-        const float *xd = mm->xd + (size_t)m * mm->xs_stride;
-        const int32_t *xc = mm->xc + (size_t)m * mm->xs_stride;
-        float *y = mm->y + (size_t)m * mm->ldy;
-        for (int n = n0; n < n1; n += 8) {
-            int nr = TD_MIN(8, n1 - n);
-            const uint8_t *rows[8];
-            for (int j = 0; j < 8; j++) rows[j] = mm->w + (size_t)(n + TD_MIN(j, nr - 1)) * mm->w_row_bytes;
+    for (int n = n0; n < n1; n += 8) {
+        int nr = TD_MIN(8, n1 - n);
+        const uint8_t *rows[8];
+        for (int j = 0; j < 8; j++)
+            rows[j] = mm->w + (size_t)(n + TD_MIN(j, nr - 1)) * rb;
+        const uint8_t *next = mm->w + (size_t)TD_MIN(n + 8, n1 - 1) * rb;
+        size_t pf_lines = n + 8 < n1 ? ((size_t)TD_MIN(8, n1 - n - 8) * rb + 63) / 64 : 0;
+        size_t pf_step = pf_lines / (size_t)nb + 1, pf_at = 0;
+        for (int m = 0; m < mm->M; m++) {
+            const int8_t *xq = mm->xq + (size_t)m * mm->xq_stride;
+            const float *xd = mm->xd + (size_t)m * mm->xs_stride;
+            const int32_t *xc = mm->xc + (size_t)m * mm->xs_stride;
             __m256 acc = _mm256_setzero_ps();
             for (int b = 0; b < nb; b++) {
+                for (size_t i = 0; i < pf_step && pf_at < pf_lines; i++, pf_at++)
+                    _mm_prefetch((const char *)next + pf_at * 64, _MM_HINT_T0);
                 __m256i xv = _mm256_load_si256((const __m256i *)(xq + b * 32)), r[8];
 #pragma GCC unroll 8
-                for (int j = 0; j < 8; j++) r[j] = qdot_block(t, rows[j], b, xv);
+                for (int j = 0; j < 8; j++)
+                    r[j] = qdot_block(t, rows[j], b, xv);
                 __m256i s = reduce_q8(r);
                 if (corr) s = _mm256_add_epi32(s, _mm256_set1_epi32(xc[b]));
                 uint16_t h[8];
-                for (int j = 0; j < 8; j++) memcpy(&h[j], rows[j] + (size_t)b * bb, 2);
+                for (int j = 0; j < 8; j++)
+                    memcpy(&h[j], rows[j] + (size_t)b * bb, 2);
                 __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
                 __m256 d = _mm256_mul_ps(dw, _mm256_set1_ps(xd[b]));
                 acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, acc);
             }
             float out[8];
             _mm256_storeu_ps(out, acc);
-            memcpy(y + n, out, sizeof(float) * (size_t)nr);
+            memcpy(mm->y + (size_t)m * mm->ldy + n, out, sizeof(float) * (size_t)nr);
         }
     }
 }
@@ -245,17 +274,31 @@ void cpu__avx2_matmul(const cpu__mm *mm, int n0, int n1, void *scratch)
     bool packed = mm->M >= FPACK_MIN_M;
     switch (mm->wtype) {
     case TD_TYPE_F32:
-        if (packed) fpacked(mm, WK_F32, n0, n1, scratch); else fdirect(mm, WK_F32, n0, n1);
+        if (packed)
+            fpacked(mm, WK_F32, n0, n1, scratch);
+        else
+            fdirect(mm, WK_F32, n0, n1);
         break;
     case TD_TYPE_F16:
-        if (packed) fpacked(mm, WK_F16, n0, n1, scratch); else fdirect(mm, WK_F16, n0, n1);
+        if (packed)
+            fpacked(mm, WK_F16, n0, n1, scratch);
+        else
+            fdirect(mm, WK_F16, n0, n1);
         break;
     case TD_TYPE_BF16:
-        if (packed) fpacked(mm, WK_BF16, n0, n1, scratch); else fdirect(mm, WK_BF16, n0, n1);
+        if (packed)
+            fpacked(mm, WK_BF16, n0, n1, scratch);
+        else
+            fdirect(mm, WK_BF16, n0, n1);
         break;
-    case TD_TYPE_Q8_0: qdirect(mm, TD_TYPE_Q8_0, n0, n1); break;
-    case TD_TYPE_Q4_0: qdirect(mm, TD_TYPE_Q4_0, n0, n1); break;
-    default: TD_ASSERT(!"unsupported weight type");
+    case TD_TYPE_Q8_0:
+        qdirect(mm, TD_TYPE_Q8_0, n0, n1);
+        break;
+    case TD_TYPE_Q4_0:
+        qdirect(mm, TD_TYPE_Q4_0, n0, n1);
+        break;
+    default:
+        TD_ASSERT(!"unsupported weight type");
     }
 }
 

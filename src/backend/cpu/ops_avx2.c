@@ -46,8 +46,10 @@ INLINE __m256 exp256(__m256 x)
     /* n in [-126, 128]: split 2^n = 2^(n/2) * 2^(n - n/2) so that 128 does not overflow. */
     __m256i ni = _mm256_cvtps_epi32(n);
     __m256i n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
-    __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, _mm256_set1_epi32(127)), 23));
-    __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, _mm256_set1_epi32(127)), 23));
+    __m256 s1 =
+        _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, _mm256_set1_epi32(127)), 23));
+    __m256 s2 =
+        _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, _mm256_set1_epi32(127)), 23));
     return _mm256_andnot_ps(zero_mask, _mm256_mul_ps(_mm256_mul_ps(p, s1), s2));
 }
 
@@ -55,7 +57,8 @@ INLINE __m256 f16_to_f32(__m128i h)
 {
     __m256 f = _mm256_cvtph_ps(h);
     __m256i h32 = _mm256_cvtepu16_epi32(h);
-    __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(h32, _mm256_set1_epi32(0x7fff)), _mm256_set1_epi32(0x7c00));
+    __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(h32, _mm256_set1_epi32(0x7fff)),
+                                     _mm256_set1_epi32(0x7c00));
     if (__builtin_expect(!_mm256_testz_si256(nan, nan), 0)) {
         __m256i bits = _mm256_or_si256(
             _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(h32, _mm256_set1_epi32(0x8000)), 16),
@@ -77,9 +80,9 @@ INLINE __m128i f32_to_f16(__m256 x)
     __m128i h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
     if (__builtin_expect(!_mm256_testz_ps(nan, nan), 0)) {
-        __m256i s = _mm256_or_si256(
-            _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(x), 16), _mm256_set1_epi32(0x8000)),
-            _mm256_set1_epi32(0x7e00));
+        __m256i s = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(x), 16),
+                                                     _mm256_set1_epi32(0x8000)),
+                                    _mm256_set1_epi32(0x7e00));
         __m128i n16 = pack_u16(_mm256_srli_epi32(_mm256_castps_si256(nan), 16));
         h = _mm_blendv_epi8(h, pack_u16(s), n16);
     }
@@ -94,11 +97,14 @@ INLINE __m256 bf16_to_f32(__m128i h)
 INLINE __m128i f32_to_bf16(__m256 x)
 {
     __m256i b = _mm256_castps_si256(x);
-    __m256i r = _mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
-                                                      _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1))));
+    __m256i r = _mm256_add_epi32(
+        b, _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
+                            _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1))));
     r = _mm256_srli_epi32(r, 16);
-    __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
-    r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(0x40)), nan);
+    __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7fffffff)),
+                                     _mm256_set1_epi32(0x7f800000));
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(0x40)),
+                           nan);
     return pack_u16(r);
 }
 
@@ -121,7 +127,7 @@ INLINE __m256 round_away(__m256 v)
 INLINE __m128i pack_i8(__m256i a, __m256i b)
 {
     /* 16 int32 in [-127, 127] to 16 int8, in order. */
-    __m256i w = _mm256_packs_epi32(a, b);                  /* a0-3 b0-3 | a4-7 b4-7 */
+    __m256i w = _mm256_packs_epi32(a, b);                     /* a0-3 b0-3 | a4-7 b4-7 */
     w = _mm256_permute4x64_epi64(w, _MM_SHUFFLE(3, 1, 2, 0)); /* a0-7 b0-7 */
     return _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
 }
@@ -169,7 +175,8 @@ static float dot_f32(const float *a, const float *b, int n)
 {
     __m256 acc = _mm256_setzero_ps();
     int i = 0;
-    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    for (; i + 8 <= n; i += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
     if (i < n) {
         __m256i m = tail_mask8(n - i);
         acc = _mm256_fmadd_ps(_mm256_maskload_ps(a + i, m), _mm256_maskload_ps(b + i, m), acc);
@@ -183,8 +190,10 @@ static void rmsnorm(float *out, const float *x, const float *w, int n, float eps
     __m256 s = _mm256_set1_ps(scale);
     int i = 0;
     for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), s), _mm256_loadu_ps(w + i)));
-    for (; i < n; i++) out[i] = x[i] * scale * w[i];
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), s),
+                                                _mm256_loadu_ps(w + i)));
+    for (; i < n; i++)
+        out[i] = x[i] * scale * w[i];
 }
 
 INLINE __m256 silu_mul8(__m256 g, __m256 u)
@@ -196,7 +205,8 @@ INLINE __m256 silu_mul8(__m256 g, __m256 u)
 static void silu_mul(float *out, const float *gate, const float *up, int n)
 {
     int i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, silu_mul8(_mm256_loadu_ps(gate + i), _mm256_loadu_ps(up + i)));
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, silu_mul8(_mm256_loadu_ps(gate + i), _mm256_loadu_ps(up + i)));
     if (i < n) {
         float g[8] = {0}, u[8] = {0}, o[8];
         memcpy(g, gate + i, sizeof(float) * (size_t)(n - i));
@@ -209,15 +219,18 @@ static void silu_mul(float *out, const float *gate, const float *up, int n)
 static void add(float *y, const float *x, int n)
 {
     int i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_add_ps(_mm256_loadu_ps(y + i), _mm256_loadu_ps(x + i)));
-    for (; i < n; i++) y[i] += x[i];
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(y + i, _mm256_add_ps(_mm256_loadu_ps(y + i), _mm256_loadu_ps(x + i)));
+    for (; i < n; i++)
+        y[i] += x[i];
 }
 
 static void softmax(float *x, int n)
 {
     if (n <= 0) return;
     float mx = x[0];
-    for (int i = 1; i < n; i++) mx = fmaxf(mx, x[i]);
+    for (int i = 1; i < n; i++)
+        mx = fmaxf(mx, x[i]);
     __m256 vmx = _mm256_set1_ps(mx), sum = _mm256_setzero_ps();
     int i = 0;
     for (; i + 8 <= n; i += 8) {
@@ -227,16 +240,20 @@ static void softmax(float *x, int n)
     }
     if (i < n) {
         float t[8] = {0};
-        for (int j = 0; j < n - i; j++) t[j] = x[i + j] - mx;
-        __m256 e = _mm256_and_ps(exp256(_mm256_loadu_ps(t)), _mm256_castsi256_ps(tail_mask8(n - i)));
+        for (int j = 0; j < n - i; j++)
+            t[j] = x[i + j] - mx;
+        __m256 e =
+            _mm256_and_ps(exp256(_mm256_loadu_ps(t)), _mm256_castsi256_ps(tail_mask8(n - i)));
         _mm256_storeu_ps(t, e);
         memcpy(x + i, t, sizeof(float) * (size_t)(n - i));
         sum = _mm256_add_ps(sum, e);
     }
     __m256 inv = _mm256_set1_ps(1.0f / hsum8(sum));
-    for (i = 0; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), inv));
+    for (i = 0; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), inv));
     float s = _mm256_cvtss_f32(inv);
-    for (; i < n; i++) x[i] *= s;
+    for (; i < n; i++)
+        x[i] *= s;
 }
 
 static bool quant_row(td_type t, const float *src, void *dst, int64_t n)
@@ -250,7 +267,8 @@ static bool quant_row(td_type t, const float *src, void *dst, int64_t n)
             __m256 v = _mm256_loadu_ps(src + i);
             _mm_storeu_si128((__m128i *)(d + i), t == TD_TYPE_F16 ? f32_to_f16(v) : f32_to_bf16(v));
         }
-        for (; i < n; i++) d[i] = t == TD_TYPE_F16 ? td_f32_to_fp16(src[i]) : td_f32_to_bf16(src[i]);
+        for (; i < n; i++)
+            d[i] = t == TD_TYPE_F16 ? td_f32_to_fp16(src[i]) : td_f32_to_bf16(src[i]);
         return true;
     }
     case TD_TYPE_Q8_0: {
@@ -278,13 +296,16 @@ static bool dequant_row(td_type t, const void *src, float *dst, int64_t n)
             __m128i h = _mm_loadu_si128((const __m128i *)(s + i));
             _mm256_storeu_ps(dst + i, t == TD_TYPE_F16 ? f16_to_f32(h) : bf16_to_f32(h));
         }
-        for (; i < n; i++) dst[i] = t == TD_TYPE_F16 ? td_fp16_to_f32(s[i]) : td_bf16_to_f32(s[i]);
+        for (; i < n; i++)
+            dst[i] = t == TD_TYPE_F16 ? td_fp16_to_f32(s[i]) : td_bf16_to_f32(s[i]);
         return true;
     }
     case TD_TYPE_FP8_E4M3: {
         const uint8_t *s = src;
-        for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, fp8_to_f32(s + i));
-        for (; i < n; i++) dst[i] = cpu__fp8_table[s[i]];
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(dst + i, fp8_to_f32(s + i));
+        for (; i < n; i++)
+            dst[i] = cpu__fp8_table[s[i]];
         return true;
     }
     default:
@@ -297,10 +318,14 @@ static bool dequant_row(td_type t, const void *src, float *dst, int64_t n)
 INLINE __m256 kv_load(td_type t, const void *p, int i)
 {
     switch (t) {
-    case TD_TYPE_F16: return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
-    case TD_TYPE_BF16: return bf16_to_f32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
-    case TD_TYPE_FP8_E4M3: return fp8_to_f32((const uint8_t *)p + i);
-    default: return _mm256_loadu_ps((const float *)p + i);
+    case TD_TYPE_F16:
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
+    case TD_TYPE_BF16:
+        return bf16_to_f32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
+    case TD_TYPE_FP8_E4M3:
+        return fp8_to_f32((const uint8_t *)p + i);
+    default:
+        return _mm256_loadu_ps((const float *)p + i);
     }
 }
 
@@ -310,10 +335,18 @@ INLINE __m256 kv_loadz(td_type t, const void *p, int i, int len)
     float tmp[8] = {0};
     for (int j = 0; j < len; j++) {
         switch (t) {
-        case TD_TYPE_F16: tmp[j] = td_fp16_to_f32(((const uint16_t *)p)[i + j]); break;
-        case TD_TYPE_BF16: tmp[j] = td_bf16_to_f32(((const uint16_t *)p)[i + j]); break;
-        case TD_TYPE_FP8_E4M3: tmp[j] = cpu__fp8_table[((const uint8_t *)p)[i + j]]; break;
-        default: tmp[j] = ((const float *)p)[i + j]; break;
+        case TD_TYPE_F16:
+            tmp[j] = td_fp16_to_f32(((const uint16_t *)p)[i + j]);
+            break;
+        case TD_TYPE_BF16:
+            tmp[j] = td_bf16_to_f32(((const uint16_t *)p)[i + j]);
+            break;
+        case TD_TYPE_FP8_E4M3:
+            tmp[j] = cpu__fp8_table[((const uint8_t *)p)[i + j]];
+            break;
+        default:
+            tmp[j] = ((const float *)p)[i + j];
+            break;
         }
     }
     return _mm256_loadu_ps(tmp);
@@ -327,8 +360,11 @@ static void dot_kv_multi(float *out, const float *q, const void *k, size_t k_str
         const uint8_t *kj = kb + j * k_stride;
         __m256 acc = _mm256_setzero_ps();
         int i = 0;
-        for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), kv_load(t, kj, i), acc);
-        if (i < n) acc = _mm256_fmadd_ps(_mm256_maskload_ps(q + i, tail_mask8(n - i)), kv_loadz(t, kj, i, n - i), acc);
+        for (; i + 8 <= n; i += 8)
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), kv_load(t, kj, i), acc);
+        if (i < n)
+            acc = _mm256_fmadd_ps(_mm256_maskload_ps(q + i, tail_mask8(n - i)),
+                                  kv_loadz(t, kj, i, n - i), acc);
         out[j] = hsum8(acc);
     }
 }
@@ -341,11 +377,13 @@ static void axpy_kv_multi(float *y, const float *a, const void *v, size_t v_stri
         const uint8_t *vj = vb + j * v_stride;
         __m256 aj = _mm256_set1_ps(a[j]);
         int i = 0;
-        for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(aj, kv_load(t, vj, i), _mm256_loadu_ps(y + i)));
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(y + i, _mm256_fmadd_ps(aj, kv_load(t, vj, i), _mm256_loadu_ps(y + i)));
         if (i < n) {
             float tmp[8] = {0}, o[8];
             memcpy(tmp, y + i, sizeof(float) * (size_t)(n - i));
-            _mm256_storeu_ps(o, _mm256_fmadd_ps(aj, kv_loadz(t, vj, i, n - i), _mm256_loadu_ps(tmp)));
+            _mm256_storeu_ps(o,
+                             _mm256_fmadd_ps(aj, kv_loadz(t, vj, i, n - i), _mm256_loadu_ps(tmp)));
             memcpy(y + i, o, sizeof(float) * (size_t)(n - i));
         }
     }

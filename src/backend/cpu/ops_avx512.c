@@ -75,9 +75,9 @@ INLINE __m256i f32_to_f16(__m512 x)
     __m256i h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
     if (__builtin_expect(nan != 0, 0)) {
-        __m512i s = _mm512_or_si512(
-            _mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(x), 16), _mm512_set1_epi32(0x8000)),
-            _mm512_set1_epi32(0x7e00));
+        __m512i s = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(x), 16),
+                                                     _mm512_set1_epi32(0x8000)),
+                                    _mm512_set1_epi32(0x7e00));
         h = _mm256_mask_mov_epi16(h, nan, _mm512_cvtepi32_epi16(s));
     }
     return h;
@@ -98,7 +98,8 @@ INLINE __m256i f32_to_bf16(__m512 x)
     r = _mm512_srli_epi32(r, 16);
     __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff)),
                                             _mm512_set1_epi32(0x7f800000));
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(0x40)));
+    r = _mm512_mask_mov_epi32(r, nan,
+                              _mm512_or_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(0x40)));
     return _mm512_cvtepi32_epi16(r);
 }
 
@@ -125,9 +126,9 @@ INLINE __m128i f32_to_fp8(__m512 x)
         ax, _mm512_add_epi32(_mm512_set1_epi32(0x7ffff),
                              _mm512_and_si512(_mm512_srli_epi32(ax, 20), _mm512_set1_epi32(1))));
     r = _mm512_sub_epi32(_mm512_srli_epi32(r, 20), _mm512_set1_epi32(120 << 3));
-    __m512i sub = _mm512_cvt_roundps_epi32(
-        _mm512_mul_ps(_mm512_castsi512_ps(ax), _mm512_set1_ps(512.0f)),
-        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512i sub =
+        _mm512_cvt_roundps_epi32(_mm512_mul_ps(_mm512_castsi512_ps(ax), _mm512_set1_ps(512.0f)),
+                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     r = _mm512_mask_mov_epi32(r, _mm512_cmplt_epi32_mask(ax, _mm512_set1_epi32(0x3c800000)), sub);
     r = _mm512_mask_mov_epi32(r, _mm512_cmpge_epi32_mask(ax, _mm512_set1_epi32(0x43e00000)),
                               _mm512_set1_epi32(0x7e));
@@ -203,8 +204,9 @@ static void rmsnorm(float *out, const float *x, const float *w, int n, float eps
                                                 _mm512_loadu_ps(w + i)));
     if (i < n) {
         __mmask16 m = tail_mask(n - i);
-        _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + i), s),
-                                                        _mm512_maskz_loadu_ps(m, w + i)));
+        _mm512_mask_storeu_ps(out + i, m,
+                              _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + i), s),
+                                            _mm512_maskz_loadu_ps(m, w + i)));
     }
 }
 
@@ -221,8 +223,9 @@ static void silu_mul(float *out, const float *gate, const float *up, int n)
         _mm512_storeu_ps(out + i, silu_mul16(_mm512_loadu_ps(gate + i), _mm512_loadu_ps(up + i)));
     if (i < n) {
         __mmask16 m = tail_mask(n - i);
-        _mm512_mask_storeu_ps(out + i, m, silu_mul16(_mm512_maskz_loadu_ps(m, gate + i),
-                                                     _mm512_maskz_loadu_ps(m, up + i)));
+        _mm512_mask_storeu_ps(
+            out + i, m,
+            silu_mul16(_mm512_maskz_loadu_ps(m, gate + i), _mm512_maskz_loadu_ps(m, up + i)));
     }
 }
 
@@ -233,8 +236,9 @@ static void add(float *y, const float *x, int n)
         _mm512_storeu_ps(y + i, _mm512_add_ps(_mm512_loadu_ps(y + i), _mm512_loadu_ps(x + i)));
     if (i < n) {
         __mmask16 m = tail_mask(n - i);
-        _mm512_mask_storeu_ps(y + i, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, y + i),
-                                                      _mm512_maskz_loadu_ps(m, x + i)));
+        _mm512_mask_storeu_ps(
+            y + i, m,
+            _mm512_add_ps(_mm512_maskz_loadu_ps(m, y + i), _mm512_maskz_loadu_ps(m, x + i)));
     }
 }
 
@@ -246,7 +250,8 @@ static float dot_f32(const float *a, const float *b, int n)
         acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
     if (i < n) {
         __mmask16 m = tail_mask(n - i);
-        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc);
+        acc =
+            _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc);
     }
     return hsum16(acc);
 }
@@ -256,8 +261,11 @@ static void softmax(float *x, int n)
     if (n <= 0) return;
     __m512 vmax = _mm512_set1_ps(-__builtin_inff());
     int i = 0;
-    for (; i + 16 <= n; i += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(x + i));
-    if (i < n) vmax = _mm512_mask_max_ps(vmax, tail_mask(n - i), vmax, _mm512_maskz_loadu_ps(tail_mask(n - i), x + i));
+    for (; i + 16 <= n; i += 16)
+        vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(x + i));
+    if (i < n)
+        vmax = _mm512_mask_max_ps(vmax, tail_mask(n - i), vmax,
+                                  _mm512_maskz_loadu_ps(tail_mask(n - i), x + i));
     __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
     __m512 sum = _mm512_setzero_ps();
     for (i = 0; i + 16 <= n; i += 16) {
@@ -267,12 +275,14 @@ static void softmax(float *x, int n)
     }
     if (i < n) {
         __mmask16 m = tail_mask(n - i);
-        __m512 e = _mm512_maskz_mov_ps(m, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, x + i), mx)));
+        __m512 e =
+            _mm512_maskz_mov_ps(m, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, x + i), mx)));
         _mm512_mask_storeu_ps(x + i, m, e);
         sum = _mm512_add_ps(sum, e);
     }
     __m512 inv = _mm512_set1_ps(1.0f / hsum16(sum));
-    for (i = 0; i + 16 <= n; i += 16) _mm512_storeu_ps(x + i, _mm512_mul_ps(_mm512_loadu_ps(x + i), inv));
+    for (i = 0; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(x + i, _mm512_mul_ps(_mm512_loadu_ps(x + i), inv));
     if (i < n) {
         __mmask16 m = tail_mask(n - i);
         _mm512_mask_storeu_ps(x + i, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + i), inv));
@@ -293,7 +303,8 @@ static bool quant_row(td_type t, const float *src, void *dst, int64_t n)
         uint16_t *d = dst;
         for (; i + 16 <= n; i += 16) {
             __m512 v = _mm512_loadu_ps(src + i);
-            _mm256_storeu_si256((__m256i *)(d + i), t == TD_TYPE_F16 ? f32_to_f16(v) : f32_to_bf16(v));
+            _mm256_storeu_si256((__m256i *)(d + i),
+                                t == TD_TYPE_F16 ? f32_to_f16(v) : f32_to_bf16(v));
         }
         if (i < n) {
             __mmask16 m = tail_mask((int)(n - i));
@@ -304,7 +315,8 @@ static bool quant_row(td_type t, const float *src, void *dst, int64_t n)
     }
     case TD_TYPE_FP8_E4M3: {
         uint8_t *d = dst;
-        for (; i + 16 <= n; i += 16) _mm_storeu_si128((__m128i *)(d + i), f32_to_fp8(_mm512_loadu_ps(src + i)));
+        for (; i + 16 <= n; i += 16)
+            _mm_storeu_si128((__m128i *)(d + i), f32_to_fp8(_mm512_loadu_ps(src + i)));
         if (i < n) {
             __mmask16 m = tail_mask((int)(n - i));
             _mm_mask_storeu_epi8(d + i, m, f32_to_fp8(_mm512_maskz_loadu_ps(m, src + i)));
@@ -348,7 +360,8 @@ static bool dequant_row(td_type t, const void *src, float *dst, int64_t n)
     }
     case TD_TYPE_FP8_E4M3: {
         const uint8_t *s = src;
-        for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, fp8_to_f32(_mm_loadu_si128((const __m128i *)(s + i))));
+        for (; i + 16 <= n; i += 16)
+            _mm512_storeu_ps(dst + i, fp8_to_f32(_mm_loadu_si128((const __m128i *)(s + i))));
         if (i < n) {
             __mmask16 m = tail_mask((int)(n - i));
             _mm512_mask_storeu_ps(dst + i, m, fp8_to_f32(_mm_maskz_loadu_epi8(m, s + i)));
@@ -361,8 +374,10 @@ static bool dequant_row(td_type t, const void *src, float *dst, int64_t n)
             __m512 d = _mm512_set1_ps(_cvtsh_ss(b[k].d));
             __m128i q0 = _mm_loadu_si128((const __m128i *)b[k].qs);
             __m128i q1 = _mm_loadu_si128((const __m128i *)(b[k].qs + 16));
-            _mm512_storeu_ps(dst + k * 32, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0))));
-            _mm512_storeu_ps(dst + k * 32 + 16, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1))));
+            _mm512_storeu_ps(dst + k * 32,
+                             _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0))));
+            _mm512_storeu_ps(dst + k * 32 + 16,
+                             _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1))));
         }
         return true;
     }
@@ -371,7 +386,8 @@ static bool dequant_row(td_type t, const void *src, float *dst, int64_t n)
         for (int64_t k = 0; k < n / TD_QK4_0; k++) {
             __m512 d = _mm512_set1_ps(_cvtsh_ss(b[k].d));
             __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b[k].qs));
-            __m512i lo = _mm512_sub_epi32(_mm512_and_si512(q, _mm512_set1_epi32(0xf)), _mm512_set1_epi32(8));
+            __m512i lo =
+                _mm512_sub_epi32(_mm512_and_si512(q, _mm512_set1_epi32(0xf)), _mm512_set1_epi32(8));
             __m512i hi = _mm512_sub_epi32(_mm512_srli_epi32(q, 4), _mm512_set1_epi32(8));
             _mm512_storeu_ps(dst + k * 32, _mm512_mul_ps(d, _mm512_cvtepi32_ps(lo)));
             _mm512_storeu_ps(dst + k * 32 + 16, _mm512_mul_ps(d, _mm512_cvtepi32_ps(hi)));
@@ -390,20 +406,28 @@ static bool dequant_row(td_type t, const void *src, float *dst, int64_t n)
 INLINE __m512 kv_load(td_type t, const void *p, int i)
 {
     switch (t) {
-    case TD_TYPE_F16: return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)));
-    case TD_TYPE_BF16: return bf16_to_f32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)));
-    case TD_TYPE_FP8_E4M3: return fp8_to_f32(_mm_loadu_si128((const __m128i *)((const uint8_t *)p + i)));
-    default: return _mm512_loadu_ps((const float *)p + i);
+    case TD_TYPE_F16:
+        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)));
+    case TD_TYPE_BF16:
+        return bf16_to_f32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)));
+    case TD_TYPE_FP8_E4M3:
+        return fp8_to_f32(_mm_loadu_si128((const __m128i *)((const uint8_t *)p + i)));
+    default:
+        return _mm512_loadu_ps((const float *)p + i);
     }
 }
 
 INLINE __m512 kv_loadz(td_type t, const void *p, int i, __mmask16 m)
 {
     switch (t) {
-    case TD_TYPE_F16: return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, (const uint16_t *)p + i));
-    case TD_TYPE_BF16: return bf16_to_f32(_mm256_maskz_loadu_epi16(m, (const uint16_t *)p + i));
-    case TD_TYPE_FP8_E4M3: return _mm512_maskz_mov_ps(m, fp8_to_f32(_mm_maskz_loadu_epi8(m, (const uint8_t *)p + i)));
-    default: return _mm512_maskz_loadu_ps(m, (const float *)p + i);
+    case TD_TYPE_F16:
+        return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, (const uint16_t *)p + i));
+    case TD_TYPE_BF16:
+        return bf16_to_f32(_mm256_maskz_loadu_epi16(m, (const uint16_t *)p + i));
+    case TD_TYPE_FP8_E4M3:
+        return _mm512_maskz_mov_ps(m, fp8_to_f32(_mm_maskz_loadu_epi8(m, (const uint8_t *)p + i)));
+    default:
+        return _mm512_maskz_loadu_ps(m, (const float *)p + i);
     }
 }
 
@@ -414,11 +438,13 @@ INLINE void dot_kv_group(float *out, const float *q, const uint8_t *k, size_t st
 {
     __m512 acc[16];
 #pragma GCC unroll 16
-    for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
+    for (int j = 0; j < 16; j++)
+        acc[j] = _mm512_setzero_ps();
     int i = 0;
     for (; i + 16 <= n; i += 16) {
         __m512 qv = _mm512_loadu_ps(q + i);
-        for (int j = 0; j < count; j++) acc[j] = _mm512_fmadd_ps(qv, kv_load(t, k + j * stride, i), acc[j]);
+        for (int j = 0; j < count; j++)
+            acc[j] = _mm512_fmadd_ps(qv, kv_load(t, k + j * stride, i), acc[j]);
     }
     if (i < n) {
         __mmask16 m = tail_mask(n - i);
@@ -426,7 +452,8 @@ INLINE void dot_kv_group(float *out, const float *q, const uint8_t *k, size_t st
         for (int j = 0; j < count; j++)
             acc[j] = _mm512_fmadd_ps(qv, kv_loadz(t, k + j * stride, i, m), acc[j]);
     }
-    for (int j = 0; j < count; j++) out[j] = hsum16(acc[j]);
+    for (int j = 0; j < count; j++)
+        out[j] = hsum16(acc[j]);
 }
 
 static void dot_kv_multi(float *out, const float *q, const void *k, size_t k_stride, td_type t,
@@ -437,10 +464,18 @@ static void dot_kv_multi(float *out, const float *q, const void *k, size_t k_str
         int c = TD_MIN(8, count - j);
         if (c == 8) {
             switch (t) {
-            case TD_TYPE_F16: dot_kv_group(out + j, q, kb + j * k_stride, k_stride, TD_TYPE_F16, n, 8); break;
-            case TD_TYPE_BF16: dot_kv_group(out + j, q, kb + j * k_stride, k_stride, TD_TYPE_BF16, n, 8); break;
-            case TD_TYPE_FP8_E4M3: dot_kv_group(out + j, q, kb + j * k_stride, k_stride, TD_TYPE_FP8_E4M3, n, 8); break;
-            default: dot_kv_group(out + j, q, kb + j * k_stride, k_stride, TD_TYPE_F32, n, 8); break;
+            case TD_TYPE_F16:
+                dot_kv_group(out + j, q, kb + j * k_stride, k_stride, TD_TYPE_F16, n, 8);
+                break;
+            case TD_TYPE_BF16:
+                dot_kv_group(out + j, q, kb + j * k_stride, k_stride, TD_TYPE_BF16, n, 8);
+                break;
+            case TD_TYPE_FP8_E4M3:
+                dot_kv_group(out + j, q, kb + j * k_stride, k_stride, TD_TYPE_FP8_E4M3, n, 8);
+                break;
+            default:
+                dot_kv_group(out + j, q, kb + j * k_stride, k_stride, TD_TYPE_F32, n, 8);
+                break;
             }
         } else {
             dot_kv_group(out + j, q, kb + j * k_stride, k_stride, t, n, c);
@@ -457,15 +492,20 @@ static void axpy_kv_multi(float *y, const float *a, const void *v, size_t v_stri
         int len = TD_MIN(128, n - i0);
         int full = len / 16, rem = len % 16;
         __m512 acc[8];
-        for (int c = 0; c < full; c++) acc[c] = _mm512_loadu_ps(y + i0 + c * 16);
+        for (int c = 0; c < full; c++)
+            acc[c] = _mm512_loadu_ps(y + i0 + c * 16);
         if (rem) acc[full] = _mm512_maskz_loadu_ps(tail_mask(rem), y + i0 + full * 16);
         for (int j = 0; j < count; j++) {
             const uint8_t *vj = vb + j * v_stride;
             __m512 aj = _mm512_set1_ps(a[j]);
-            for (int c = 0; c < full; c++) acc[c] = _mm512_fmadd_ps(aj, kv_load(t, vj, i0 + c * 16), acc[c]);
-            if (rem) acc[full] = _mm512_fmadd_ps(aj, kv_loadz(t, vj, i0 + full * 16, tail_mask(rem)), acc[full]);
+            for (int c = 0; c < full; c++)
+                acc[c] = _mm512_fmadd_ps(aj, kv_load(t, vj, i0 + c * 16), acc[c]);
+            if (rem)
+                acc[full] =
+                    _mm512_fmadd_ps(aj, kv_loadz(t, vj, i0 + full * 16, tail_mask(rem)), acc[full]);
         }
-        for (int c = 0; c < full; c++) _mm512_storeu_ps(y + i0 + c * 16, acc[c]);
+        for (int c = 0; c < full; c++)
+            _mm512_storeu_ps(y + i0 + c * 16, acc[c]);
         if (rem) _mm512_mask_storeu_ps(y + i0 + full * 16, tail_mask(rem), acc[full]);
     }
 }

@@ -25,7 +25,8 @@ static void count_fn(void *ctx, int ith, int nth)
     job->nth_seen[ith] = nth;
     int64_t b, e, s = 0;
     td_split_range(job->n, ith, nth, &b, &e);
-    for (int64_t i = b; i < e; i++) s += i;
+    for (int64_t i = b; i < e; i++)
+        s += i;
     atomic_fetch_add(&job->sum, s);
 }
 
@@ -41,10 +42,12 @@ static void check_runs(int n_threads, bool pin, int runs)
         job.n = 1000 + r % 7;
         td_pool_run(pool, count_fn, &job);
         for (int i = 0; i < n_threads; i++) {
-            if (atomic_load(&job.hits[i]) != 1) fail_msg("run %d: thread %d ran %d times", r, i, job.hits[i]);
+            if (atomic_load(&job.hits[i]) != 1)
+                fail_msg("run %d: thread %d ran %d times", r, i, job.hits[i]);
             assert_int_equal(job.nth_seen[i], n_threads);
         }
-        for (int i = n_threads; i < 16; i++) assert_int_equal(atomic_load(&job.hits[i]), 0);
+        for (int i = n_threads; i < 16; i++)
+            assert_int_equal(atomic_load(&job.hits[i]), 0);
         assert_true(atomic_load(&job.sum) == job.n * (job.n - 1) / 2);
     }
     td_pool_free(pool);
@@ -53,7 +56,8 @@ static void check_runs(int n_threads, bool pin, int runs)
 static void test_many_tiny_runs(void **state)
 {
     (void)state;
-    for (int n = 1; n <= 4; n++) check_runs(n, false, 20000 / n);
+    for (int n = 1; n <= 4; n++)
+        check_runs(n, false, 20000 / n);
     check_runs(2, true, 2000);
     check_runs(3, true, 500); /* more threads than CPUs on small machines: must still work */
 }
@@ -69,7 +73,8 @@ static void test_sleep_and_wake(void **state)
         memset(&job, 0, sizeof(job));
         job.n = 10;
         td_pool_run(pool, count_fn, &job);
-        for (int i = 0; i < 3; i++) assert_int_equal(atomic_load(&job.hits[i]), 1);
+        for (int i = 0; i < 3; i++)
+            assert_int_equal(atomic_load(&job.hits[i]), 1);
     }
     td_pool_free(pool);
 }
