@@ -151,12 +151,10 @@ static void task_rope_store(void *ctx, int ith, int nth)
         if (L->bk.data) cpu_add(k, L->bk.data, kd);
         if (L->bv.data) cpu_add(v, L->bv.data, kd);
         int32_t pos = tk->b->pos[t];
-        for (int h = 0; h < s->n_head; h++)
-            cpu_rope(q + h * hd, hd, pos, s->rope_theta, s->rope_freq_scale,
-                     f->model->rope_freqs, neox);
-        for (int h = 0; h < s->n_head_kv; h++)
-            cpu_rope(k + h * hd, hd, pos, s->rope_theta, s->rope_freq_scale,
-                     f->model->rope_freqs, neox);
+        cpu_rope_heads(q, s->n_head, hd, hd, pos, s->rope_theta, s->rope_freq_scale,
+                       f->model->rope_freqs, neox);
+        cpu_rope_heads(k, s->n_head_kv, hd, hd, pos, s->rope_theta, s->rope_freq_scale,
+                       f->model->rope_freqs, neox);
         const int32_t *table = tk->b->block_tables[tk->b->seq[t]];
         int block = table[pos / kv->block_size];
         size_t off = (size_t)(pos % kv->block_size) * kv->token_bytes;
@@ -198,16 +196,15 @@ static void task_attention(void *ctx, int ith, int nth)
         for (int j0 = 0; j0 < n; j0 += kv->block_size) {
             const uint8_t *kb = kv_k(kv, tk->il, table[j0 / kv->block_size]) + head_off;
             int jn = TD_MIN(kv->block_size, n - j0);
-            for (int j = 0; j < jn; j++)
-                sc[j0 + j] = cpu_dot_kv(q, kb + (size_t)j * kv->token_bytes, kv->dtype, hd) * scale;
+            cpu_dot_kv_multi(sc + j0, q, kb, kv->token_bytes, kv->dtype, hd, jn);
         }
+        for (int j = 0; j < n; j++) sc[j] *= scale;
         cpu_softmax(sc, n);
         memset(out, 0, (size_t)hd * sizeof(float));
         for (int j0 = 0; j0 < n; j0 += kv->block_size) {
             const uint8_t *vb = kv_v(kv, tk->il, table[j0 / kv->block_size]) + head_off;
             int jn = TD_MIN(kv->block_size, n - j0);
-            for (int j = 0; j < jn; j++)
-                cpu_axpy_kv(out, sc[j0 + j], vb + (size_t)j * kv->token_bytes, kv->dtype, hd);
+            cpu_axpy_kv_multi(out, sc + j0, vb, kv->token_bytes, kv->dtype, hd, jn);
         }
     }
 }

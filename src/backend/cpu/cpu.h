@@ -31,7 +31,9 @@ const char *cpu_isa_name(cpu_isa isa);
 /**
  * Bytes of scratch that cpu_matmul needs for an M x K activation against a weight
  * of type wtype (quantized activations for q8_0/q4_0, packed panels, ...). The
- * engine reserves this at start-up for its largest batch.
+ * engine reserves this at start-up for its largest batch. The size grows with M, K
+ * and n_threads (never with N), so the value for the largest M and K, and at least
+ * the pool's thread count, covers every smaller call; it is valid on every ISA.
  */
 size_t cpu_matmul_scratch_size(td_type wtype, int M, int K, int n_threads);
 

@@ -1,9 +1,9 @@
 /*
  * backend/cpu/cpu_impl.h - what cpu.c shares with the per-ISA kernel files.
  *
- * cpu.c owns dispatch, threading and scratch layout; each ISA file (cpu_generic.c,
- * *_avx2.c, *_avx512.c) fills one cpu__kernels table. A NULL entry means "use the
- * generic kernel", which is always correct (only slower).
+ * cpu.c owns dispatch, threading and scratch layout; each ISA's files (cpu_generic.c,
+ * *_avx2.c, *_avx512.c) fill one cpu__kernels table. Every entry is set; quant_row and
+ * dequant_row may decline a type, and cpu.c then uses the generic (exact) one.
  *
  * The arithmetic contract shared by every ISA's matmul (cpu.h asks for batch
  * invariance; this is how it is met):

@@ -194,12 +194,6 @@ INLINE void ftile_pf(int MR, int NR, int kind, const float *const *xr, const voi
     ftile_reduce(MR, NR, acc, out);
 }
 
-INLINE void ftile(int MR, int NR, int kind, const float *const *xr, const void *const *wr, int K,
-                  float *out)
-{
-    ftile_pf(MR, NR, kind, xr, wr, K, out, NULL);
-}
-
 /*
  * One k-chunk [k0, k1) of a tile whose accumulators live in memory between chunks
  * (storing and reloading a vector is exact, so chunking changes no result): start
@@ -322,10 +316,10 @@ INLINE void fpacked(const cpu__mm *mm, int kind, int n0, int n1, float *panel)
     const int K = mm->K, M = mm->M, Kp = TD_ALIGN_UP(K, 16) + 16;
     const bool chunked = K > FP_KBLOCK_MIN;
     const int kc = chunked ? FP_KC : K;
-    /* Rows of x per block: the block (or its chunk) stays in ~384 KiB of L2. */
-    int mb_rows = chunked
-                      ? FP_MB_CHUNKED
-                      : (int)TD_MAX((size_t)FP_MR, (384u << 10) / ((size_t)K * 4) / FP_MR * FP_MR);
+    /* Rows of x per block: the block's whole K stays in ~512 KiB of L2 across all the
+     * panels (every chunk of K is used for each panel). */
+    int mb_rows = (int)TD_MAX((size_t)FP_MR, (512u << 10) / ((size_t)K * 4) / FP_MR * FP_MR);
+    if (chunked) mb_rows = TD_MIN(mb_rows, FP_MB_CHUNKED);
     __m512 *save = (__m512 *)(void *)(panel + (size_t)FP_NR * Kp);
     float out[TD_ALIGN_UP(FP_MR * FP_NR, 16)] __attribute__((aligned(64)));
     const void *wr[FP_NR];

@@ -483,10 +483,62 @@ static void dot_kv_multi(float *out, const float *q, const void *k, size_t k_str
     }
 }
 
+/* y[0 .. 16 C) += a[j] * v_j for j in order, with y in C registers throughout. */
+INLINE void axpy_fixed(int C, float *y, const float *a, const uint8_t *v, size_t stride, td_type t,
+                       int count)
+{
+    __m512 acc[8];
+#pragma GCC unroll 8
+    for (int c = 0; c < C; c++)
+        acc[c] = _mm512_loadu_ps(y + c * 16);
+    for (int j = 0; j < count; j++) {
+        const uint8_t *vj = v + j * stride;
+        __m512 aj = _mm512_set1_ps(a[j]);
+#pragma GCC unroll 8
+        for (int c = 0; c < C; c++)
+            acc[c] = _mm512_fmadd_ps(aj, kv_load(t, vj, c * 16), acc[c]);
+    }
+#pragma GCC unroll 8
+    for (int c = 0; c < C; c++)
+        _mm512_storeu_ps(y + c * 16, acc[c]);
+}
+
+INLINE void axpy_fixed_t(int C, float *y, const float *a, const uint8_t *v, size_t stride,
+                         td_type t, int count)
+{
+    switch (t) {
+    case TD_TYPE_F16:
+        axpy_fixed(C, y, a, v, stride, TD_TYPE_F16, count);
+        break;
+    case TD_TYPE_BF16:
+        axpy_fixed(C, y, a, v, stride, TD_TYPE_BF16, count);
+        break;
+    case TD_TYPE_FP8_E4M3:
+        axpy_fixed(C, y, a, v, stride, TD_TYPE_FP8_E4M3, count);
+        break;
+    default:
+        axpy_fixed(C, y, a, v, stride, TD_TYPE_F32, count);
+        break;
+    }
+}
+
 static void axpy_kv_multi(float *y, const float *a, const void *v, size_t v_stride, td_type t,
                           int n, int count)
 {
     const uint8_t *vb = v;
+    /* Common head sizes: everything in registers, with the type resolved at compile time. */
+    if (n % 16 == 0 && n <= 128) {
+        switch (n / 16) {
+        case 4:
+            axpy_fixed_t(4, y, a, vb, v_stride, t, count);
+            return;
+        case 8:
+            axpy_fixed_t(8, y, a, vb, v_stride, t, count);
+            return;
+        default:
+            break;
+        }
+    }
     /* 128 elements of y stay in registers across all positions. */
     for (int i0 = 0; i0 < n; i0 += 128) {
         int len = TD_MIN(128, n - i0);
