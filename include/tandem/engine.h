@@ -70,7 +70,11 @@ typedef struct td_sampling {
     int n_stop;
     bool include_stop_str_in_output;
     bool skip_special_tokens;   /* default true: control tokens add no text */
+    int logprobs;               /* 0: none; N in [1, TD_MAX_LOGPROBS]: log-probability of the
+                                   sampled token and the N most likely tokens at each step */
 } td_sampling;
+
+#define TD_MAX_LOGPROBS 20
 
 void td_sampling_default(td_sampling *sp);
 
@@ -121,6 +125,16 @@ typedef struct td_output {
     int num_cached_tokens;/* prompt tokens served from the prefix cache */
     int num_generated;    /* tokens generated so far, including this one */
     int num_preemptions;
+    /* With td_sampling.logprobs = N > 0 and token >= 0: the sampled token's log-probability
+     * under the model's distribution (temperature 1, before any filter), and the N most
+     * likely tokens, best first. Valid until the next step. */
+    float logprob;
+    int n_top;
+    const int32_t *top_ids;
+    const float *top_logprobs;
+    /* Timing (seconds, monotonic clock): when the request was added, first scheduled, and
+     * produced its first token; 0 when not yet. */
+    double t_arrival, t_first_scheduled, t_first_token;
 } td_output;
 
 /** Next queued output; returns false when none is left. */

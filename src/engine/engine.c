@@ -320,6 +320,9 @@ int td_engine_add_request(td_engine *e, uint64_t *out_id, const int32_t *prompt,
     sampler_params spp = {sp->temperature, sp->top_k, sp->top_p, sp->min_p};
     int rc = sampler_check(&spp, err);
     if (rc) return rc;
+    if (sp->logprobs < 0 || sp->logprobs > TD_MAX_LOGPROBS)
+        return td_err_set(err, TD_EINVAL, "logprobs must be in [0, %d], got %d", TD_MAX_LOGPROBS,
+                          sp->logprobs);
     for (int i = 0; i < sp->n_stop_token_ids; i++)
         if (sp->stop_token_ids[i] < 0 || sp->stop_token_ids[i] >= n_vocab)
             return td_err_set(err, TD_EINVAL, "stop_token_ids[%d] = %d is outside the vocabulary", i,
@@ -354,6 +357,8 @@ int td_engine_add_request(td_engine *e, uint64_t *out_id, const int32_t *prompt,
     r->ignore_eos = sp->ignore_eos;
     r->include_stop_str = sp->include_stop_str_in_output;
     r->skip_special = sp->skip_special_tokens;
+    r->logprobs = sp->logprobs;
+    r->t_arrival = td_now_s();
     td_rng_seed(&r->rng, sp->has_seed ? sp->seed : td_rng_next(&e->rng));
     tok_stream_init(&r->ts, e->tok, sp->skip_special_tokens);
     if (e->n_waiting == e->cap_waiting) {
@@ -406,5 +411,7 @@ bool td_engine_poll(td_engine *e, td_output *out)
     *out = o->out;
     out->text = e->arena ? e->arena + o->text_off : "";
     out->error = o->out.finish == TD_FINISH_ERROR ? o->error : NULL;
+    out->top_ids = o->top_ids;
+    out->top_logprobs = o->top_logprobs;
     return true;
 }

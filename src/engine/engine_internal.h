@@ -45,6 +45,8 @@ typedef struct req {
     size_t text_len, text_cap;
     size_t emitted;     /* bytes of text already given to the caller */
     int n_generated;
+    int logprobs;       /* top-N log-probabilities wanted per step (0 = none) */
+    double t_arrival, t_first_scheduled, t_first_token;
 } req;
 
 /* One queued output: text lives in the engine's output arena at text_off. */
@@ -52,6 +54,8 @@ typedef struct out_rec {
     td_output out;
     size_t text_off;
     char error[160];
+    int32_t top_ids[TD_MAX_LOGPROBS];
+    float top_logprobs[TD_MAX_LOGPROBS];
 } out_rec;
 
 struct td_engine {

@@ -13,6 +13,7 @@
  */
 #include "engine/engine_internal.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -59,6 +60,9 @@ static void out_push(td_engine *e, req *r, int32_t token, const char *text, size
     o->out.num_cached_tokens = r->n_cached_prompt;
     o->out.num_generated = r->n_generated;
     o->out.num_preemptions = r->n_preemptions;
+    o->out.t_arrival = r->t_arrival;
+    o->out.t_first_scheduled = r->t_first_scheduled;
+    o->out.t_first_token = r->t_first_token;
     if (error) snprintf(o->error, sizeof(o->error), "%s", error);
 }
 
@@ -145,6 +149,36 @@ static void preempt(td_engine *e, req *r)
     e->n_waiting++;
 }
 
+/* ---- log-probabilities ------------------------------------------------------ */
+
+/* log p(tok) under softmax(logits) and the n most likely tokens, best first (ties: lower id).
+ * Fills the newest output record. */
+static void fill_logprobs(td_engine *e, const float *logits, int32_t tok, int n)
+{
+    const int n_vocab = e->model->shape.n_vocab;
+    float maxl = logits[0];
+    for (int i = 1; i < n_vocab; i++) maxl = fmaxf(maxl, logits[i]);
+    double sum = 0;
+    for (int i = 0; i < n_vocab; i++) sum += exp((double)(logits[i] - maxl));
+    float lse = maxl + (float)log(sum);
+    out_rec *o = &e->outs[e->n_outs - 1];
+    o->out.logprob = logits[tok] - lse;
+    /* Insertion into a sorted array of n: O(vocab) for the common case of small n. */
+    int k = 0;
+    for (int i = 0; i < n_vocab; i++) {
+        float v = logits[i];
+        if (k == n && v <= logits[o->top_ids[n - 1]]) continue;
+        int j = k < n ? k++ : n - 1;
+        while (j > 0 && logits[o->top_ids[j - 1]] < v) {
+            o->top_ids[j] = o->top_ids[j - 1];
+            j--;
+        }
+        o->top_ids[j] = i;
+    }
+    for (int j = 0; j < k; j++) o->top_logprobs[j] = logits[o->top_ids[j]] - lse;
+    o->out.n_top = k;
+}
+
 /* ---- stop conditions -------------------------------------------------------- */
 
 static bool is_stop_token(const td_engine *e, const req *r, int32_t tok)
@@ -208,8 +242,9 @@ static void end_request(td_engine *e, req *r, td_finish why, const char *error)
     r->finished = true;
 }
 
-static void accept_token(td_engine *e, req *r, int32_t tok)
+static void accept_token(td_engine *e, req *r, int32_t tok, const float *logits)
 {
+    if (!r->t_first_token) r->t_first_token = td_now_s();
     r->tokens[r->n_tokens++] = tok;
     r->n_generated++;
     td_finish fin = TD_FINISH_NONE;
@@ -246,6 +281,7 @@ static void accept_token(td_engine *e, req *r, int32_t tok)
     }
     r->emitted = emit_to;
     out_push(e, r, tok, r->text + emit_from, emit_to - emit_from, fin, NULL);
+    if (r->logprobs > 0) fill_logprobs(e, logits, tok, r->logprobs);
     if (fin != TD_FINISH_NONE) end_request(e, r, fin, NULL);
 }
 
@@ -316,6 +352,7 @@ int sched__step(td_engine *e, td_err *err)
         e->running[e->n_running++] = r;
         r->state = REQ_RUNNING;
         r->admitted_once = true;
+        if (!r->t_first_scheduled) r->t_first_scheduled = td_now_s();
         e->b_reqs[n_sched] = r;
         e->b_n[n_sched] = n;
         n_sched++;
@@ -353,10 +390,10 @@ int sched__step(td_engine *e, td_err *err)
         r->n_computed += e->b_n[s];
         register_full_blocks(e, r);
         if (r->n_computed < r->n_tokens) continue; /* mid-prompt chunk: nothing to sample */
-        int32_t tok = sampler_sample(&r->sp, e->logits + (size_t)li * n_vocab, n_vocab, &r->rng,
-                                     &e->samp);
+        const float *row = e->logits + (size_t)li * n_vocab;
+        int32_t tok = sampler_sample(&r->sp, row, n_vocab, &r->rng, &e->samp);
         li++;
-        accept_token(e, r, tok);
+        accept_token(e, r, tok, row);
     }
     /* Finished requests leave the running list here, and only here, so that the loop
      * above never sees a freed request. */

@@ -10,6 +10,7 @@
 #include <cmocka.h>
 
 #include <cjson/cJSON.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -406,6 +407,48 @@ static void test_stop_string(void **state)
     td_engine_free(e);
 }
 
+/* logprobs: the greedy token is the most likely one, the list is sorted, probabilities
+ * are at most 1 in total; timings are ordered. */
+static void test_logprobs_and_timings(void **state)
+{
+    (void)state;
+    load_golden();
+    td_engine *e = make_engine(2, 512, 0, "f32", true);
+    td_sampling sp;
+    td_sampling_default(&sp);
+    sp.temperature = 0;
+    sp.max_tokens = 8;
+    sp.logprobs = 5;
+    td_err err;
+    uint64_t id;
+    assert_int_equal(td_engine_add_request(e, &id, g_cases[0].prompt, g_cases[0].n_prompt, &sp, &err), 0);
+    int n = 0;
+    while (td_engine_has_work(e)) {
+        td_engine_step(e, &err);
+        td_output o;
+        while (td_engine_poll(e, &o)) {
+            if (o.token < 0) continue;
+            assert_int_equal(o.token, g_cases[0].out[n]);
+            n++;
+            assert_int_equal(o.n_top, 5);
+            assert_int_equal(o.top_ids[0], o.token);
+            assert_true(o.logprob <= 0.0f && o.logprob == o.top_logprobs[0]);
+            double total = 0;
+            for (int k = 0; k < 5; k++) {
+                if (k) assert_true(o.top_logprobs[k] <= o.top_logprobs[k - 1]);
+                total += exp(o.top_logprobs[k]);
+            }
+            assert_true(total <= 1.0 + 1e-5);
+            assert_true(o.t_arrival > 0 && o.t_first_scheduled >= o.t_arrival &&
+                        o.t_first_token >= o.t_first_scheduled);
+        }
+    }
+    assert_int_equal(n, 8);
+    sp.logprobs = TD_MAX_LOGPROBS + 1;
+    assert_int_equal(td_engine_add_request(e, &id, g_cases[0].prompt, g_cases[0].n_prompt, &sp, &err), TD_EINVAL);
+    td_engine_free(e);
+}
+
 /* llama-2-tiny-random (f16 weights, real Llama-2 vocabulary): its logits are nearly
  * uniform (top-2 margins down to 1e-5), so only the first greedy token of each prompt is
  * compared with llama.cpp's; it is robust to f32 rounding where later steps are not. */
@@ -462,6 +505,7 @@ int main(void)
         cmocka_unit_test(test_refuses_what_never_fits),
         cmocka_unit_test(test_seeded_sampling),
         cmocka_unit_test(test_stop_string),
+        cmocka_unit_test(test_logprobs_and_timings),
         cmocka_unit_test(test_llama2_tiny_first_token),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
