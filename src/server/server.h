@@ -1,0 +1,190 @@
+/*
+ * server/server.h - `tandem serve`: the OpenAI-compatible engine server.
+ *
+ * Two threads. The I/O thread runs one libevent loop (evhttp): it parses and
+ * validates requests, tokenizes prompts, renders chat templates, and writes
+ * responses and SSE chunks. The engine thread owns the td_engine: it takes
+ * add/abort commands from an inbox (mutex + condition variable), runs steps,
+ * copies each step's outputs into an outbox and wakes the I/O loop once per step
+ * through an eventfd. Neither thread ever touches the other's objects: the engine
+ * thread knows nothing of HTTP, and the I/O thread never calls an engine function
+ * except the read-only tokenizer.
+ *
+ * The request parser (srv_request_parse) is a pure function from bytes to a
+ * parsed request or an OpenAI-style error, so it is unit-tested and fuzzed
+ * without a server.
+ */
+#ifndef TD_SERVER_SERVER_H
+#define TD_SERVER_SERVER_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "tandem/engine.h"
+
+/* ---- request parsing (request.c) ---- */
+
+typedef enum srv_endpoint {
+    SRV_EP_COMPLETIONS = 0, /* POST /v1/completions */
+    SRV_EP_CHAT = 1,        /* POST /v1/chat/completions */
+} srv_endpoint;
+
+/* Hard limits of the parser; anything beyond them is a 400 naming the field. */
+#define SRV_MAX_JSON_DEPTH 32
+#define SRV_MAX_PROMPTS 256      /* prompts in one batched request */
+#define SRV_MAX_N 64             /* `n` */
+#define SRV_MAX_CHOICES 256      /* prompts x n */
+#define SRV_MAX_STOP 16          /* stop strings */
+#define SRV_MAX_STOP_LEN 256     /* bytes per stop string */
+#define SRV_MAX_MESSAGES 1024    /* chat messages */
+
+/** One prompt: text (`text` non-NULL, NUL-terminated, valid UTF-8) or token ids. */
+typedef struct srv_prompt {
+    char *text;
+    size_t text_len;
+    int32_t *ids;
+    int n_ids;
+} srv_prompt;
+
+typedef struct srv_chat_msg {
+    char *role;    /* system | user | assistant ("developer" is read as system) */
+    char *content; /* text parts joined; "" for null content */
+} srv_chat_msg;
+
+/** A parsed request. Every pointer is owned by the struct (srv_request_free). */
+typedef struct srv_request {
+    srv_endpoint endpoint;
+    srv_prompt *prompts; /* completions: [n_prompts] */
+    int n_prompts;
+    srv_chat_msg *messages; /* chat: [n_messages] */
+    int n_messages;
+    char *model;          /* NULL when absent */
+    int max_tokens;       /* -1 when absent (the server picks the default) */
+    double temperature;   /* default 1 */
+    double top_p;         /* default 1 */
+    int top_k;            /* 0 (or -1 in the request) = off */
+    double min_p;         /* default 0 */
+    bool has_seed;
+    uint64_t seed;
+    char **stop;
+    int n_stop;
+    bool stream, include_usage, ignore_eos, echo;
+    int n;                /* choices per prompt, default 1 */
+    int logprobs;         /* -1: none; else top-N alternatives (0..TD_MAX_LOGPROBS) */
+    char *user;
+    void *kv_transfer_params; /* a cJSON object (owned) or NULL, echoed back as given */
+} srv_request;
+
+/** An error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}. */
+typedef struct srv_error {
+    int status;          /* HTTP status */
+    const char *type;    /* "invalid_request_error", ... (static string) */
+    char param[64];      /* the offending field, or "" */
+    char message[320];
+} srv_error;
+
+/**
+ * Parse and validate a request body. Pure: no I/O, no globals. Checks valid UTF-8,
+ * JSON nesting depth, that the body is an object, every known field's type and
+ * range (unknown fields are ignored). Returns 0 and fills `out`, or a negative
+ * code and fills `err` (status 400). On error `out` holds nothing to free.
+ */
+int srv_request_parse(srv_request *out, srv_endpoint ep, const char *body, size_t len,
+                      srv_error *err);
+void srv_request_free(srv_request *r);
+
+/** Fill an error record; returns TD_EINVAL. */
+int srv_error_set(srv_error *err, int status, const char *type, const char *param,
+                  const char *fmt, ...) __attribute__((format(printf, 5, 6)));
+
+/* ---- KV transfer configuration (kvconfig.c) ---- */
+
+typedef enum srv_kv_role {
+    SRV_KV_NONE = 0,
+    SRV_KV_PRODUCER,
+    SRV_KV_CONSUMER,
+    SRV_KV_BOTH,
+} srv_kv_role;
+
+typedef struct srv_kv_config {
+    srv_kv_role role;
+    char connector[64];
+    int handshake_port; /* -1 when not set */
+    char ip[64];
+    int port;           /* -1 when not set */
+    int rank, parallel_size;
+    char buffer_device[32];
+    uint64_t buffer_size;
+    void *extra;        /* kv_connector_extra_config (cJSON object, owned) or NULL */
+} srv_kv_config;
+
+/**
+ * Parse --kv-transfer-config. Unknown keys, wrong types, bad values and a missing
+ * kv_role are errors written to err (one line naming the key).
+ */
+int srv_kv_config_parse(srv_kv_config *out, const char *json, char *err, size_t err_cap);
+void srv_kv_config_free(srv_kv_config *c);
+const char *srv_kv_role_name(srv_kv_role r);
+
+/* ---- chat templates (chat.c) ---- */
+
+typedef enum srv_chat_family {
+    SRV_CHAT_NONE = 0,    /* no template: chat requests get a 400 */
+    SRV_CHAT_UNKNOWN,     /* a template we cannot render: chat requests get a 400 */
+    SRV_CHAT_CHATML,
+    SRV_CHAT_LLAMA2,
+    SRV_CHAT_LLAMA3,
+    SRV_CHAT_ZEPHYR,
+    SRV_CHAT_MISTRAL,
+} srv_chat_family;
+
+/** Family by name (chatml, llama-2, llama-3, zephyr, mistral); -1 when unknown. */
+int srv_chat_family_by_name(const char *name);
+const char *srv_chat_family_name(srv_chat_family f);
+/** Detect the family from a Jinja template's text by its markers. */
+srv_chat_family srv_chat_detect(const char *tmpl, size_t len);
+/**
+ * Render messages as a prompt ending with the assistant's turn opened. The result
+ * is malloc'd (caller frees) and carries no BOS: the tokenizer adds it. Returns
+ * NULL with err filled for an unsupported role or family.
+ */
+char *srv_chat_render(srv_chat_family f, const srv_chat_msg *msgs, int n, srv_error *err);
+
+/* ---- the server (http.c, engine_thread.c, metrics.c) ---- */
+
+typedef struct srv_config {
+    const char *host;              /* default 0.0.0.0 */
+    int port;                      /* 0 = an ephemeral port */
+    const char *served_model_name; /* default: the model's name */
+    const char *model_path;        /* reported by /server_info */
+    const char *chat_template;     /* a family name, or NULL to detect from the GGUF */
+    int max_queue;                 /* waiting requests beyond max_num_seqs; then 429 */
+    size_t max_body_size;          /* bytes; larger bodies get 413 */
+    bool enable_debug_endpoints;   /* POST /debug/stop_engine */
+    int debug_step_delay_ms;       /* sleep after each step (tests of disconnects) */
+    double health_stall_s;         /* /health is 503 when work waits this long without a step */
+    int tp_size, dp_size;
+    int block_size;
+    const char *kv_cache_dtype;
+    const srv_kv_config *kv;       /* may be NULL */
+} srv_config;
+
+void srv_config_default(srv_config *c);
+
+typedef struct srv_server srv_server;
+
+/**
+ * Start serving an engine that the caller created. The server takes ownership of
+ * the engine (it moves to the engine thread and is freed by srv_server_free).
+ * Binds and prints "listening on HOST:PORT" to stderr.
+ */
+int srv_server_create(srv_server **out, td_engine *engine, const srv_config *cfg, td_err *err);
+/** Run the I/O loop until SIGINT/SIGTERM or srv_server_stop. */
+int srv_server_run(srv_server *s);
+/** Thread-safe: make srv_server_run return. */
+void srv_server_stop(srv_server *s);
+void srv_server_free(srv_server *s);
+int srv_server_port(const srv_server *s);
+
+#endif
