@@ -532,21 +532,9 @@ size_t tok_utf8_valid_prefix(const char *s, size_t len)
             i++;
             continue;
         }
-        int need;
-        unsigned lo = 0x80, hi = 0xBF;
-        if (c >= 0xC2 && c <= 0xDF) {
-            need = 1;
-        } else if (c >= 0xE0 && c <= 0xEF) {
-            need = 2;
-            if (c == 0xE0) lo = 0xA0;
-            if (c == 0xED) hi = 0x9F;
-        } else if (c >= 0xF0 && c <= 0xF4) {
-            need = 3;
-            if (c == 0xF0) lo = 0x90;
-            if (c == 0xF4) hi = 0x8F;
-        } else {
-            return i;
-        }
+        unsigned lo, hi;
+        int need = tok__utf8_lead(c, &lo, &hi);
+        if (!need) return i;
         if ((size_t)need >= len - i) return i; /* truncated */
         if (p[i + 1] < lo || p[i + 1] > hi) return i;
         for (int k = 2; k <= need; k++)

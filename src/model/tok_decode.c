@@ -176,19 +176,9 @@ static size_t utf8_filter(const unsigned char *pending, int n_pending, const uns
             k++;
             continue;
         }
-        size_t need;
-        unsigned lo = 0x80, hi = 0xBF;
-        if (c >= 0xC2 && c <= 0xDF) {
-            need = 1;
-        } else if (c >= 0xE0 && c <= 0xEF) {
-            need = 2;
-            if (c == 0xE0) lo = 0xA0;
-            if (c == 0xED) hi = 0x9F;
-        } else if (c >= 0xF0 && c <= 0xF4) {
-            need = 3;
-            if (c == 0xF0) lo = 0x90;
-            if (c == 0xF4) hi = 0x8F;
-        } else {
+        unsigned lo, hi;
+        size_t need = (size_t)tok__utf8_lead(c, &lo, &hi);
+        if (!need) {
             PUT(k_replacement, 3); /* continuation byte, C0, C1, F5..FF: never valid */
             k++;
             continue;

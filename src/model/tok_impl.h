@@ -118,6 +118,30 @@ static inline int tok__utf8_len(unsigned char c)
 /** Encode a code point (<= 0x10FFFF) into out (4 bytes room); returns the length. */
 int tok__utf8_put(uint32_t cp, char *out);
 
+/*
+ * The UTF-8 rules for a lead byte c >= 0x80 (RFC 3629): how many continuation bytes
+ * follow, and the allowed range of the first one (which excludes overlong forms,
+ * surrogates and code points above U+10FFFF). Returns 0 for a byte that can never
+ * start a character (a continuation byte, C0, C1, F5..FF).
+ */
+static inline int tok__utf8_lead(unsigned c, unsigned *lo, unsigned *hi)
+{
+    *lo = 0x80;
+    *hi = 0xBF;
+    if (c >= 0xC2 && c <= 0xDF) return 1;
+    if (c >= 0xE0 && c <= 0xEF) {
+        if (c == 0xE0) *lo = 0xA0;
+        if (c == 0xED) *hi = 0x9F;
+        return 2;
+    }
+    if (c >= 0xF0 && c <= 0xF4) {
+        if (c == 0xF0) *lo = 0x90;
+        if (c == 0xF4) *hi = 0x8F;
+        return 3;
+    }
+    return 0;
+}
+
 /* SentencePiece (tok_spm.c): tokenize one fragment of raw text. */
 int tok__spm_encode(const td_tokenizer *t, const char *text, size_t len, bool space_prefix,
                     tok__out *out, td_err *err);
