@@ -8,6 +8,15 @@ export TD_SHARED_DIR=${TD_SHARED_DIR:-$(cd .. && pwd)/shared}
 [ -d "$TD_SHARED_DIR" ] || { echo "shared data folder '$TD_SHARED_DIR' is missing: set TD_SHARED_DIR" >&2; exit 1; }
 jobs=$(nproc)
 
+# The server tests drive `tandem serve` with the official openai npm client; install it
+# once (npm ci, from the lock file), after which the tests run offline.
+node_dir=tests/integration/node
+if [ ! -d "$node_dir/node_modules/openai" ] || [ "$node_dir/package-lock.json" -nt "$node_dir/node_modules/.package-lock.json" ]; then
+    echo "== npm ci in $node_dir"
+    command -v npm >/dev/null || { echo "npm is missing: apt-get install nodejs npm" >&2; exit 1; }
+    (cd "$node_dir" && npm ci --no-audit --no-fund --prefer-offline --loglevel=error)
+fi
+
 echo "== release build and tests"
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DTD_SHARED_DIR="$TD_SHARED_DIR" >/dev/null
 cmake --build build -j"$jobs"

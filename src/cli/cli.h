@@ -6,5 +6,7 @@
 int cli_generate(int argc, char **argv);
 int cli_mkmodel(int argc, char **argv);
 int cli_bench_engine(int argc, char **argv);
+int cli_serve(int argc, char **argv);
+int cli_bench_serve(int argc, char **argv);
 
 #endif

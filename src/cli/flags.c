@@ -20,9 +20,19 @@ void cli_flags_usage(const cli_flag *flags, int n_flags, const char *usage_line,
         case CLI_FLAG_BOOL: break;
         }
         char left[64];
-        snprintf(left, sizeof(left), "%s%s%s", flags[i].name[1] ? "--" : "-", flags[i].name, arg);
+        snprintf(left, sizeof(left), "%s%s%s", strlen(flags[i].name) > 2 ? "--" : "-",
+                 flags[i].name, arg);
         fprintf(out, "  %-30s %s\n", left, flags[i].help);
     }
+}
+
+static bool same_name(const char *flag, const char *given, size_t len)
+{
+    for (size_t i = 0; i < len; i++) {
+        char g = given[i] == '_' ? '-' : given[i];
+        if (flag[i] != g) return false;
+    }
+    return true;
 }
 
 static int set_value(cli_flag *f, const char *v)
@@ -49,8 +59,10 @@ int cli_flags_parse(cli_flag *flags, int n_flags, int argc, char **argv, const c
             cli_flags_usage(flags, n_flags, usage_line, stdout);
             return 1;
         }
-        /* "--name" for every flag; "-x" also for one-letter names such as -n. */
-        bool short_form = a[0] == '-' && a[1] && a[1] != '-' && a[2] == '\0';
+        /* "--name" for every flag; "-x" also for names of one or two letters such as -n and
+         * -tp. Underscores match dashes (--kv_cache_dtype is --kv-cache-dtype), as the
+         * recipes of vLLM-style systems spell them both ways. */
+        bool short_form = a[0] == '-' && a[1] && a[1] != '-' && strlen(a) <= 3 && !strchr(a, '=');
         if (strncmp(a, "--", 2) != 0 && !short_form) {
             fprintf(stderr, "error: unexpected argument '%s' (options start with --)\n\n", a);
             cli_flags_usage(flags, n_flags, usage_line, stderr);
@@ -61,10 +73,12 @@ int cli_flags_parse(cli_flag *flags, int n_flags, int argc, char **argv, const c
         size_t name_len = eq ? (size_t)(eq - name) : strlen(name);
         cli_flag *f = NULL;
         for (int k = 0; k < n_flags; k++)
-            if (strlen(flags[k].name) == name_len && !strncmp(flags[k].name, name, name_len))
+            if (strlen(flags[k].name) == name_len && same_name(flags[k].name, name, name_len) &&
+                (!short_form || name_len <= 2))
                 f = &flags[k];
         if (!f) {
-            fprintf(stderr, "error: unknown option '--%.*s'\n\n", (int)name_len, name);
+            fprintf(stderr, "error: unknown option '%s%.*s'\n\n", short_form ? "-" : "--",
+                    (int)name_len, name);
             cli_flags_usage(flags, n_flags, usage_line, stderr);
             return 2;
         }
@@ -73,8 +87,8 @@ int cli_flags_parse(cli_flag *flags, int n_flags, int argc, char **argv, const c
             value = eq + 1;
         } else if (f->kind != CLI_FLAG_BOOL) {
             if (i + 1 >= argc) {
-                fprintf(stderr, "error: option '%s%s' needs a value\n", f->name[1] ? "--" : "-",
-                        f->name);
+                fprintf(stderr, "error: option '%s%s' needs a value\n",
+                        strlen(f->name) > 2 ? "--" : "-", f->name);
                 return 2;
             }
             value = argv[++i];
@@ -82,7 +96,7 @@ int cli_flags_parse(cli_flag *flags, int n_flags, int argc, char **argv, const c
         int rc = value ? set_value(f, value) : (*(bool *)f->dst = true, 0);
         if (rc != 0) {
             fprintf(stderr, "error: invalid value '%s' for option '%s%s'\n", value,
-                    f->name[1] ? "--" : "-", f->name);
+                    strlen(f->name) > 2 ? "--" : "-", f->name);
             return 2;
         }
         f->seen = true;

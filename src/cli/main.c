@@ -12,6 +12,8 @@ static const struct {
     {"generate", cli_generate, "offline generation from a prompt"},
     {"mkmodel", cli_mkmodel, "write a GGUF with random weights at a chosen shape"},
     {"bench-engine", cli_bench_engine, "measure prefill and decode speed of the engine"},
+    {"serve", cli_serve, "the OpenAI-compatible engine server"},
+    {"bench-serve", cli_bench_serve, "the server's overhead: HTTP streams vs the C API"},
 };
 
 static void usage(FILE *out)

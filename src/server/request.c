@@ -17,8 +17,8 @@
 #include "model/tok.h"
 #include "server/server.h"
 
-int srv_error_set(srv_error *err, int status, const char *type, const char *param,
-                  const char *fmt, ...)
+int srv_error_set(srv_error *err, int status, const char *type, const char *param, const char *fmt,
+                  ...)
 {
     if (!err) return TD_EINVAL;
     err->status = status;
@@ -41,8 +41,10 @@ static int json_depth_ok(const char *s, size_t len)
     for (size_t i = 0; i < len; i++) {
         char c = s[i];
         if (in_str) {
-            if (c == '\\') i++;
-            else if (c == '"') in_str = false;
+            if (c == '\\')
+                i++;
+            else if (c == '"')
+                in_str = false;
         } else if (c == '"') {
             in_str = true;
         } else if (c == '[' || c == '{') {
@@ -105,10 +107,12 @@ static int parse_ids(const cJSON *arr, const char *name, srv_prompt *p, srv_erro
     const cJSON *el;
     cJSON_ArrayForEach(el, arr)
     {
-        int64_t v;
+        int64_t v = 0;
         if (!cJSON_IsNumber(el))
-            return BAD(name, "'%s' must be a string, an array of strings, an array of token "
-                             "ids or an array of token-id arrays", name);
+            return BAD(name,
+                       "'%s' must be a string, an array of strings, an array of token "
+                       "ids or an array of token-id arrays",
+                       name);
         if (get_int(el, name, 0, INT32_MAX, &v, err)) return TD_EINVAL;
         p->ids[i++] = (int32_t)v;
     }
@@ -223,7 +227,8 @@ static int parse_messages(srv_request *r, const cJSON *v, srv_error *err)
     {
         if (!cJSON_IsObject(m)) return BAD("messages", "each message must be an object");
         const cJSON *role = cJSON_GetObjectItemCaseSensitive(m, "role");
-        if (!cJSON_IsString(role)) return BAD("messages.role", "each message needs a string 'role'");
+        if (!cJSON_IsString(role))
+            return BAD("messages.role", "each message needs a string 'role'");
         const char *rs = role->valuestring;
         if (!strcmp(rs, "developer")) rs = "system";
         if (strcmp(rs, "system") && strcmp(rs, "user") && strcmp(rs, "assistant"))
@@ -249,7 +254,8 @@ static int parse_stop(srv_request *r, const cJSON *v, srv_error *err)
     if (!r->stop) return srv_error_set(err, 500, "server_error", "stop", "out of memory");
     const cJSON *el = cJSON_IsString(v) ? v : v->child;
     for (; el && r->n_stop < n; el = el->next) {
-        if (!cJSON_IsString(el)) return BAD("stop", "'stop' must be a string or an array of strings");
+        if (!cJSON_IsString(el))
+            return BAD("stop", "'stop' must be a string or an array of strings");
         size_t l = strlen(el->valuestring);
         if (l == 0) return BAD("stop", "stop strings must not be empty");
         if (l > SRV_MAX_STOP_LEN)
@@ -268,7 +274,8 @@ static int parse_fields(srv_request *r, const cJSON *root, srv_error *err)
     int64_t i64;
 #define FIELD(name) ((v = cJSON_GetObjectItemCaseSensitive(root, name)) && !cJSON_IsNull(v))
     if (r->endpoint == SRV_EP_COMPLETIONS) {
-        if (parse_prompt(r, cJSON_GetObjectItemCaseSensitive(root, "prompt"), err)) return TD_EINVAL;
+        if (parse_prompt(r, cJSON_GetObjectItemCaseSensitive(root, "prompt"), err))
+            return TD_EINVAL;
     } else {
         if (parse_messages(r, cJSON_GetObjectItemCaseSensitive(root, "messages"), err))
             return TD_EINVAL;
@@ -278,7 +285,8 @@ static int parse_fields(srv_request *r, const cJSON *root, srv_error *err)
         r->model = dup_str(v->valuestring);
     }
     const char *mt_name = "max_tokens";
-    if (r->endpoint == SRV_EP_CHAT && FIELD("max_completion_tokens")) mt_name = "max_completion_tokens";
+    if (r->endpoint == SRV_EP_CHAT && FIELD("max_completion_tokens"))
+        mt_name = "max_completion_tokens";
     if (FIELD(mt_name)) {
         if (get_int(v, mt_name, 1, 1 << 24, &i64, err)) return TD_EINVAL;
         r->max_tokens = (int)i64;
@@ -334,7 +342,8 @@ static int parse_fields(srv_request *r, const cJSON *root, srv_error *err)
         r->user = dup_str(v->valuestring);
     }
     if (FIELD("kv_transfer_params")) {
-        if (!cJSON_IsObject(v)) return BAD("kv_transfer_params", "'kv_transfer_params' must be an object");
+        if (!cJSON_IsObject(v))
+            return BAD("kv_transfer_params", "'kv_transfer_params' must be an object");
         r->kv_transfer_params = cJSON_Duplicate(v, 1);
     }
 #undef FIELD
@@ -399,7 +408,8 @@ void srv_request_free(srv_request *r)
         free(r->messages[i].content);
     }
     free(r->messages);
-    for (int i = 0; i < r->n_stop; i++) free(r->stop[i]);
+    for (int i = 0; i < r->n_stop; i++)
+        free(r->stop[i]);
     free(r->stop);
     free(r->model);
     free(r->user);

@@ -32,12 +32,12 @@ typedef enum srv_endpoint {
 
 /* Hard limits of the parser; anything beyond them is a 400 naming the field. */
 #define SRV_MAX_JSON_DEPTH 32
-#define SRV_MAX_PROMPTS 256      /* prompts in one batched request */
-#define SRV_MAX_N 64             /* `n` */
-#define SRV_MAX_CHOICES 256      /* prompts x n */
-#define SRV_MAX_STOP 16          /* stop strings */
-#define SRV_MAX_STOP_LEN 256     /* bytes per stop string */
-#define SRV_MAX_MESSAGES 1024    /* chat messages */
+#define SRV_MAX_PROMPTS 256   /* prompts in one batched request */
+#define SRV_MAX_N 64          /* `n` */
+#define SRV_MAX_CHOICES 256   /* prompts x n */
+#define SRV_MAX_STOP 16       /* stop strings */
+#define SRV_MAX_STOP_LEN 256  /* bytes per stop string */
+#define SRV_MAX_MESSAGES 1024 /* chat messages */
 
 /** One prompt: text (`text` non-NULL, NUL-terminated, valid UTF-8) or token ids. */
 typedef struct srv_prompt {
@@ -59,28 +59,28 @@ typedef struct srv_request {
     int n_prompts;
     srv_chat_msg *messages; /* chat: [n_messages] */
     int n_messages;
-    char *model;          /* NULL when absent */
-    int max_tokens;       /* -1 when absent (the server picks the default) */
-    double temperature;   /* default 1 */
-    double top_p;         /* default 1 */
-    int top_k;            /* 0 (or -1 in the request) = off */
-    double min_p;         /* default 0 */
+    char *model;        /* NULL when absent */
+    int max_tokens;     /* -1 when absent (the server picks the default) */
+    double temperature; /* default 1 */
+    double top_p;       /* default 1 */
+    int top_k;          /* 0 (or -1 in the request) = off */
+    double min_p;       /* default 0 */
     bool has_seed;
     uint64_t seed;
     char **stop;
     int n_stop;
     bool stream, include_usage, ignore_eos, echo;
-    int n;                /* choices per prompt, default 1 */
-    int logprobs;         /* -1: none; else top-N alternatives (0..TD_MAX_LOGPROBS) */
+    int n;        /* choices per prompt, default 1 */
+    int logprobs; /* -1: none; else top-N alternatives (0..TD_MAX_LOGPROBS) */
     char *user;
     void *kv_transfer_params; /* a cJSON object (owned) or NULL, echoed back as given */
 } srv_request;
 
 /** An error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}. */
 typedef struct srv_error {
-    int status;          /* HTTP status */
-    const char *type;    /* "invalid_request_error", ... (static string) */
-    char param[64];      /* the offending field, or "" */
+    int status;       /* HTTP status */
+    const char *type; /* "invalid_request_error", ... (static string) */
+    char param[64];   /* the offending field, or "" */
     char message[320];
 } srv_error;
 
@@ -95,8 +95,8 @@ int srv_request_parse(srv_request *out, srv_endpoint ep, const char *body, size_
 void srv_request_free(srv_request *r);
 
 /** Fill an error record; returns TD_EINVAL. */
-int srv_error_set(srv_error *err, int status, const char *type, const char *param,
-                  const char *fmt, ...) __attribute__((format(printf, 5, 6)));
+int srv_error_set(srv_error *err, int status, const char *type, const char *param, const char *fmt,
+                  ...) __attribute__((format(printf, 5, 6)));
 
 /* ---- KV transfer configuration (kvconfig.c) ---- */
 
@@ -112,11 +112,11 @@ typedef struct srv_kv_config {
     char connector[64];
     int handshake_port; /* -1 when not set */
     char ip[64];
-    int port;           /* -1 when not set */
+    int port; /* -1 when not set */
     int rank, parallel_size;
     char buffer_device[32];
     uint64_t buffer_size;
-    void *extra;        /* kv_connector_extra_config (cJSON object, owned) or NULL */
+    void *extra; /* kv_connector_extra_config (cJSON object, owned) or NULL */
 } srv_kv_config;
 
 /**
@@ -130,8 +130,8 @@ const char *srv_kv_role_name(srv_kv_role r);
 /* ---- chat templates (chat.c) ---- */
 
 typedef enum srv_chat_family {
-    SRV_CHAT_NONE = 0,    /* no template: chat requests get a 400 */
-    SRV_CHAT_UNKNOWN,     /* a template we cannot render: chat requests get a 400 */
+    SRV_CHAT_NONE = 0, /* no template: chat requests get a 400 */
+    SRV_CHAT_UNKNOWN,  /* a template we cannot render: chat requests get a 400 */
     SRV_CHAT_CHATML,
     SRV_CHAT_LLAMA2,
     SRV_CHAT_LLAMA3,
@@ -166,8 +166,9 @@ typedef struct srv_config {
     double health_stall_s;         /* /health is 503 when work waits this long without a step */
     int tp_size, dp_size;
     int block_size;
+    int max_num_seqs; /* the engine's, for the queue limit */
     const char *kv_cache_dtype;
-    const srv_kv_config *kv;       /* may be NULL */
+    const srv_kv_config *kv; /* may be NULL */
 } srv_config;
 
 void srv_config_default(srv_config *c);

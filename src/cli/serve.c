@@ -1,0 +1,141 @@
+/*
+ * cli/serve.c - `tandem serve`: the OpenAI-compatible engine server.
+ *
+ *   tandem serve --model M [--served-model-name NAME] [--host H] [--server-port P]
+ *                [--kv-transfer-config JSON] [--chat-template chatml] ...
+ *
+ * Engine flags are engine_opts'; the rest are the server's. Flag names follow the
+ * seed systems' recipes (vLLM spellings, underscore aliases, -tp).
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include "cli/cli.h"
+#include "cli/engine_opts.h"
+#include "server/server.h"
+
+int cli_serve(int argc, char **argv)
+{
+    engine_opts eo;
+    cli_flag flags[ENGINE_OPTS_MAX_FLAGS + 20];
+    int nf = engine_opts_register(&eo, flags);
+    srv_config sc;
+    srv_config_default(&sc);
+    const char *served = NULL, *host = sc.host, *kv_json = NULL, *chat = NULL;
+    int64_t port = sc.port, tp = 1, max_queue = sc.max_queue, step_delay = 0;
+    uint64_t max_body = sc.max_body_size;
+    double stall = sc.health_stall_s;
+    bool debug = false;
+    flags[nf++] = CLI_FLAG("served-model-name", CLI_FLAG_STR, &served,
+                           "the model name clients use (default: the --model argument)");
+    flags[nf++] = CLI_FLAG("host", CLI_FLAG_STR, &host, "address to listen on (0.0.0.0)");
+    flags[nf++] = CLI_FLAG("server-port", CLI_FLAG_INT, &port,
+                           "port to listen on (8000; 0 = any free port, printed at start)");
+    flags[nf++] = CLI_FLAG("port", CLI_FLAG_INT, &port, "same as --server-port");
+    flags[nf++] = CLI_FLAG("tensor-parallel-size", CLI_FLAG_INT, &tp, "tensor parallelism (1)");
+    flags[nf++] = CLI_FLAG("tp", CLI_FLAG_INT, &tp, "same as --tensor-parallel-size");
+    flags[nf++] = CLI_FLAG("kv-transfer-config", CLI_FLAG_STR, &kv_json,
+                           "JSON: kv_role (kv_producer|kv_consumer|kv_both, required), "
+                           "kv_connector, handshake_port, kv_ip, kv_port, kv_rank, "
+                           "kv_parallel_size, kv_buffer_device, kv_buffer_size, "
+                           "kv_connector_extra_config");
+    flags[nf++] = CLI_FLAG("chat-template", CLI_FLAG_STR, &chat,
+                           "chatml | llama-2 | llama-3 | zephyr | mistral (default: detected "
+                           "from the GGUF's tokenizer.chat_template)");
+    flags[nf++] = CLI_FLAG("max-queue", CLI_FLAG_INT, &max_queue,
+                           "requests waiting beyond --max-num-seqs before 429 (1024)");
+    flags[nf++] = CLI_FLAG("max-body-size", CLI_FLAG_SIZE, &max_body,
+                           "largest request body; larger ones get 413 (4M)");
+    flags[nf++] = CLI_FLAG("health-stall-timeout", CLI_FLAG_FLOAT, &stall,
+                           "seconds without an engine step, with work pending, before /health "
+                           "answers 503 (60)");
+    flags[nf++] = CLI_FLAG("enable-debug-endpoints", CLI_FLAG_BOOL, &debug,
+                           "enable POST /debug/stop_engine (for tests)");
+    flags[nf++] = CLI_FLAG("debug-step-delay-ms", CLI_FLAG_INT, &step_delay,
+                           "sleep after each engine step (tests; needs --enable-debug-endpoints)");
+    int rc = cli_flags_parse(flags, nf, argc, argv, "tandem serve --model M [options]");
+    if (rc) return rc == 1 ? 0 : 2;
+    if (tp != 1) {
+        fprintf(stderr, "error: --tensor-parallel-size %lld is not supported yet (only 1 is)\n",
+                (long long)tp);
+        return 2;
+    }
+    if (port < 0 || port > 65535) {
+        fprintf(stderr, "error: --server-port must be in [0, 65535], got %lld\n", (long long)port);
+        return 2;
+    }
+    if (max_queue < 0 || max_queue > 1 << 20) {
+        fprintf(stderr, "error: --max-queue must be in [0, 1048576]\n");
+        return 2;
+    }
+    if (max_body < 1024 || max_body > (1ull << 30)) {
+        fprintf(stderr, "error: --max-body-size must be in [1K, 1G]\n");
+        return 2;
+    }
+    if (!(stall > 0)) {
+        fprintf(stderr, "error: --health-stall-timeout must be > 0\n");
+        return 2;
+    }
+    if (step_delay && !debug) {
+        fprintf(stderr, "error: --debug-step-delay-ms needs --enable-debug-endpoints\n");
+        return 2;
+    }
+    if (step_delay < 0 || step_delay > 10000) {
+        fprintf(stderr, "error: --debug-step-delay-ms must be in [0, 10000]\n");
+        return 2;
+    }
+    if (chat && srv_chat_family_by_name(chat) < 0) {
+        fprintf(stderr,
+                "error: --chat-template must be chatml, llama-2, llama-3, zephyr or "
+                "mistral, got '%s'\n",
+                chat);
+        return 2;
+    }
+    srv_kv_config kv;
+    bool have_kv = false;
+    if (kv_json) {
+        char msg[320];
+        if (srv_kv_config_parse(&kv, kv_json, msg, sizeof(msg))) {
+            fprintf(stderr, "error: %s\n", msg);
+            return 2;
+        }
+        have_kv = true;
+    }
+    td_engine_config cfg;
+    if (engine_opts_apply(&eo, &cfg)) {
+        if (have_kv) srv_kv_config_free(&kv);
+        return 2;
+    }
+    td_err err = {0};
+    td_engine *e = NULL;
+    if (td_engine_create(&e, &cfg, &err)) {
+        fprintf(stderr, "error: %s\n", err.msg);
+        if (have_kv) srv_kv_config_free(&kv);
+        return err.code == TD_EINVAL ? 2 : 1;
+    }
+    sc.host = host;
+    sc.port = (int)port;
+    sc.served_model_name = served;
+    sc.model_path = eo.model;
+    sc.chat_template = chat;
+    sc.max_queue = (int)max_queue;
+    sc.max_body_size = (size_t)max_body;
+    sc.enable_debug_endpoints = debug;
+    sc.debug_step_delay_ms = (int)step_delay;
+    sc.health_stall_s = stall;
+    sc.block_size = cfg.block_size;
+    sc.max_num_seqs = cfg.max_num_seqs;
+    sc.kv_cache_dtype = cfg.kv_cache_dtype;
+    sc.kv = have_kv ? &kv : NULL;
+    srv_server *s = NULL;
+    if (srv_server_create(&s, e, &sc, &err)) {
+        fprintf(stderr, "error: %s\n", err.msg);
+        td_engine_free(e);
+        if (have_kv) srv_kv_config_free(&kv);
+        return 1;
+    }
+    rc = srv_server_run(s);
+    srv_server_free(s);
+    if (have_kv) srv_kv_config_free(&kv);
+    return rc ? 1 : 0;
+}

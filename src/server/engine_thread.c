@@ -1,0 +1,380 @@
+/*
+ * server/engine_thread.c - the thread that owns the engine.
+ *
+ * The I/O thread posts add and abort commands to an inbox under a mutex and signals
+ * a condition variable; the engine thread sleeps on it only when the engine is idle.
+ * Each loop iteration takes the whole inbox, applies it, runs one step, copies the
+ * step's outputs (text and logprobs live only until the next step) into the outbox
+ * and writes the eventfd once, so the I/O loop wakes once per step however many
+ * streams produced a token. The engine thread never sees HTTP objects: a request is
+ * an opaque (user, choice) pair to it.
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "server/server_impl.h"
+
+enum { CMD_ADD, CMD_ABORT };
+
+struct srv__cmd {
+    int kind;
+    void *user;
+    int choice;
+    int32_t *ids;
+    int n_ids;
+    td_sampling sp;
+    char **stop; /* owned copies; sp.stop points here */
+    int32_t *stop_ids;
+    srv__cmd *next;
+};
+
+typedef struct srv__active {
+    uint64_t engine_id;
+    void *user;
+    int choice;
+} srv__active;
+
+static void cmd_free(srv__cmd *c)
+{
+    for (int i = 0; c->stop && i < c->sp.n_stop; i++)
+        free(c->stop[i]);
+    free(c->stop);
+    free(c->stop_ids);
+    free(c->ids);
+    free(c);
+}
+
+void srv__out_free(srv__out *o)
+{
+    free(o->text);
+    free(o->error);
+}
+
+static char *dup_n(const char *s, size_t n)
+{
+    char *d = malloc(n + 1);
+    if (!d) return NULL;
+    if (n) memcpy(d, s, n);
+    d[n] = '\0';
+    return d;
+}
+
+/* Append to a local batch (engine thread only). */
+typedef struct batch {
+    srv__out *v;
+    int n, cap;
+} batch;
+
+static srv__out *batch_push(batch *b)
+{
+    if (b->n == b->cap) {
+        int cap = b->cap ? b->cap * 2 : 64;
+        srv__out *g = realloc(b->v, (size_t)cap * sizeof(*g));
+        TD_ASSERT(g); /* the server cannot report tokens it cannot store */
+        b->v = g;
+        b->cap = cap;
+    }
+    srv__out *o = &b->v[b->n++];
+    memset(o, 0, sizeof(*o));
+    return o;
+}
+
+static void push_reject(batch *b, void *user, int choice, const char *msg)
+{
+    srv__out *o = batch_push(b);
+    o->user = user;
+    o->choice = choice;
+    o->rejected = true;
+    o->token = -1;
+    o->finish = TD_FINISH_ERROR;
+    o->error = dup_n(msg, strlen(msg));
+    o->text = dup_n("", 0);
+}
+
+static void active_add(srv__engine *x, uint64_t id, void *user, int choice)
+{
+    if (x->n_active == x->cap_active) {
+        int cap = x->cap_active ? x->cap_active * 2 : 128;
+        srv__active *g = realloc(x->active, (size_t)cap * sizeof(*g));
+        TD_ASSERT(g);
+        x->active = g;
+        x->cap_active = cap;
+    }
+    x->active[x->n_active++] = (srv__active){id, user, choice};
+}
+
+static int active_find(const srv__engine *x, uint64_t id)
+{
+    for (int i = 0; i < x->n_active; i++)
+        if (x->active[i].engine_id == id) return i;
+    return -1;
+}
+
+static void apply(srv__engine *x, srv__cmd *c, batch *b)
+{
+    if (c->kind == CMD_ADD) {
+        uint64_t id;
+        td_err err = {0};
+        if (td_engine_add_request(x->engine, &id, c->ids, c->n_ids, &c->sp, &err))
+            push_reject(b, c->user, c->choice, err.msg[0] ? err.msg : td_strerror(err.code));
+        else
+            active_add(x, id, c->user, c->choice);
+    } else {
+        for (int i = 0; i < x->n_active; i++)
+            if (x->active[i].user == c->user) td_engine_abort(x->engine, x->active[i].engine_id);
+    }
+}
+
+static void drain_outputs(srv__engine *x, batch *b)
+{
+    td_output o;
+    while (td_engine_poll(x->engine, &o)) {
+        int k = active_find(x, o.id);
+        if (k < 0) continue; /* cannot happen: every id we see was added here */
+        srv__out *d = batch_push(b);
+        d->user = x->active[k].user;
+        d->choice = x->active[k].choice;
+        d->token = o.token;
+        d->text = dup_n(o.text ? o.text : "", o.text ? (size_t)o.text_len : 0);
+        d->text_len = o.text ? o.text_len : 0;
+        d->finish = o.finish;
+        d->error = o.error ? dup_n(o.error, strlen(o.error)) : NULL;
+        d->num_prompt_tokens = o.num_prompt_tokens;
+        d->num_cached_tokens = o.num_cached_tokens;
+        d->num_generated = o.num_generated;
+        d->logprob = o.logprob;
+        d->n_top = o.top_ids && o.top_logprobs ? TD_MIN(o.n_top, TD_MAX_LOGPROBS) : 0;
+        for (int i = 0; i < d->n_top; i++) {
+            d->top_ids[i] = o.top_ids[i];
+            d->top_logprobs[i] = o.top_logprobs[i];
+        }
+        d->t_arrival = o.t_arrival;
+        d->t_first_scheduled = o.t_first_scheduled;
+        d->t_first_token = o.t_first_token;
+        if (o.finish != TD_FINISH_NONE) x->active[k] = x->active[--x->n_active];
+    }
+}
+
+/* Hand a batch to the I/O thread and wake it once. */
+static void publish(srv__engine *x, batch *b)
+{
+    pthread_mutex_lock(&x->mu);
+    if (b->n) {
+        if (x->n_out + b->n > x->cap_out) {
+            int cap = x->cap_out ? x->cap_out : 64;
+            while (cap < x->n_out + b->n)
+                cap *= 2;
+            srv__out *g = realloc(x->outbox, (size_t)cap * sizeof(*g));
+            TD_ASSERT(g);
+            x->outbox = g;
+            x->cap_out = cap;
+        }
+        memcpy(x->outbox + x->n_out, b->v, (size_t)b->n * sizeof(srv__out));
+        x->n_out += b->n;
+    }
+    x->snap.num_running = td_engine_num_running(x->engine);
+    x->snap.num_waiting = td_engine_num_waiting(x->engine);
+    td_engine_get_stats(x->engine, &x->snap.stats);
+    pthread_mutex_unlock(&x->mu);
+    atomic_store(&x->outstanding, x->n_active);
+    b->n = 0;
+    uint64_t one = 1;
+    ssize_t w = write(x->wake_fd, &one, sizeof(one));
+    (void)w; /* EAGAIN means the counter is already non-zero: the loop will wake anyway */
+}
+
+static void *engine_main(void *arg)
+{
+    srv__engine *x = arg;
+    batch b = {0};
+    for (;;) {
+        pthread_mutex_lock(&x->mu);
+        while (!x->inbox_head && !x->stop_requested && !td_engine_has_work(x->engine))
+            pthread_cond_wait(&x->cv, &x->mu);
+        srv__cmd *cmds = x->inbox_head;
+        x->inbox_head = x->inbox_tail = NULL;
+        bool stop = x->stop_requested;
+        if (stop) x->stopped = true; /* no command is accepted after this point */
+        pthread_mutex_unlock(&x->mu);
+
+        for (srv__cmd *c = cmds, *next; c; c = next) {
+            next = c->next;
+            if (stop && c->kind == CMD_ADD)
+                push_reject(&b, c->user, c->choice, "the engine loop has stopped");
+            else
+                apply(x, c, &b);
+            cmd_free(c);
+        }
+        if (stop) {
+            /* Finish every request so that each gets its final output and frees its KV. */
+            for (int i = 0; i < x->n_active; i++)
+                td_engine_abort(x->engine, x->active[i].engine_id);
+            drain_outputs(x, &b);
+            publish(x, &b);
+            break;
+        }
+        int did = 0;
+        if (td_engine_has_work(x->engine)) {
+            td_err err = {0};
+            did = td_engine_step(x->engine, &err);
+            if (did < 0) TD_ERROR("engine step failed: %s", err.msg);
+        }
+        drain_outputs(x, &b);
+        atomic_store(&x->last_progress_ns, td_now_ns());
+        publish(x, &b);
+        if (did > 0 && x->step_delay_ms > 0) {
+            struct timespec ts = {x->step_delay_ms / 1000,
+                                  (long)(x->step_delay_ms % 1000) * 1000000L};
+            nanosleep(&ts, NULL);
+        }
+    }
+    free(b.v);
+    return NULL;
+}
+
+int srv__engine_start(srv__engine *x, td_engine *e, int step_delay_ms, td_err *err)
+{
+    memset(x, 0, sizeof(*x));
+    x->engine = e;
+    x->step_delay_ms = step_delay_ms;
+    x->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (x->wake_fd < 0) return td_err_set(err, TD_EIO, "eventfd: %s", strerror(errno));
+    pthread_mutex_init(&x->mu, NULL);
+    pthread_cond_init(&x->cv, NULL);
+    atomic_store(&x->last_progress_ns, td_now_ns());
+    pthread_mutex_lock(&x->mu);
+    x->snap.num_running = 0;
+    td_engine_get_stats(e, &x->snap.stats);
+    pthread_mutex_unlock(&x->mu);
+    if (pthread_create(&x->thread, NULL, engine_main, x) != 0) {
+        close(x->wake_fd);
+        return td_err_set(err, TD_EIO, "cannot start the engine thread");
+    }
+    x->thread_started = true;
+    return 0;
+}
+
+void srv__engine_request_stop(srv__engine *x, const char *reason)
+{
+    pthread_mutex_lock(&x->mu);
+    if (!x->stop_requested) snprintf(x->stop_reason, sizeof(x->stop_reason), "%s", reason);
+    x->stop_requested = true;
+    pthread_cond_signal(&x->cv);
+    pthread_mutex_unlock(&x->mu);
+}
+
+void srv__engine_stop(srv__engine *x, const char *reason)
+{
+    if (!x->thread_started) return;
+    srv__engine_request_stop(x, reason);
+    pthread_join(x->thread, NULL);
+    x->thread_started = false;
+}
+
+bool srv__engine_stopped(srv__engine *x, char *reason, size_t cap)
+{
+    pthread_mutex_lock(&x->mu);
+    bool s = x->stopped || x->stop_requested;
+    if (s && reason) snprintf(reason, cap, "%s", x->stop_reason);
+    pthread_mutex_unlock(&x->mu);
+    return s;
+}
+
+static int post(srv__engine *x, srv__cmd *c)
+{
+    pthread_mutex_lock(&x->mu);
+    if (x->stopped || x->stop_requested) {
+        pthread_mutex_unlock(&x->mu);
+        return TD_ESTATE;
+    }
+    if (x->inbox_tail)
+        x->inbox_tail->next = c;
+    else
+        x->inbox_head = c;
+    x->inbox_tail = c;
+    pthread_cond_signal(&x->cv);
+    pthread_mutex_unlock(&x->mu);
+    return 0;
+}
+
+int srv__engine_add(srv__engine *x, void *user, int choice, const int32_t *ids, int n_ids,
+                    const td_sampling *sp)
+{
+    srv__cmd *c = calloc(1, sizeof(*c));
+    if (!c) return TD_ENOMEM;
+    c->kind = CMD_ADD;
+    c->user = user;
+    c->choice = choice;
+    c->sp = *sp;
+    c->ids = malloc((size_t)(n_ids ? n_ids : 1) * sizeof(int32_t));
+    if (c->ids && n_ids) memcpy(c->ids, ids, (size_t)n_ids * sizeof(int32_t));
+    c->n_ids = n_ids;
+    c->sp.n_stop = 0;
+    c->sp.stop = NULL;
+    c->sp.stop_token_ids = NULL;
+    c->sp.n_stop_token_ids = 0;
+    bool oom = !c->ids;
+    if (sp->n_stop > 0) {
+        c->stop = calloc((size_t)sp->n_stop, sizeof(char *));
+        oom |= !c->stop;
+        for (int i = 0; c->stop && i < sp->n_stop; i++) {
+            c->stop[i] = dup_n(sp->stop[i], strlen(sp->stop[i]));
+            oom |= !c->stop[i];
+            c->sp.n_stop = i + 1;
+        }
+        c->sp.stop = (const char *const *)c->stop;
+    }
+    if (sp->n_stop_token_ids > 0) {
+        c->stop_ids = malloc((size_t)sp->n_stop_token_ids * sizeof(int32_t));
+        oom |= !c->stop_ids;
+        if (c->stop_ids) {
+            memcpy(c->stop_ids, sp->stop_token_ids, (size_t)sp->n_stop_token_ids * sizeof(int32_t));
+            c->sp.stop_token_ids = c->stop_ids;
+            c->sp.n_stop_token_ids = sp->n_stop_token_ids;
+        }
+    }
+    int rc = oom ? TD_ENOMEM : post(x, c);
+    if (rc) cmd_free(c);
+    return rc;
+}
+
+void srv__engine_abort(srv__engine *x, void *user)
+{
+    srv__cmd *c = calloc(1, sizeof(*c));
+    if (!c) return; /* the request then runs to its end; its blocks are freed there */
+    c->kind = CMD_ABORT;
+    c->user = user;
+    if (post(x, c)) cmd_free(c);
+}
+
+void srv__engine_take(srv__engine *x, srv__out **outs, int *n, srv__snapshot *snap)
+{
+    pthread_mutex_lock(&x->mu);
+    *outs = x->outbox;
+    *n = x->n_out;
+    x->outbox = NULL;
+    x->n_out = x->cap_out = 0;
+    if (snap) *snap = x->snap;
+    pthread_mutex_unlock(&x->mu);
+}
+
+void srv__engine_free(srv__engine *x)
+{
+    srv__engine_stop(x, "shutting down");
+    for (srv__cmd *c = x->inbox_head, *next; c; c = next) {
+        next = c->next;
+        cmd_free(c);
+    }
+    for (int i = 0; i < x->n_out; i++)
+        srv__out_free(&x->outbox[i]);
+    free(x->outbox);
+    free(x->active);
+    if (x->wake_fd > 0) close(x->wake_fd);
+    pthread_mutex_destroy(&x->mu);
+    pthread_cond_destroy(&x->cv);
+}

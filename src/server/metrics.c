@@ -1,0 +1,143 @@
+/*
+ * server/metrics.c - Prometheus text for GET /metrics. Counters and histograms live
+ * on the I/O thread only (every observation is made there), so they need no locks;
+ * engine gauges come from the snapshot the engine thread publishes each step.
+ */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "server/server_impl.h"
+
+static const double k_latency_bounds[SRV__HIST_BUCKETS] = {
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120};
+static const double k_tpot_bounds[SRV__HIST_BUCKETS] = {
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
+    0.05,   0.075,   0.1,    0.15,  0.2,    0.3,   0.5,  1.0};
+
+void srv__metrics_init(srv__metrics *m)
+{
+    memset(m, 0, sizeof(*m));
+    m->ttft.bounds = k_latency_bounds;
+    m->e2e.bounds = k_latency_bounds;
+    m->queue.bounds = k_latency_bounds;
+    m->tpot.bounds = k_tpot_bounds;
+}
+
+void srv__hist_observe(srv__hist *h, double v)
+{
+    int i = 0;
+    while (i < SRV__HIST_BUCKETS && v > h->bounds[i])
+        i++;
+    h->counts[i]++;
+    h->sum += v;
+    h->count++;
+}
+
+typedef struct out {
+    char *p;
+    size_t len, cap;
+} out;
+
+static void emit(out *o, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void emit(out *o, const char *fmt, ...)
+{
+    for (;;) {
+        va_list ap;
+        va_start(ap, fmt);
+        int n = vsnprintf(o->p ? o->p + o->len : NULL, o->p ? o->cap - o->len : 0, fmt, ap);
+        va_end(ap);
+        if (n < 0) return;
+        if (o->p && o->len + (size_t)n < o->cap) {
+            o->len += (size_t)n;
+            return;
+        }
+        size_t cap = o->cap ? o->cap * 2 : 8192;
+        while (cap < o->len + (size_t)n + 1)
+            cap *= 2;
+        char *g = realloc(o->p, cap);
+        if (!g) return;
+        o->p = g;
+        o->cap = cap;
+    }
+}
+
+static void hist(out *o, const char *name, const char *help, const srv__hist *h, const char *model)
+{
+    emit(o, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
+    uint64_t cum = 0;
+    for (int i = 0; i < SRV__HIST_BUCKETS; i++) {
+        cum += h->counts[i];
+        emit(o, "%s_bucket{model_name=\"%s\",le=\"%g\"} %llu\n", name, model, h->bounds[i],
+             (unsigned long long)cum);
+    }
+    cum += h->counts[SRV__HIST_BUCKETS];
+    emit(o, "%s_bucket{model_name=\"%s\",le=\"+Inf\"} %llu\n", name, model,
+         (unsigned long long)cum);
+    emit(o, "%s_sum{model_name=\"%s\"} %.9g\n%s_count{model_name=\"%s\"} %llu\n", name, model,
+         h->sum, name, model, (unsigned long long)h->count);
+}
+
+static void gauge(out *o, const char *name, const char *type, const char *help, const char *model,
+                  double v)
+{
+    emit(o, "# HELP %s %s\n# TYPE %s %s\n%s{model_name=\"%s\"} %.17g\n", name, help, name, type,
+         name, model, v);
+}
+
+char *srv__metrics_render(const srv__metrics *m, const srv__snapshot *s, const char *model)
+{
+    out o = {0};
+    const td_engine_stats *st = &s->stats;
+    gauge(&o, "tandem_num_requests_running", "gauge", "Requests in the running batch.", model,
+          s->num_running);
+    gauge(&o, "tandem_num_requests_waiting", "gauge", "Requests waiting to be scheduled.", model,
+          s->num_waiting);
+    gauge(&o, "tandem_kv_blocks_total", "gauge", "KV cache blocks in the pool.", model,
+          st->num_blocks_total);
+    gauge(&o, "tandem_kv_blocks_used", "gauge", "KV cache blocks held by requests.", model,
+          st->num_blocks_total - st->num_blocks_free);
+    gauge(&o, "tandem_kv_cache_usage_perc", "gauge", "Fraction of KV blocks held by requests.",
+          model,
+          st->num_blocks_total
+              ? (double)(st->num_blocks_total - st->num_blocks_free) / st->num_blocks_total
+              : 0.0);
+    gauge(&o, "tandem_prefix_cache_queries_total", "counter",
+          "Prompt tokens looked up in the prefix cache.", model, (double)st->prefix_queries_tokens);
+    gauge(&o, "tandem_prefix_cache_hits_total", "counter",
+          "Prompt tokens served from the prefix cache.", model, (double)st->prefix_hits_tokens);
+    gauge(&o, "tandem_prefix_cache_hit_rate", "gauge",
+          "Prefix cache hits / queries, in tokens, since start.", model,
+          st->prefix_queries_tokens ? (double)st->prefix_hits_tokens / st->prefix_queries_tokens
+                                    : 0.0);
+    gauge(&o, "tandem_num_preemptions_total", "counter", "Preempted requests.", model,
+          (double)st->num_preemptions);
+    gauge(&o, "tandem_prompt_tokens_total", "counter", "Prompt tokens of finished requests.", model,
+          (double)m->prompt_tokens);
+    gauge(&o, "tandem_generation_tokens_total", "counter", "Generated tokens.", model,
+          (double)m->generation_tokens);
+    emit(&o, "# HELP tandem_request_success_total Finished requests by finish reason.\n"
+             "# TYPE tandem_request_success_total counter\n");
+    static const char *const reasons[5] = {"none", "stop", "length", "abort", "error"};
+    for (int i = 1; i < 5; i++)
+        emit(&o, "tandem_request_success_total{model_name=\"%s\",finished_reason=\"%s\"} %llu\n",
+             model, reasons[i], (unsigned long long)m->finished[i]);
+    emit(&o, "# HELP tandem_http_requests_total HTTP responses by status class.\n"
+             "# TYPE tandem_http_requests_total counter\n");
+    for (int i = 1; i < 6; i++)
+        emit(&o, "tandem_http_requests_total{status=\"%dxx\"} %llu\n", i,
+             (unsigned long long)m->http_requests[i]);
+    gauge(&o, "tandem_requests_rejected_queue_full_total", "counter",
+          "Requests refused because the waiting queue was full.", model,
+          (double)m->rejected_queue_full);
+    hist(&o, "tandem_time_to_first_token_seconds", "Time from receipt to the first token.",
+         &m->ttft, model);
+    hist(&o, "tandem_time_per_output_token_seconds", "Mean time between output tokens.", &m->tpot,
+         model);
+    hist(&o, "tandem_e2e_request_latency_seconds", "Time from receipt to the last token.", &m->e2e,
+         model);
+    hist(&o, "tandem_request_queue_time_seconds", "Time waiting before first scheduled.", &m->queue,
+         model);
+    return o.p;
+}

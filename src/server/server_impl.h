@@ -1,0 +1,150 @@
+/*
+ * server/server_impl.h - what the server's files share: the engine thread's inbox
+ * and outbox, and the metrics. Not a public header.
+ */
+#ifndef TD_SERVER_IMPL_H
+#define TD_SERVER_IMPL_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+
+#include "server/server.h"
+
+/* ---- engine thread (engine_thread.c) ---- */
+
+/** One engine output, copied out of the engine so that it outlives the step. */
+typedef struct srv__out {
+    void *user;    /* the I/O thread's request object; never dereferenced here */
+    int choice;    /* index of the choice within that request */
+    bool rejected; /* td_engine_add_request failed: `error` says why */
+    int32_t token;
+    char *text; /* malloc'd, NUL-terminated */
+    int text_len;
+    td_finish finish;
+    char *error; /* malloc'd or NULL */
+    int num_prompt_tokens, num_cached_tokens, num_generated;
+    float logprob;
+    int n_top;
+    int32_t top_ids[TD_MAX_LOGPROBS];
+    float top_logprobs[TD_MAX_LOGPROBS];
+    double t_arrival, t_first_scheduled, t_first_token;
+} srv__out;
+
+/** A snapshot of engine counters, published once per loop iteration. */
+typedef struct srv__snapshot {
+    int num_running, num_waiting;
+    td_engine_stats stats;
+} srv__snapshot;
+
+typedef struct srv__cmd srv__cmd;
+
+typedef struct srv__engine {
+    td_engine *engine;
+    pthread_t thread;
+    bool thread_started;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    /* under mu: */
+    srv__cmd *inbox_head, *inbox_tail;
+    srv__out *outbox;
+    int n_out, cap_out;
+    srv__snapshot snap;
+    bool stop_requested; /* the loop should exit (shutdown or debug hook) */
+    bool stopped;        /* the loop has exited: no more commands are taken */
+    char stop_reason[128];
+    /* written by the engine thread, read anywhere */
+    _Atomic uint64_t last_progress_ns;
+    _Atomic int outstanding; /* requests added but not finished (engine thread's view) */
+    int wake_fd;             /* eventfd: the engine thread writes, the I/O loop reads */
+    int step_delay_ms;
+    /* engine-thread private: engine id -> (user, choice) */
+    struct srv__active *active;
+    int n_active, cap_active;
+} srv__engine;
+
+int srv__engine_start(srv__engine *x, td_engine *e, int step_delay_ms, td_err *err);
+/** Stop the loop (aborting everything in flight) and join; the engine stays alive. */
+void srv__engine_stop(srv__engine *x, const char *reason);
+/** Ask the loop to stop without waiting (for the debug hook). */
+void srv__engine_request_stop(srv__engine *x, const char *reason);
+void srv__engine_free(srv__engine *x);
+/**
+ * Queue a request (the ids and stop strings are copied). Returns TD_ESTATE when the
+ * loop has stopped. The result, accepted or not, arrives as outputs for (user, choice).
+ */
+int srv__engine_add(srv__engine *x, void *user, int choice, const int32_t *ids, int n_ids,
+                    const td_sampling *sp);
+/** Abort every request of `user`. */
+void srv__engine_abort(srv__engine *x, void *user);
+/** Take the outbox (the caller frees each output with srv__out_free, then the array). */
+void srv__engine_take(srv__engine *x, srv__out **outs, int *n, srv__snapshot *snap);
+void srv__out_free(srv__out *o);
+bool srv__engine_stopped(srv__engine *x, char *reason, size_t cap);
+
+/* ---- metrics (metrics.c) ---- */
+
+#define SRV__HIST_BUCKETS 16
+
+typedef struct srv__hist {
+    const double *bounds; /* [SRV__HIST_BUCKETS] upper bounds, seconds */
+    uint64_t counts[SRV__HIST_BUCKETS + 1];
+    double sum;
+    uint64_t count;
+} srv__hist;
+
+typedef struct srv__metrics {
+    uint64_t http_requests[6]; /* by status class: 1xx..5xx, index = status / 100 */
+    uint64_t prompt_tokens, generation_tokens;
+    uint64_t finished[5]; /* by td_finish */
+    uint64_t rejected_queue_full;
+    srv__hist ttft, tpot, e2e, queue;
+} srv__metrics;
+
+void srv__metrics_init(srv__metrics *m);
+void srv__hist_observe(srv__hist *h, double v);
+/** Prometheus text exposition. Returns a malloc'd string. */
+char *srv__metrics_render(const srv__metrics *m, const srv__snapshot *snap, const char *model);
+
+/* ---- the server object (http.c, completion.c) ---- */
+
+struct event_base;
+struct evhttp;
+struct evhttp_request;
+struct event;
+struct evbuffer;
+
+struct srv_server {
+    srv_config cfg;
+    char model_name[256];
+    char model_path[1024];
+    char kv_dtype[16];
+    struct event_base *base;
+    struct evhttp *http;
+    struct event *wake_ev, *sigint_ev, *sigterm_ev;
+    int port;
+    srv__engine eng;
+    const td_tokenizer *tok; /* read-only, safe on the I/O thread */
+    int max_model_len, n_vocab, max_num_seqs;
+    uint64_t model_fingerprint;
+    srv_chat_family chat;
+    srv__metrics metrics;
+    srv__snapshot snap; /* the latest one taken from the engine thread */
+    int outstanding;    /* I/O side: engine requests posted and not finished */
+    uint64_t next_id;
+    long started_at;       /* unix seconds */
+    struct srv__req *live; /* every request object alive (for shutdown) */
+};
+
+/** Send an OpenAI error response and count it. */
+void srv__send_error(srv_server *s, struct evhttp_request *req, const srv_error *e);
+void srv__send_json(srv_server *s, struct evhttp_request *req, int status, const char *json);
+/** POST /v1/completions and /v1/chat/completions (completion.c). */
+void srv__handle_generate(srv_server *s, struct evhttp_request *req, srv_endpoint ep);
+/** Outputs from the engine thread (completion.c). */
+void srv__handle_outputs(srv_server *s, srv__out *outs, int n);
+/** At shutdown: free every request object (completion.c). */
+void srv__free_all_requests(srv_server *s);
+/** JSON-escape bytes into an evbuffer (quotes included); invalid UTF-8 becomes U+FFFD. */
+void srv__json_str(struct evbuffer *b, const char *s, size_t len);
+
+#endif

@@ -1,0 +1,36 @@
+# Helpers for the `tandem serve` integration tests (sourced, not run by ctest: the glob
+# only picks up test_*.sh). start_server NAME ARGS... starts a server on an ephemeral
+# loopback port and sets ${NAME}_URL and ${NAME}_PID; every server is killed at exit.
+: "${TD_BIN:?set TD_BIN to the tandem binary}"
+SHARED=${TD_SHARED_DIR:-../shared}
+[ -d "$SHARED/models" ] || { echo "shared data missing at '$SHARED': set TD_SHARED_DIR" >&2; exit 1; }
+MODEL="$SHARED/models/stories260K.gguf"
+TESTS_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+tmp=$(mktemp -d)
+server_pids=()
+cleanup() {
+    for p in "${server_pids[@]}"; do kill "$p" 2>/dev/null || true; done
+    for p in "${server_pids[@]}"; do wait "$p" 2>/dev/null || true; done
+    rm -rf "$tmp"
+}
+trap cleanup EXIT
+fail() { echo "FAIL: $*" >&2; exit 1; }
+
+start_server() {
+    local name=$1
+    shift
+    "$TD_BIN" serve --model "$MODEL" --threads 2 --host 127.0.0.1 --server-port 0 \
+        --log-level warn "$@" 2>"$tmp/$name.err" &
+    local pid=$!
+    server_pids+=("$pid")
+    local port=""
+    for _ in $(seq 1 600); do
+        port=$(sed -n 's/^listening on .*:\([0-9]*\)$/\1/p' "$tmp/$name.err" | head -n 1)
+        [ -n "$port" ] && break
+        kill -0 "$pid" 2>/dev/null || fail "server $name exited: $(cat "$tmp/$name.err")"
+        sleep 0.1
+    done
+    [ -n "$port" ] || fail "server $name did not start: $(cat "$tmp/$name.err")"
+    printf -v "${name}_URL" 'http://127.0.0.1:%s' "$port"
+    printf -v "${name}_PID" '%s' "$pid"
+}

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# `tandem serve` over real loopback HTTP: flag checks, then the behaviour suite in
+# node/serve.test.mjs (node's built-in test runner and fetch only; no npm packages),
+# then /health going to 503 once the engine loop is stopped through the debug hook.
+set -euo pipefail
+source "$(dirname "$0")/serve_lib.sh"
+command -v node >/dev/null || fail "node is required for the server tests (apt-get install nodejs)"
+
+# --- flags: strict, with clear errors
+expect_flag_error() {
+    local want=$1
+    shift
+    local rc=0
+    "$TD_BIN" serve --model "$MODEL" --threads 1 --server-port 0 "$@" >"$tmp/out" 2>"$tmp/err" || rc=$?
+    [ "$rc" -eq 2 ] || fail "serve $* exited $rc, expected 2: $(cat "$tmp/err")"
+    grep -qF -- "$want" "$tmp/err" || fail "serve $*: stderr lacks '$want': $(cat "$tmp/err")"
+}
+expect_flag_error "unknown option '--no-such-flag'" --no-such-flag
+expect_flag_error "--tensor-parallel-size 2 is not supported yet" -tp 2
+expect_flag_error "--tensor-parallel-size 4 is not supported yet" --tensor-parallel-size 4
+expect_flag_error "'kv_role' is required" --kv-transfer-config '{"kv_connector":"tandem"}'
+expect_flag_error "'kv_role' must be kv_producer, kv_consumer or kv_both" --kv-transfer-config '{"kv_role":"producer"}'
+expect_flag_error "'kv_bogus' is not a known key" --kv-transfer-config '{"kv_role":"kv_both","kv_bogus":1}'
+expect_flag_error "'handshake_port' must be an integer port" --kv-transfer-config '{"kv_role":"kv_both","handshake_port":"x"}'
+expect_flag_error "'kv_connector_extra_config' must be an object" --kv-transfer-config '{"kv_role":"kv_both","kv_connector_extra_config":[]}'
+expect_flag_error "is not valid JSON" --kv-transfer-config '{kv_role'
+expect_flag_error "--chat-template must be chatml" --chat-template jinja
+expect_flag_error "--kv-cache-dtype" --kv_cache_dtype q3
+
+# --- the main server (underscore aliases and -tp 1 accepted) and a slow one for
+# disconnects and queue limits (each engine step sleeps 20 ms).
+start_server MAIN --chat-template chatml --enable-debug-endpoints -tp 1 --kv_cache_dtype f16 \
+    --served-model-name stories --kv-transfer-config \
+    '{"kv_role":"kv_producer","kv_connector":"tandem","handshake_port":5601,"kv_connector_extra_config":{"a":1}}'
+start_server SLOW --enable-debug-endpoints --debug-step-delay-ms 20 --max-num-seqs 4 --max-queue 2
+
+TD_URL=$MAIN_URL TD_SLOW_URL=$SLOW_URL TD_MODEL_NAME=stories TD_BIN=$TD_BIN TD_MODEL=$MODEL \
+    node --test --test-reporter=spec "$TESTS_DIR/node/serve.test.mjs" ||
+    fail "node/serve.test.mjs failed (server stderr: $(tail -n 20 "$tmp/MAIN.err"))"
+
+# --- /health: 503 while work waits longer than --health-stall-timeout without a step
+# (here each step is followed by a 3 s sleep), and 200 again once the work is done.
+start_server STALL --enable-debug-endpoints --debug-step-delay-ms 3000 --health-stall-timeout 0.5
+curl -s "$STALL_URL/v1/completions" -d '{"prompt":[1,306],"max_tokens":2,"ignore_eos":true}' >"$tmp/stall.out" &
+stall_curl=$!
+stalled=""
+for _ in $(seq 1 200); do
+    code=$(curl -s -o "$tmp/h" -w '%{http_code}' "$STALL_URL/health")
+    if [ "$code" = 503 ]; then stalled=1; break; fi
+    sleep 0.05
+done
+[ -n "$stalled" ] || fail "/health never reported the stall"
+grep -q "stalled" "$tmp/h" || fail "/health stall reason: $(cat "$tmp/h")"
+wait "$stall_curl" || fail "the stalled request failed"
+grep -q '"finish_reason":"length"' "$tmp/stall.out" || fail "stalled request: $(cat "$tmp/stall.out")"
+code=$(curl -s -o "$tmp/h" -w '%{http_code}' "$STALL_URL/health")
+[ "$code" = 200 ] || fail "/health after the stall: $code $(cat "$tmp/h")"
+
+# --- /health: 200 while the loop runs, 503 with a reason once it has stopped
+code=$(curl -s -o "$tmp/h" -w '%{http_code}' "$MAIN_URL/health")
+[ "$code" = 200 ] || fail "/health before stop: $code $(cat "$tmp/h")"
+curl -s -XPOST "$MAIN_URL/debug/stop_engine" >/dev/null
+code=$(curl -s -o "$tmp/h" -w '%{http_code}' "$MAIN_URL/health")
+[ "$code" = 503 ] || fail "/health after stop: $code $(cat "$tmp/h")"
+grep -q "engine loop has stopped" "$tmp/h" || fail "/health reason: $(cat "$tmp/h")"
+code=$(curl -s -o "$tmp/h" -w '%{http_code}' "$MAIN_URL/v1/completions" -d '{"prompt":[1,2]}')
+[ "$code" = 503 ] || fail "completion after stop: $code $(cat "$tmp/h")"
+# The slow server has the hook too; stop it the same way.
+code=$(curl -s -o /dev/null -w '%{http_code}' -XPOST "$SLOW_URL/debug/stop_engine")
+[ "$code" = 200 ] || fail "debug hook on SLOW: $code"
+
+# A clean shutdown on SIGTERM.
+kill -TERM "$MAIN_PID"
+wait "$MAIN_PID" || fail "server exited non-zero on SIGTERM: $(tail -n 5 "$tmp/MAIN.err")"
+echo "ok"

@@ -1,0 +1,285 @@
+/* Unit tests for server/request.c, kvconfig.c and chat.c: the pure parts of the server. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <cmocka.h>
+
+#include "server/server.h"
+
+static int parse(srv_request *r, srv_endpoint ep, const char *body, srv_error *err)
+{
+    memset(err, 0, sizeof(*err));
+    return srv_request_parse(r, ep, body, strlen(body), err);
+}
+
+/* Expect a 400 naming `param` ("" for none). */
+static void expect_bad(srv_endpoint ep, const char *body, const char *param)
+{
+    srv_request r;
+    srv_error err;
+    int rc = parse(&r, ep, body, &err);
+    if (rc == 0) {
+        srv_request_free(&r);
+        fail_msg("accepted: %s", body);
+    }
+    assert_int_equal(err.status, 400);
+    assert_true(err.message[0] != '\0');
+    if (strcmp(err.param, param) != 0)
+        fail_msg("%s: param '%s', want '%s' (%s)", body, err.param, param, err.message);
+}
+
+static void test_prompt_variants(void **state)
+{
+    (void)state;
+    srv_request r;
+    srv_error err;
+    assert_int_equal(parse(&r, SRV_EP_COMPLETIONS, "{\"prompt\":\"hello\"}", &err), 0);
+    assert_int_equal(r.n_prompts, 1);
+    assert_string_equal(r.prompts[0].text, "hello");
+    assert_int_equal(r.max_tokens, -1);
+    assert_true(r.temperature == 1.0 && r.n == 1 && r.logprobs == -1);
+    srv_request_free(&r);
+
+    assert_int_equal(parse(&r, SRV_EP_COMPLETIONS, "{\"prompt\":[\"a\",\"b\"]}", &err), 0);
+    assert_int_equal(r.n_prompts, 2);
+    assert_string_equal(r.prompts[1].text, "b");
+    srv_request_free(&r);
+
+    assert_int_equal(parse(&r, SRV_EP_COMPLETIONS, "{\"prompt\":[1,2,3]}", &err), 0);
+    assert_int_equal(r.n_prompts, 1);
+    assert_null(r.prompts[0].text);
+    assert_int_equal(r.prompts[0].n_ids, 3);
+    assert_int_equal(r.prompts[0].ids[2], 3);
+    srv_request_free(&r);
+
+    assert_int_equal(parse(&r, SRV_EP_COMPLETIONS, "{\"prompt\":[[1,2],[3]]}", &err), 0);
+    assert_int_equal(r.n_prompts, 2);
+    assert_int_equal(r.prompts[1].n_ids, 1);
+    srv_request_free(&r);
+}
+
+static void test_fields(void **state)
+{
+    (void)state;
+    srv_request r;
+    srv_error err;
+    const char *body =
+        "{\"prompt\":[1],\"max_tokens\":7,\"temperature\":0.5,\"top_p\":0.9,\"top_k\":-1,"
+        "\"min_p\":0.1,\"seed\":42,\"stop\":\"END\",\"stream\":true,\"stream_options\":"
+        "{\"include_usage\":true},\"ignore_eos\":true,\"n\":3,\"echo\":true,\"logprobs\":2,"
+        "\"user\":\"u\",\"kv_transfer_params\":{\"do_remote_decode\":true},\"unknown\":[{}]}";
+    assert_int_equal(parse(&r, SRV_EP_COMPLETIONS, body, &err), 0);
+    assert_int_equal(r.max_tokens, 7);
+    assert_true(r.temperature == 0.5 && r.top_p == 0.9 && r.min_p == 0.1);
+    assert_int_equal(r.top_k, 0);
+    assert_true(r.has_seed && r.seed == 42);
+    assert_int_equal(r.n_stop, 1);
+    assert_string_equal(r.stop[0], "END");
+    assert_true(r.stream && r.include_usage && r.ignore_eos && r.echo);
+    assert_int_equal(r.n, 3);
+    assert_int_equal(r.logprobs, 2);
+    assert_string_equal(r.user, "u");
+    assert_non_null(r.kv_transfer_params);
+    srv_request_free(&r);
+
+    /* nulls are the same as absent */
+    assert_int_equal(parse(&r, SRV_EP_COMPLETIONS,
+                           "{\"prompt\":[1],\"max_tokens\":null,\"stop\":null,\"seed\":null}",
+                           &err),
+                     0);
+    assert_int_equal(r.max_tokens, -1);
+    assert_false(r.has_seed);
+    srv_request_free(&r);
+}
+
+static void test_chat(void **state)
+{
+    (void)state;
+    srv_request r;
+    srv_error err;
+    const char *body =
+        "{\"messages\":[{\"role\":\"developer\",\"content\":\"S\"},"
+        "{\"role\":\"user\",\"content\":[{\"type\":\"text\",\"text\":\"a\"},"
+        "{\"type\":\"text\",\"text\":\"b\"}]},{\"role\":\"assistant\",\"content\":null},"
+        "{\"role\":\"user\",\"content\":\"U2\"}],\"logprobs\":true,\"top_logprobs\":3}";
+    assert_int_equal(parse(&r, SRV_EP_CHAT, body, &err), 0);
+    assert_int_equal(r.n_messages, 4);
+    assert_string_equal(r.messages[0].role, "system");
+    assert_string_equal(r.messages[1].content, "ab");
+    assert_string_equal(r.messages[2].content, "");
+    assert_int_equal(r.logprobs, 3);
+
+    char *t = srv_chat_render(SRV_CHAT_CHATML, r.messages, r.n_messages, &err);
+    assert_string_equal(t, "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nab<|im_end|>\n"
+                           "<|im_start|>assistant\n<|im_end|>\n<|im_start|>user\nU2<|im_end|>\n"
+                           "<|im_start|>assistant\n");
+    free(t);
+    t = srv_chat_render(SRV_CHAT_LLAMA3, r.messages, 2, &err);
+    assert_string_equal(t, "<|start_header_id|>system<|end_header_id|>\n\nS<|eot_id|>"
+                           "<|start_header_id|>user<|end_header_id|>\n\nab<|eot_id|>"
+                           "<|start_header_id|>assistant<|end_header_id|>\n\n");
+    free(t);
+    t = srv_chat_render(SRV_CHAT_LLAMA2, r.messages, r.n_messages, &err);
+    assert_string_equal(t, "[INST] <<SYS>>\nS\n<</SYS>>\n\nab [/INST]  </s><s>[INST] U2 [/INST]");
+    free(t);
+    t = srv_chat_render(SRV_CHAT_MISTRAL, r.messages + 1, 1, &err);
+    assert_string_equal(t, "[INST] ab [/INST]");
+    free(t);
+    t = srv_chat_render(SRV_CHAT_ZEPHYR, r.messages + 1, 1, &err);
+    assert_string_equal(t, "<|user|>\nab</s>\n<|assistant|>\n");
+    free(t);
+    assert_null(srv_chat_render(SRV_CHAT_UNKNOWN, r.messages, 1, &err));
+    assert_int_equal(err.status, 400);
+    assert_null(srv_chat_render(SRV_CHAT_NONE, r.messages, 1, &err));
+    srv_request_free(&r);
+}
+
+static void test_detect(void **state)
+{
+    (void)state;
+    const char *chatml = "{% for m in messages %}<|im_start|>{{m.role}}...";
+    const char *l3 = "<|start_header_id|>' + m['role'] + '<|end_header_id|>...<|eot_id|>";
+    const char *l2 = "[INST] <<SYS>>\\n' + system + '\\n<</SYS>>' + m + ' [/INST]";
+    const char *mi = "{{ '[INST] ' + m['content'] + ' [/INST]' }}";
+    const char *ze = "<|user|>\n' + m + eos_token ...<|assistant|>\n";
+    assert_int_equal(srv_chat_detect(chatml, strlen(chatml)), SRV_CHAT_CHATML);
+    assert_int_equal(srv_chat_detect(l3, strlen(l3)), SRV_CHAT_LLAMA3);
+    assert_int_equal(srv_chat_detect(l2, strlen(l2)), SRV_CHAT_LLAMA2);
+    assert_int_equal(srv_chat_detect(mi, strlen(mi)), SRV_CHAT_MISTRAL);
+    assert_int_equal(srv_chat_detect(ze, strlen(ze)), SRV_CHAT_ZEPHYR);
+    assert_int_equal(srv_chat_detect("{{ weird }}", 11), SRV_CHAT_UNKNOWN);
+    assert_int_equal(srv_chat_detect(NULL, 0), SRV_CHAT_NONE);
+    assert_int_equal(srv_chat_family_by_name("llama-3"), SRV_CHAT_LLAMA3);
+    assert_int_equal(srv_chat_family_by_name("jinja"), -1);
+}
+
+static void test_bad(void **state)
+{
+    (void)state;
+    const srv_endpoint C = SRV_EP_COMPLETIONS, H = SRV_EP_CHAT;
+    expect_bad(C, "", "");
+    expect_bad(C, "{", "");
+    expect_bad(C, "[]", "");
+    expect_bad(C, "{\"prompt\":[1]} x", "");
+    expect_bad(C, "{\"prompt\":\"a\",\"temperature\":NaN}", "");
+    expect_bad(
+        C, "{\"prompt\":[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]}",
+        "");
+    expect_bad(C, "{\"prompt\":\"\xff\"}", "");
+    expect_bad(C, "{}", "prompt");
+    expect_bad(C, "{\"prompt\":null}", "prompt");
+    expect_bad(C, "{\"prompt\":{}}", "prompt");
+    expect_bad(C, "{\"prompt\":[1,\"a\"]}", "prompt");
+    expect_bad(C, "{\"prompt\":[[1],[]]}", "prompt");
+    expect_bad(C, "{\"prompt\":[4294967296]}", "prompt");
+    expect_bad(C, "{\"prompt\":[1],\"max_tokens\":1.5}", "max_tokens");
+    expect_bad(C, "{\"prompt\":[1],\"max_tokens\":true}", "max_tokens");
+    expect_bad(C, "{\"prompt\":[1],\"temperature\":3}", "temperature");
+    expect_bad(C, "{\"prompt\":[1],\"top_k\":-2}", "top_k");
+    expect_bad(C, "{\"prompt\":[1],\"min_p\":2}", "min_p");
+    expect_bad(C, "{\"prompt\":[1],\"n\":65}", "n");
+    expect_bad(C, "{\"prompt\":[1],\"stop\":[1]}", "stop");
+    expect_bad(C, "{\"prompt\":[1],\"stream_options\":1}", "stream_options");
+    expect_bad(C, "{\"prompt\":[1],\"stream_options\":{\"include_usage\":1}}",
+               "stream_options.include_usage");
+    expect_bad(C, "{\"prompt\":[1],\"echo\":1}", "echo");
+    expect_bad(C, "{\"prompt\":[1],\"logprobs\":-1}", "logprobs");
+    expect_bad(C, "{\"prompt\":[1],\"user\":5}", "user");
+    expect_bad(C, "{\"prompt\":[1],\"model\":[]}", "model");
+    expect_bad(H, "{\"messages\":[]}", "messages");
+    expect_bad(H, "{\"messages\":[1]}", "messages");
+    expect_bad(H, "{\"messages\":[{\"content\":\"x\"}]}", "messages.role");
+    expect_bad(H, "{\"messages\":[{\"role\":\"tool\",\"content\":\"x\"}]}", "messages.role");
+    expect_bad(H, "{\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"image_url\"}]}]}",
+               "messages.content");
+    expect_bad(H, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"logprobs\":2}",
+               "logprobs");
+}
+
+static void test_kv_config(void **state)
+{
+    (void)state;
+    srv_kv_config c;
+    char msg[320];
+    assert_int_equal(srv_kv_config_parse(&c,
+                                         "{\"kv_role\":\"kv_consumer\",\"kv_connector\":\"x\","
+                                         "\"handshake_port\":5600,\"kv_ip\":\"10.0.0.1\","
+                                         "\"kv_port\":14579,\"kv_rank\":1,\"kv_parallel_size\":2,"
+                                         "\"kv_buffer_device\":\"cpu\",\"kv_buffer_size\":1e9,"
+                                         "\"kv_connector_extra_config\":{\"k\":1}}",
+                                         msg, sizeof(msg)),
+                     0);
+    assert_int_equal(c.role, SRV_KV_CONSUMER);
+    assert_int_equal(c.handshake_port, 5600);
+    assert_int_equal(c.port, 14579);
+    assert_string_equal(c.ip, "10.0.0.1");
+    assert_non_null(c.extra);
+    srv_kv_config_free(&c);
+    static const char *const bad[] = {
+        "{}",
+        "[]",
+        "x",
+        "{\"kv_role\":\"kv_both\",\"zzz\":1}",
+        "{\"kv_role\":1}",
+        "{\"kv_role\":\"kv_both\",\"handshake_port\":70000}",
+        "{\"kv_role\":\"kv_both\",\"kv_rank\":2,\"kv_parallel_size\":2}",
+        "{\"kv_role\":\"kv_both\",\"kv_buffer_device\":\"tpu\"}",
+        "{\"kv_role\":\"kv_both\",\"kv_connector_extra_config\":\"s\"}",
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        msg[0] = '\0';
+        if (srv_kv_config_parse(&c, bad[i], msg, sizeof(msg)) == 0) fail_msg("accepted %s", bad[i]);
+        assert_non_null(strstr(msg, "--kv-transfer-config"));
+    }
+}
+
+/* Real templates from the shared folder: the families render, look-alikes are refused. */
+static void test_detect_shared(void **state)
+{
+    (void)state;
+    const char *dir = getenv("TD_SHARED_DIR");
+    if (!dir) skip();
+    static const struct {
+        const char *file;
+        srv_chat_family want;
+    } cases[] = {
+        {"Qwen-Qwen2.5-7B-Instruct.jinja", SRV_CHAT_CHATML},
+        {"meta-llama-Llama-3.1-8B-Instruct.jinja", SRV_CHAT_LLAMA3},
+        {"mistralai-Mistral-Nemo-Instruct-2407.jinja", SRV_CHAT_UNKNOWN},
+        {"Mistral-Small-3.2-24B-Instruct-2506.jinja", SRV_CHAT_UNKNOWN},
+        {"microsoft-Phi-3.5-mini-instruct.jinja", SRV_CHAT_UNKNOWN},
+        {"GLM-4.6.jinja", SRV_CHAT_UNKNOWN},
+        {"google-gemma-2-2b-it.jinja", SRV_CHAT_UNKNOWN},
+        {"deepseek-ai-DeepSeek-V3.1.jinja", SRV_CHAT_UNKNOWN},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        char path[4096];
+        snprintf(path, sizeof(path), "%s/chat-templates/%s", dir, cases[i].file);
+        FILE *f = fopen(path, "rb");
+        if (!f) skip();
+        static char buf[1 << 20];
+        size_t n = fread(buf, 1, sizeof(buf), f);
+        fclose(f);
+        srv_chat_family got = srv_chat_detect(buf, n);
+        if (got != cases[i].want)
+            fail_msg("%s: detected %s, want %s", cases[i].file, srv_chat_family_name(got),
+                     srv_chat_family_name(cases[i].want));
+    }
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_prompt_variants),
+        cmocka_unit_test(test_fields),
+        cmocka_unit_test(test_chat),
+        cmocka_unit_test(test_detect),
+        cmocka_unit_test(test_bad),
+        cmocka_unit_test(test_kv_config),
+        cmocka_unit_test(test_detect_shared),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
