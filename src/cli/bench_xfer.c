@@ -1,0 +1,378 @@
+/*
+ * cli/bench_xfer.c - `tandem bench-xfer`: throughput of the kvx tcp transport over
+ * loopback, next to the machine's limits measured by the same program.
+ *
+ *   kvx tcp: a producer agent and a consumer client in this process; for each transfer
+ *            size and concurrency C, C transfers of that size start together (each its own
+ *            lease over the same producer blocks, each into its own consumer blocks) and
+ *            the cell's GB/s is bytes moved / wall time, summed over repetitions.
+ *   memcpy:  the same bytes copied between the two pools by num_worker_threads threads.
+ *   raw tcp: 1 and qp_per_transfer loopback TCP streams (blocking 1 MiB send/recv) in the
+ *            machine line; and, in each cell, qp_per_transfer streams moving the cell's
+ *            bytes through windows as large as the memory kvx touches, alternated with
+ *            kvx --trials times (best of each kept: the machine is shared and noisy).
+ *   CPU s/GB: the process's user + system time per GB, for kvx and raw TCP alike; steadier
+ *            than wall-clock GB/s on a busy machine.
+ *
+ * The figures are printed, never asserted.
+ */
+#include <netinet/in.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "cli/cli.h"
+#include "cli/flags.h"
+#include "kvx/kvx.h"
+
+typedef struct bench {
+    uint8_t *prod, *cons;
+    kvx_region prod_region, cons_region;
+    uint64_t seg_prod, seg_cons; /* bytes per segment */
+    int threads, qp;
+} bench;
+
+/* CPU seconds (user + system) this process has used: the machine is shared, so CPU per
+ * byte compares the transports more steadily than wall-clock GB/s. */
+static double cpu_s(void)
+{
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    return (double)ru.ru_utime.tv_sec + ru.ru_utime.tv_usec * 1e-6 + (double)ru.ru_stime.tv_sec +
+           ru.ru_stime.tv_usec * 1e-6;
+}
+
+/* ---------------------------------------------------------------- memcpy floor */
+
+typedef struct copy_job {
+    uint8_t *dst;
+    const uint8_t *src;
+    size_t n;
+} copy_job;
+
+static void *copy_main(void *arg)
+{
+    copy_job *j = arg;
+    memcpy(j->dst, j->src, j->n);
+    return NULL;
+}
+
+static double memcpy_gbps(bench *b, uint64_t bytes, int threads, int reps)
+{
+    pthread_t t[64];
+    copy_job j[64];
+    threads = TD_MIN(threads, 64);
+    double t0 = td_now_s();
+    for (int r = 0; r < reps; r++) {
+        uint64_t per = bytes / (uint64_t)threads;
+        for (int i = 0; i < threads; i++) {
+            j[i] = (copy_job){b->cons + (uint64_t)i * per, b->prod + (uint64_t)i * per, per};
+            pthread_create(&t[i], NULL, copy_main, &j[i]);
+        }
+        for (int i = 0; i < threads; i++)
+            pthread_join(t[i], NULL);
+    }
+    return (double)bytes * reps / (td_now_s() - t0) / 1e9;
+}
+
+/* ---------------------------------------------------------------- raw TCP floor */
+
+/* A stream sends from (or receives into) a window of its pool, cycling through it, so raw
+ * TCP touches as much memory as kvx does and meets the same cache misses. */
+typedef struct stream_job {
+    int fd;
+    uint8_t *buf;
+    uint64_t bytes, window, start;
+} stream_job;
+
+static void *send_main(void *arg)
+{
+    stream_job *j = arg;
+    for (uint64_t done = 0; done < j->bytes;) {
+        uint64_t off = (j->start + done) % j->window;
+        size_t n = (size_t)TD_MIN(TD_MIN(j->bytes - done, (uint64_t)1 << 20), j->window - off);
+        ssize_t w = send(j->fd, j->buf + off, n, MSG_NOSIGNAL);
+        if (w <= 0) return NULL;
+        done += (uint64_t)w;
+    }
+    return NULL;
+}
+
+static void *recv_main(void *arg)
+{
+    stream_job *j = arg;
+    for (uint64_t done = 0; done < j->bytes;) {
+        uint64_t off = (j->start + done) % j->window;
+        size_t n = (size_t)TD_MIN(TD_MIN(j->bytes - done, (uint64_t)1 << 20), j->window - off);
+        ssize_t r = recv(j->fd, j->buf + off, n, 0);
+        if (r <= 0) return NULL;
+        done += (uint64_t)r;
+    }
+    return NULL;
+}
+
+/* Streams of `bytes` each over loopback, all at once; aggregate GB/s. */
+static double raw_tcp_gbps(bench *b, int streams, uint64_t bytes, uint64_t prod_window,
+                           uint64_t cons_window, double *cpu_per_gb)
+{
+    int lfd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t sl = sizeof(sa);
+    if (lfd < 0 || bind(lfd, (struct sockaddr *)&sa, sizeof(sa)) || listen(lfd, 64) ||
+        getsockname(lfd, (struct sockaddr *)&sa, &sl))
+        return 0;
+    stream_job sj[64], rj[64];
+    pthread_t st[64], rt[64];
+    streams = TD_MIN(streams, 64);
+    for (int i = 0; i < streams; i++) {
+        int cfd = socket(AF_INET, SOCK_STREAM, 0);
+        connect(cfd, (struct sockaddr *)&sa, sizeof(sa));
+        int afd = accept(lfd, NULL, NULL);
+        sj[i] = (stream_job){cfd, b->prod, bytes, prod_window, 0};
+        rj[i] = (stream_job){afd, b->cons, bytes, cons_window,
+                             (uint64_t)i * cons_window / (uint64_t)streams};
+    }
+    double t0 = td_now_s(), c0 = cpu_s();
+    for (int i = 0; i < streams; i++) {
+        pthread_create(&st[i], NULL, send_main, &sj[i]);
+        pthread_create(&rt[i], NULL, recv_main, &rj[i]);
+    }
+    for (int i = 0; i < streams; i++) {
+        pthread_join(st[i], NULL);
+        pthread_join(rt[i], NULL);
+    }
+    double s = td_now_s() - t0;
+    if (cpu_per_gb) *cpu_per_gb = (cpu_s() - c0) / ((double)bytes * streams / 1e9);
+    for (int i = 0; i < streams; i++) {
+        close(sj[i].fd);
+        close(rj[i].fd);
+    }
+    close(lfd);
+    return (double)bytes * streams / s / 1e9;
+}
+
+/* ---------------------------------------------------------------- kvx tcp */
+
+static int run_cell(bench *b, kvx_agent *a, kvx_client *c, uint64_t size, int conc, int reps,
+                    double *gbps, double *cpu_per_gb)
+{
+    const kvx_region *pr = &b->prod_region;
+    int per = (int)(size / (pr->block_bytes * pr->n_segments));
+    int32_t *src = malloc((size_t)per * sizeof(int32_t));
+    int32_t *dst = malloc((size_t)conc * per * sizeof(int32_t));
+    char(*tid)[KVX_ID_HEX] = malloc((size_t)conc * KVX_ID_HEX);
+    kvx_xfer **x = malloc((size_t)conc * sizeof(*x));
+    for (int i = 0; i < per; i++)
+        src[i] = i;
+    for (int i = 0; i < conc * per; i++)
+        dst[i] = i;
+    td_err err;
+    int rc = 0;
+    double total_s = 0, c0 = cpu_s();
+    for (int r = 0; r < reps && !rc; r++) {
+        for (int t = 0; t < conc && !rc; t++)
+            rc = kvx_agent_register(a, src, per, 0, NULL, tid[t], &err);
+        double t0 = td_now_s();
+        for (int t = 0; t < conc && !rc; t++) {
+            kvx_read_req rq = {.host = "127.0.0.1",
+                               .port = kvx_agent_port(a),
+                               .engine_id = kvx_agent_engine_id(a),
+                               .transfer_id = tid[t],
+                               .src_blocks = src,
+                               .dst_blocks = dst + (size_t)t * per,
+                               .n_blocks = per};
+            rc = kvx_read_start(c, &rq, &x[t], &err);
+            if (rc) conc = t; /* wait for the ones started */
+        }
+        for (int t = 0; t < conc; t++) {
+            td_err res;
+            int xr = kvx_xfer_wait(x[t], &res);
+            if (xr && !rc) {
+                rc = xr;
+                err = res;
+            }
+            kvx_xfer_free(x[t]);
+        }
+        total_s += td_now_s() - t0;
+        for (int t = 0; t < conc; t++)
+            kvx_release(c, "127.0.0.1", kvx_agent_port(a), kvx_agent_engine_id(a), tid[t], &err);
+    }
+    if (rc) fprintf(stderr, "bench-xfer: transfer failed: %s\n", err.msg);
+    *gbps = (double)size * conc * reps / total_s / 1e9;
+    /* Includes registering and releasing the leases, which real transfers also pay. */
+    if (cpu_per_gb) *cpu_per_gb = (cpu_s() - c0) / ((double)size * conc * reps / 1e9);
+    free(src);
+    free(dst);
+    free(tid);
+    free(x);
+    return rc;
+}
+
+static int parse_list(const char *s, uint64_t *out, int max, bool sizes)
+{
+    int n = 0;
+    char buf[256];
+    snprintf(buf, sizeof(buf), "%s", s);
+    for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok;
+         tok = strtok_r(NULL, ",", &save)) {
+        if (n == max) return -1;
+        int64_t v;
+        if (sizes ? td_parse_size(tok, &out[n]) : td_parse_i64(tok, &v)) return -1;
+        if (!sizes) out[n] = (uint64_t)v;
+        if (out[n] == 0) return -1;
+        n++;
+    }
+    return n;
+}
+
+int cli_bench_xfer(int argc, char **argv)
+{
+    const char *sizes_s = "64K,1M,16M,64M", *conc_s = "1,4,16";
+    int64_t threads = 4, qp = 4, segments = 8, min_mb = 256, trials = 3;
+    uint64_t block_bytes = 8192;
+    bool no_checksums = false, no_floor = false;
+    cli_flag flags[] = {
+        CLI_FLAG("sizes", CLI_FLAG_STR, &sizes_s, "transfer sizes (64K,1M,16M,64M)"),
+        CLI_FLAG("concurrency", CLI_FLAG_STR, &conc_s, "concurrent transfers (1,4,16)"),
+        CLI_FLAG("num-worker-threads", CLI_FLAG_INT, &threads, "consumer worker threads (4)"),
+        CLI_FLAG("qp-per-transfer", CLI_FLAG_INT, &qp, "connections per peer (4)"),
+        CLI_FLAG("segments", CLI_FLAG_INT, &segments, "segments (layers) per region (8)"),
+        CLI_FLAG("block-bytes", CLI_FLAG_SIZE, &block_bytes, "bytes per block per segment (8K)"),
+        CLI_FLAG("min-mb", CLI_FLAG_INT, &min_mb, "MiB moved per trial at least (256)"),
+        CLI_FLAG("trials", CLI_FLAG_INT, &trials, "alternating trials per cell, best kept (3)"),
+        CLI_FLAG("no-checksums", CLI_FLAG_BOOL, &no_checksums, "turn CRC32C off"),
+        CLI_FLAG("no-floor", CLI_FLAG_BOOL, &no_floor, "skip the memcpy and raw TCP figures"),
+    };
+    int prc =
+        cli_flags_parse(flags, (int)TD_ARRAY_LEN(flags), argc, argv, "tandem bench-xfer [options]");
+    if (prc) return prc == 1 ? 0 : 2;
+    uint64_t sizes[16], concs[16];
+    int n_sizes = parse_list(sizes_s, sizes, 16, true);
+    int n_conc = parse_list(conc_s, concs, 16, false);
+    if (n_sizes < 1 || n_conc < 1 || threads < 1 || threads > 64 || qp < 1 || qp > 64 ||
+        segments < 1 || block_bytes < 64 || min_mb < 1 || trials < 1) {
+        fprintf(stderr, "bench-xfer: bad --sizes, --concurrency or thread counts\n");
+        return 2;
+    }
+    uint64_t max_size = 0, max_conc = 0;
+    for (int i = 0; i < n_sizes; i++) {
+        if (sizes[i] % (block_bytes * (uint64_t)segments)) {
+            fprintf(stderr, "bench-xfer: size %llu is not a multiple of segments x block bytes\n",
+                    (unsigned long long)sizes[i]);
+            return 2;
+        }
+        max_size = TD_MAX(max_size, sizes[i]);
+    }
+    for (int i = 0; i < n_conc; i++)
+        max_conc = TD_MAX(max_conc, concs[i]);
+
+    bench b = {.threads = (int)threads, .qp = (int)qp};
+    b.seg_prod = TD_MAX(max_size, (uint64_t)64 << 20) / (uint64_t)segments;
+    b.seg_cons = TD_MAX(max_size * max_conc, (uint64_t)(qp + 1) << 26) / (uint64_t)segments;
+    b.seg_prod = TD_ALIGN_UP(b.seg_prod, block_bytes);
+    b.seg_cons = TD_ALIGN_UP(b.seg_cons, block_bytes);
+    b.prod = td_aligned_alloc(b.seg_prod * (uint64_t)segments);
+    b.cons = td_aligned_alloc(b.seg_cons * (uint64_t)segments);
+    if (!b.prod || !b.cons) {
+        fprintf(stderr, "bench-xfer: cannot allocate the pools\n");
+        return 1;
+    }
+    td_rng rng;
+    td_rng_seed(&rng, 1);
+    for (uint64_t i = 0; i < b.seg_prod * (uint64_t)segments; i += 8) {
+        uint64_t v = td_rng_next(&rng);
+        memcpy(b.prod + i, &v, 8);
+    }
+    memset(b.cons, 1, b.seg_cons * (uint64_t)segments); /* fault the pages in */
+    b.prod_region = (kvx_region){b.prod, (uint32_t)segments, b.seg_prod, block_bytes,
+                                 (uint32_t)(b.seg_prod / block_bytes)};
+    b.cons_region = (kvx_region){b.cons, (uint32_t)segments, b.seg_cons, block_bytes,
+                                 (uint32_t)(b.seg_cons / block_bytes)};
+
+    kvx_layout layout = {.model_fingerprint = 1, .n_layers = (uint32_t)segments};
+    kvx_agent_opts ao;
+    kvx_agent_opts_default(&ao);
+    ao.layout = layout;
+    ao.region = b.prod_region;
+    ao.checksums = !no_checksums;
+    kvx_client_opts co;
+    kvx_client_opts_default(&co);
+    co.layout = layout;
+    co.region = b.cons_region;
+    co.num_worker_threads = (int)threads;
+    co.qp_per_transfer = (int)qp;
+    co.verify_checksums = !no_checksums;
+    co.transfer_timeout_ms = 120000;
+    kvx_agent *a;
+    kvx_client *c;
+    td_err err;
+    if (kvx_agent_create(&a, &ao, &err) || kvx_client_create(&c, &co, &err)) {
+        fprintf(stderr, "bench-xfer: %s\n", err.msg);
+        return 1;
+    }
+
+    int ncpu = (int)sysconf(_SC_NPROCESSORS_ONLN);
+    printf("bench-xfer: kvx tcp over loopback, %d CPUs, %lld segments x %llu-byte blocks, "
+           "%lld workers, %lld connections per peer, checksums %s\n",
+           ncpu, (long long)segments, (unsigned long long)block_bytes, (long long)threads,
+           (long long)qp, no_checksums ? "off" : "on (CRC32C)");
+    double raw1 = 0, rawq = 0, mcp = 0;
+    if (!no_floor) {
+        uint64_t vol = 1ull << 30;
+        mcp = memcpy_gbps(&b, TD_MIN((uint64_t)64 << 20, b.seg_prod * (uint64_t)segments),
+                          (int)threads, 16);
+        raw1 = raw_tcp_gbps(&b, 1, vol, 64u << 20, 64u << 20, NULL);
+        rawq = raw_tcp_gbps(&b, (int)qp, vol / (uint64_t)qp, 64u << 20, 64u << 20, NULL);
+        printf("machine: memcpy %d threads %.2f GB/s; raw loopback TCP 1 stream %.2f GB/s, "
+               "%lld streams %.2f GB/s\n\n",
+               (int)threads, mcp, raw1, (long long)qp, rawq);
+    }
+    printf("%10s %6s %10s %13s %10s %10s %12s %12s %10s\n", "size", "conc", "kvx GB/s",
+           "raw tcp GB/s", "kvx / raw", "vs conc 1", "kvx CPU s/GB", "raw CPU s/GB", "raw / kvx");
+    int rc = 0;
+    for (int i = 0; i < n_sizes && !rc; i++) {
+        double first = 0;
+        for (int j = 0; j < n_conc && !rc; j++) {
+            int conc = (int)concs[j];
+            uint64_t per_rep = sizes[i] * (uint64_t)conc;
+            int reps = (int)TD_MAX((uint64_t)min_mb * (1u << 20) / per_rep, (uint64_t)3);
+            reps = TD_MIN(reps, 2000);
+            double w[1];
+            run_cell(&b, a, c, sizes[i], conc, 1, w, NULL); /* warm-up: connections, caches */
+            /* The machine is shared and noisy: alternate kvx and raw TCP moving the same bytes
+             * over qp_per_transfer streams, and keep the best of each. */
+            double best = 0, best_raw = 0, cpu = 1e30, cpu_raw = 1e30;
+            for (int t = 0; t < trials && !rc; t++) {
+                double g, cg, cr;
+                rc = run_cell(&b, a, c, sizes[i], conc, reps, &g, &cg);
+                best = TD_MAX(best, g);
+                cpu = TD_MIN(cpu, cg);
+                if (!no_floor) {
+                    uint64_t bytes = TD_MAX(per_rep * (uint64_t)reps, (uint64_t)64 << 20);
+                    best_raw = TD_MAX(best_raw, raw_tcp_gbps(&b, (int)qp, bytes / (uint64_t)qp,
+                                                             sizes[i], per_rep, &cr));
+                    cpu_raw = TD_MIN(cpu_raw, cr);
+                }
+            }
+            if (j == 0) first = best;
+            char sz[32];
+            if (sizes[i] >= (1u << 20))
+                snprintf(sz, sizeof(sz), "%llu MiB", (unsigned long long)(sizes[i] >> 20));
+            else
+                snprintf(sz, sizeof(sz), "%llu KiB", (unsigned long long)(sizes[i] >> 10));
+            printf("%10s %6d %10.2f %13.2f %9.2fx %9.2fx %12.3f %12.3f %9.2fx\n", sz, conc, best,
+                   best_raw, best_raw > 0 ? best / best_raw : 0, first > 0 ? best / first : 0, cpu,
+                   no_floor ? 0 : cpu_raw, no_floor ? 0 : cpu_raw / cpu);
+            fflush(stdout);
+        }
+    }
+    kvx_client_destroy(c);
+    kvx_agent_destroy(a);
+    td_aligned_free(b.prod);
+    td_aligned_free(b.cons);
+    return rc ? 1 : 0;
+}

@@ -1,0 +1,696 @@
+/*
+ * kvx/agent.c - the producer side: the handshake listener, leases on registered
+ * transfers, and serving READs straight from the registered region.
+ *
+ * Threads: one accept thread, one lease thread (expiry), and one thread per accepted
+ * connection. Connections are few (consumers x qp_per_transfer) and each serves one
+ * request at a time with blocking-style I/O bounded by a send deadline, so a thread per
+ * connection is the simplest design that never lets one slow consumer stall another.
+ *
+ * Lease lifetime: a lease is in `leases` while it can be read. Release, expiry or cancel
+ * removes it from the table at once (no new read can find it); its blocks go back through
+ * release_cb only when the reads already under way on it (`inflight`) have finished, so
+ * the owner never reuses a block that is still being sent.
+ */
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netdb.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "kvx/kvx_internal.h"
+
+#define SEND_TIMEOUT_NS (30ull * 1000000000ull)
+#define HELLO_TIMEOUT_NS (10ull * 1000000000ull)
+
+typedef struct lease {
+    uint8_t id[KVX_ID_BYTES];
+    char hex[KVX_ID_HEX];
+    int32_t *blocks; /* in the caller's order, for release_cb */
+    int32_t *sorted; /* for membership checks */
+    int n_blocks;
+    uint64_t lease_ns, expires_ns;
+    int inflight;
+    bool dead;
+    kvx_release_reason reason;
+    void *user;
+} lease;
+
+typedef struct conn {
+    int fd;
+    struct kvx_agent *agent;
+    struct conn *next;
+} conn;
+
+struct kvx_agent {
+    kvx_agent_opts opts;
+    uint8_t engine_id[KVX_ID_BYTES];
+    char engine_hex[KVX_ID_HEX];
+    kvx_hello hello;
+    int listen_fd;
+    uint16_t port;
+    pthread_t accept_thread, lease_thread;
+
+    pthread_mutex_t mu;
+    pthread_cond_t cv; /* lease thread wake-ups; connection exits */
+    bool stopping;
+    lease **leases;
+    int n_leases, cap_leases;
+    conn *conns;
+    int n_conns;
+    kvx_agent_stats stats;
+    char last_error[320];
+};
+
+void kvx_agent_opts_default(kvx_agent_opts *o)
+{
+    memset(o, 0, sizeof(*o));
+    o->host = "127.0.0.1";
+    o->lease_ms = 30000;
+    o->checksums = true;
+    o->max_connections = 256;
+}
+
+static void set_last_error(kvx_agent *a, const char *msg)
+{
+    pthread_mutex_lock(&a->mu);
+    snprintf(a->last_error, sizeof(a->last_error), "%s", msg);
+    pthread_mutex_unlock(&a->mu);
+}
+
+void kvx_agent_last_error(kvx_agent *a, char *buf, size_t cap)
+{
+    pthread_mutex_lock(&a->mu);
+    snprintf(buf, cap, "%s", a->last_error);
+    pthread_mutex_unlock(&a->mu);
+}
+
+uint16_t kvx_agent_port(const kvx_agent *a)
+{
+    return a->port;
+}
+
+const char *kvx_agent_engine_id(const kvx_agent *a)
+{
+    return a->engine_hex;
+}
+
+static void lease_free(lease *l)
+{
+    free(l->blocks);
+    free(l->sorted);
+    free(l);
+}
+
+static void lease_give_back(kvx_agent *a, lease *l)
+{
+    if (a->opts.release_cb)
+        a->opts.release_cb(a->opts.release_user, l->hex, l->blocks, l->n_blocks, l->reason,
+                           l->user);
+    lease_free(l);
+}
+
+/* Under a->mu: index of the lease with this id, or -1. */
+static int lease_find(kvx_agent *a, const uint8_t id[KVX_ID_BYTES])
+{
+    for (int i = 0; i < a->n_leases; i++)
+        if (!memcmp(a->leases[i]->id, id, KVX_ID_BYTES)) return i;
+    return -1;
+}
+
+/*
+ * Under a->mu: take lease i out of the table with `reason`. Returns the lease if the
+ * caller must give it back now (after unlocking), NULL if a read in flight will.
+ */
+static lease *lease_remove(kvx_agent *a, int i, kvx_release_reason reason)
+{
+    lease *l = a->leases[i];
+    a->leases[i] = a->leases[--a->n_leases];
+    l->dead = true;
+    l->reason = reason;
+    if (reason == KVX_RELEASED_EXPIRED)
+        a->stats.leases_expired++;
+    else
+        a->stats.leases_released++;
+    return l->inflight == 0 ? l : NULL;
+}
+
+static int cmp_i32(const void *x, const void *y)
+{
+    int32_t a = *(const int32_t *)x, b = *(const int32_t *)y;
+    return (a > b) - (a < b);
+}
+
+int kvx_agent_register(kvx_agent *a, const int32_t *blocks, int n_blocks, uint32_t lease_ms,
+                       void *transfer_user, char id_out[KVX_ID_HEX], td_err *err)
+{
+    if (n_blocks < 1) return td_err_set(err, TD_EINVAL, "kvx: a transfer needs blocks");
+    for (int i = 0; i < n_blocks; i++)
+        if (blocks[i] < 0 || (uint32_t)blocks[i] >= a->opts.region.n_blocks)
+            return td_err_set(err, TD_EINVAL, "kvx: block id %d outside the region (0..%u)",
+                              blocks[i], a->opts.region.n_blocks - 1);
+    lease *l = calloc(1, sizeof(*l));
+    if (!l) return td_err_set(err, TD_ENOMEM, "kvx: out of memory");
+    l->blocks = malloc((size_t)n_blocks * sizeof(int32_t));
+    l->sorted = malloc((size_t)n_blocks * sizeof(int32_t));
+    if (!l->blocks || !l->sorted || kvx__random_id(l->id)) {
+        lease_free(l);
+        return td_err_set(err, TD_ENOMEM, "kvx: cannot allocate a transfer");
+    }
+    memcpy(l->blocks, blocks, (size_t)n_blocks * sizeof(int32_t));
+    memcpy(l->sorted, blocks, (size_t)n_blocks * sizeof(int32_t));
+    qsort(l->sorted, (size_t)n_blocks, sizeof(int32_t), cmp_i32);
+    l->n_blocks = n_blocks;
+    kvx_id_to_hex(l->id, l->hex);
+    l->lease_ns = (uint64_t)(lease_ms ? lease_ms : a->opts.lease_ms) * 1000000ull;
+    l->expires_ns = td_now_ns() + l->lease_ns;
+    l->user = transfer_user;
+
+    pthread_mutex_lock(&a->mu);
+    if (a->n_leases == a->cap_leases) {
+        int cap = a->cap_leases ? 2 * a->cap_leases : 64;
+        lease **nl = realloc(a->leases, (size_t)cap * sizeof(*nl));
+        if (!nl) {
+            pthread_mutex_unlock(&a->mu);
+            lease_free(l);
+            return td_err_set(err, TD_ENOMEM, "kvx: out of memory");
+        }
+        a->leases = nl;
+        a->cap_leases = cap;
+    }
+    a->leases[a->n_leases++] = l;
+    pthread_cond_broadcast(&a->cv);
+    pthread_mutex_unlock(&a->mu);
+    memcpy(id_out, l->hex, KVX_ID_HEX);
+    return 0;
+}
+
+int kvx_agent_cancel(kvx_agent *a, const char *transfer_id)
+{
+    uint8_t id[KVX_ID_BYTES];
+    if (kvx_id_from_hex(transfer_id, id)) return TD_ENOTFOUND;
+    pthread_mutex_lock(&a->mu);
+    int i = lease_find(a, id);
+    lease *now = i >= 0 ? lease_remove(a, i, KVX_RELEASED_CANCELED) : NULL;
+    pthread_mutex_unlock(&a->mu);
+    if (now) lease_give_back(a, now);
+    return i >= 0 ? 0 : TD_ENOTFOUND;
+}
+
+int kvx_agent_n_leases(kvx_agent *a)
+{
+    pthread_mutex_lock(&a->mu);
+    int n = a->n_leases;
+    pthread_mutex_unlock(&a->mu);
+    return n;
+}
+
+void kvx_agent_get_stats(kvx_agent *a, kvx_agent_stats *out)
+{
+    pthread_mutex_lock(&a->mu);
+    *out = a->stats;
+    pthread_mutex_unlock(&a->mu);
+}
+
+/* The lease thread: expires leases whose deadline passed without a read or heartbeat. */
+static void *lease_main(void *arg)
+{
+    kvx_agent *a = arg;
+    pthread_mutex_lock(&a->mu);
+    while (!a->stopping) {
+        uint64_t now = td_now_ns(), next = now + 1000000000ull;
+        for (int i = 0; i < a->n_leases;) {
+            lease *l = a->leases[i];
+            if (l->expires_ns <= now) {
+                lease *give = lease_remove(a, i, KVX_RELEASED_EXPIRED);
+                if (give) {
+                    pthread_mutex_unlock(&a->mu);
+                    lease_give_back(a, give);
+                    pthread_mutex_lock(&a->mu);
+                }
+                i = 0; /* the table changed while unlocked */
+                now = td_now_ns();
+                continue;
+            }
+            if (l->expires_ns < next) next = l->expires_ns;
+            i++;
+        }
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        uint64_t wait_ns = next > now ? next - now : 0;
+        ts.tv_sec += (time_t)(wait_ns / 1000000000ull);
+        ts.tv_nsec += (long)(wait_ns % 1000000000ull);
+        if (ts.tv_nsec >= 1000000000L) {
+            ts.tv_sec++;
+            ts.tv_nsec -= 1000000000L;
+        }
+        pthread_cond_timedwait(&a->cv, &a->mu, &ts);
+    }
+    pthread_mutex_unlock(&a->mu);
+    return NULL;
+}
+
+/* ---------------------------------------------------------------- serving a connection */
+
+typedef struct conn_bufs {
+    uint8_t *in;  /* KVX_MAX_PAYLOAD */
+    uint8_t *out; /* a checksum trailer or a small answer */
+    size_t out_cap;
+    struct iovec *iov; /* 1 + KVX_MAX_DESC */
+    uint32_t *crc;     /* KVX_MAX_CRC */
+} conn_bufs;
+
+static int send_error(int fd, conn_bufs *b, uint32_t tag, int code, const char *msg)
+{
+    td_err e;
+    size_t n = kvx_wire_encode_error(b->out, b->out_cap, tag, code, msg);
+    return kvx__send_all(fd, b->out, n, td_now_ns() + SEND_TIMEOUT_NS, &e);
+}
+
+static bool lease_has_block(const lease *l, uint32_t b)
+{
+    int32_t key = (int32_t)b;
+    return bsearch(&key, l->sorted, (size_t)l->n_blocks, sizeof(int32_t), cmp_i32) != NULL;
+}
+
+/*
+ * Data is sent in batches of about BATCH_BYTES: each batch's blocks are checksummed just
+ * before the batch is handed to the kernel, so the bytes are read from DRAM once and the
+ * copy into the socket finds them in cache. The checksums follow the data (the trailer).
+ */
+#define BATCH_BYTES (256u << 10)
+
+/* READ: validate against the lease, then stream header, data and checksum trailer. */
+static int serve_read(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m)
+{
+    uint32_t tag = m->hdr.tag;
+    pthread_mutex_lock(&a->mu);
+    int i = lease_find(a, m->u.read.transfer_id);
+    lease *l = i >= 0 ? a->leases[i] : NULL;
+    if (l) {
+        l->inflight++;
+        l->expires_ns = td_now_ns() + l->lease_ns; /* a read is a sign of life */
+    } else {
+        a->stats.unknown_transfer++;
+    }
+    pthread_mutex_unlock(&a->mu);
+    if (!l) return send_error(fd, b, tag, TD_ENOTFOUND, "unknown or expired transfer id");
+
+    const kvx_region *r = &a->opts.region;
+    bool want_crc = (m->u.read.flags & KVX_READ_CHECKSUMS) && a->opts.checksums;
+    uint64_t total = 0, n_blocks = 0;
+    int rc = 0;
+    char msg[200] = "";
+    for (uint32_t k = 0; k < m->u.read.n_desc && !msg[0]; k++) {
+        kvx_wire_desc d = kvx_wire_get_desc(m, k);
+        if (d.segment >= r->n_segments || d.block >= r->n_blocks ||
+            d.n_blocks > r->n_blocks - d.block) {
+            snprintf(msg, sizeof(msg),
+                     "descriptor %u (segment %u, blocks %u+%u) is outside the "
+                     "region",
+                     k, d.segment, d.block, d.n_blocks);
+            break;
+        }
+        for (uint32_t j = 0; j < d.n_blocks; j++)
+            if (!lease_has_block(l, d.block + j)) {
+                snprintf(msg, sizeof(msg), "block %u is not part of this transfer", d.block + j);
+                break;
+            }
+        n_blocks += d.n_blocks;
+        total += (uint64_t)d.n_blocks * r->block_bytes;
+    }
+    if (!msg[0] && want_crc && n_blocks > KVX_MAX_CRC)
+        snprintf(msg, sizeof(msg), "READ covers more than %u blocks", KVX_MAX_CRC);
+    if (msg[0]) {
+        rc = send_error(fd, b, tag, TD_ERANGE, msg);
+    } else {
+        uint32_t n_crc = want_crc ? (uint32_t)n_blocks : 0;
+        uint8_t hdr[KVX_HDR_BYTES + 12];
+        size_t hn = kvx_wire_encode_data(hdr, sizeof(hdr), tag, total, n_crc);
+        td_err e;
+        uint64_t deadline = td_now_ns() + SEND_TIMEOUT_NS;
+        int n_iov = 0, delay = atomic_load(&kvx__test_send_delay_ms);
+        if (delay > 0) {
+            rc = kvx__send_all(fd, hdr, hn, deadline, &e);
+            usleep((useconds_t)delay * 1000);
+        } else {
+            b->iov[n_iov++] = (struct iovec){hdr, hn};
+        }
+        uint64_t batch = 0;
+        uint32_t at = 0, per_chunk = kvx__batch_blocks(r->block_bytes, BATCH_BYTES);
+        for (uint32_t k = 0; k < m->u.read.n_desc && !rc; k++) {
+            kvx_wire_desc d = kvx_wire_get_desc(m, k);
+            uint8_t *p = (uint8_t *)r->base + kvx__offset(r, d.segment, d.block);
+            for (uint32_t j = 0; j < d.n_blocks && !rc;) {
+                uint32_t cb = TD_MIN(d.n_blocks - j, per_chunk);
+                uint8_t *q = p + (uint64_t)j * r->block_bytes;
+                if (want_crc) kvx__crc32c_blocks(q, r->block_bytes, cb, b->crc + at);
+                at += cb;
+                b->iov[n_iov++] = (struct iovec){q, (size_t)cb * r->block_bytes};
+                batch += (uint64_t)cb * r->block_bytes;
+                j += cb;
+                /* A batch ends at per_chunk blocks, so it holds at most one entry per
+                 * descriptor and b->iov (1 + KVX_MAX_DESC + trailer) always suffices. */
+                if (batch >= (uint64_t)per_chunk * r->block_bytes) {
+                    rc = kvx__writev_all(fd, b->iov, n_iov, deadline, &e);
+                    n_iov = 0;
+                    batch = 0;
+                }
+            }
+        }
+        /* The trailer rides with the last batch: one send, and one wake-up on the consumer. */
+        if (!rc && n_crc) {
+            kvx_wire_trailer_put(b->out, b->crc, n_crc);
+            b->iov[n_iov++] = (struct iovec){b->out, (size_t)n_crc * 4};
+        }
+        if (!rc && n_iov) rc = kvx__writev_all(fd, b->iov, n_iov, deadline, &e);
+    }
+
+    pthread_mutex_lock(&a->mu);
+    lease *give = --l->inflight == 0 && l->dead ? l : NULL;
+    if (!rc && !msg[0]) {
+        a->stats.bytes_sent += total;
+        a->stats.reads++;
+    }
+    pthread_mutex_unlock(&a->mu);
+    if (give) lease_give_back(a, give);
+    return rc;
+}
+
+static int serve_release(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m)
+{
+    pthread_mutex_lock(&a->mu);
+    int i = lease_find(a, m->u.release.transfer_id);
+    lease *now = i >= 0 ? lease_remove(a, i, KVX_RELEASED_BY_CONSUMER) : NULL;
+    if (i < 0) a->stats.unknown_transfer++;
+    pthread_mutex_unlock(&a->mu);
+    if (now) lease_give_back(a, now);
+    if (i < 0) return send_error(fd, b, m->hdr.tag, TD_ENOTFOUND, "unknown or expired transfer id");
+    td_err e;
+    size_t n = kvx_wire_encode_ack(b->out, b->out_cap, m->hdr.tag, 1);
+    return kvx__send_all(fd, b->out, n, td_now_ns() + SEND_TIMEOUT_NS, &e);
+}
+
+static int serve_heartbeat(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m)
+{
+    uint32_t found = 0;
+    pthread_mutex_lock(&a->mu);
+    uint64_t now = td_now_ns();
+    for (uint32_t k = 0; k < m->u.heartbeat.n_ids; k++) {
+        int i = lease_find(a, kvx_wire_get_id(m, k));
+        if (i >= 0) {
+            a->leases[i]->expires_ns = now + a->leases[i]->lease_ns;
+            found++;
+        }
+    }
+    pthread_mutex_unlock(&a->mu);
+    td_err e;
+    size_t n = kvx_wire_encode_ack(b->out, b->out_cap, m->hdr.tag, found);
+    return kvx__send_all(fd, b->out, n, td_now_ns() + SEND_TIMEOUT_NS, &e);
+}
+
+/* HELLO: check the consumer's expectations and layout; a refusal is logged on this side too. */
+static int serve_hello(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m)
+{
+    static const uint8_t zero[KVX_ID_BYTES];
+    td_err e;
+    char msg[300];
+    int code = 0;
+    if (memcmp(m->u.hello.expect_engine_id, zero, KVX_ID_BYTES) &&
+        memcmp(m->u.hello.expect_engine_id, a->engine_id, KVX_ID_BYTES)) {
+        char want[KVX_ID_HEX];
+        kvx_id_to_hex(m->u.hello.expect_engine_id, want);
+        snprintf(msg, sizeof(msg), "this producer is engine %s, not %s (it restarted)",
+                 a->engine_hex, want);
+        code = TD_ECONN;
+    } else if (kvx__hello_compare(&a->hello, &m->u.hello, &e)) {
+        snprintf(msg, sizeof(msg), "producer refused the handshake: %s", e.msg);
+        code = e.code;
+    }
+    if (code) {
+        TD_WARN("kvx agent %s:%u: %s", a->opts.host, a->port, msg);
+        set_last_error(a, msg);
+        pthread_mutex_lock(&a->mu);
+        a->stats.handshakes_refused++;
+        pthread_mutex_unlock(&a->mu);
+        send_error(fd, b, m->hdr.tag, code, msg);
+        return code;
+    }
+    size_t n = kvx_wire_encode_hello(b->out, b->out_cap, KVX_MSG_HELLO_ACK, m->hdr.tag, &a->hello);
+    return kvx__send_all(fd, b->out, n, td_now_ns() + SEND_TIMEOUT_NS, &e);
+}
+
+static void *conn_main(void *arg)
+{
+    conn *c = arg;
+    kvx_agent *a = c->agent;
+    conn_bufs b = {0};
+    /* The largest frame a consumer may send is a READ of KVX_MAX_DESC ranges. */
+    size_t in_cap = 24 + (size_t)KVX_MAX_DESC * KVX_DESC_BYTES;
+    b.in = malloc(in_cap);
+    b.out_cap = KVX_HDR_BYTES + 4 * (size_t)KVX_MAX_CRC;
+    b.out = malloc(b.out_cap);
+    b.iov = malloc((2 + (size_t)KVX_MAX_DESC) * sizeof(struct iovec));
+    b.crc = malloc(4 * (size_t)KVX_MAX_CRC);
+    bool greeted = false;
+    while (b.in && b.out && b.iov && b.crc) {
+        kvx_msg m;
+        td_err e;
+        /* A new connection must say HELLO within HELLO_TIMEOUT_NS; after that, idle
+         * connections wait without a deadline (kvx_agent_destroy wakes them). */
+        uint64_t deadline = greeted ? UINT64_MAX : td_now_ns() + HELLO_TIMEOUT_NS;
+        int rc = kvx__recv_frame(c->fd, b.in, in_cap, &m, deadline, &e);
+        if (rc) {
+            if (rc != TD_ECONN && rc != TD_ETIMEDOUT) { /* a protocol error: say so */
+                set_last_error(a, e.msg);
+                send_error(c->fd, &b, 0, rc, e.msg);
+            }
+            break;
+        }
+        if (!greeted && m.hdr.type != KVX_MSG_HELLO) {
+            send_error(c->fd, &b, m.hdr.tag, TD_EPROTO, "expected HELLO first");
+            break;
+        }
+        switch (m.hdr.type) {
+        case KVX_MSG_HELLO:
+            rc = greeted ? send_error(c->fd, &b, m.hdr.tag, TD_EPROTO, "second HELLO")
+                         : serve_hello(a, c->fd, &b, &m);
+            if (!rc)
+                greeted = true;
+            else
+                rc = -1;
+            break;
+        case KVX_MSG_AUTH:
+            send_error(c->fd, &b, m.hdr.tag, TD_EUNSUPPORTED, "authentication is not enabled");
+            rc = -1;
+            break;
+        case KVX_MSG_READ:
+            rc = serve_read(a, c->fd, &b, &m);
+            break;
+        case KVX_MSG_RELEASE:
+            rc = serve_release(a, c->fd, &b, &m);
+            break;
+        case KVX_MSG_HEARTBEAT:
+            rc = serve_heartbeat(a, c->fd, &b, &m);
+            break;
+        default:
+            send_error(c->fd, &b, m.hdr.tag, TD_EPROTO, "unexpected message from a consumer");
+            rc = -1;
+        }
+        if (rc) break;
+    }
+    free(b.in);
+    free(b.out);
+    free(b.iov);
+    free(b.crc);
+    pthread_mutex_lock(&a->mu);
+    for (conn **pp = &a->conns; *pp; pp = &(*pp)->next)
+        if (*pp == c) {
+            *pp = c->next;
+            break;
+        }
+    a->n_conns--;
+    close(c->fd);
+    pthread_cond_broadcast(&a->cv);
+    pthread_mutex_unlock(&a->mu);
+    free(c);
+    return NULL;
+}
+
+static void *accept_main(void *arg)
+{
+    kvx_agent *a = arg;
+    for (;;) {
+        int fd = accept4(a->listen_fd, NULL, NULL, SOCK_CLOEXEC);
+        pthread_mutex_lock(&a->mu);
+        bool stop = a->stopping;
+        pthread_mutex_unlock(&a->mu);
+        if (stop) {
+            if (fd >= 0) close(fd);
+            return NULL;
+        }
+        if (fd < 0) {
+            if (errno == EINTR || errno == ECONNABORTED) continue;
+            if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+                usleep(10000); /* out of descriptors: wait, do not spin */
+                continue;
+            }
+            return NULL;
+        }
+        kvx__set_sock_opts(fd);
+        conn *c = calloc(1, sizeof(*c));
+        pthread_mutex_lock(&a->mu);
+        bool full = !c || a->n_conns >= a->opts.max_connections;
+        if (!full) {
+            c->fd = fd;
+            c->agent = a;
+            c->next = a->conns;
+            a->conns = c;
+            a->n_conns++;
+        }
+        pthread_mutex_unlock(&a->mu);
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        if (full || pthread_create(&t, &attr, conn_main, c)) {
+            if (!full) {
+                pthread_mutex_lock(&a->mu);
+                for (conn **pp = &a->conns; *pp; pp = &(*pp)->next)
+                    if (*pp == c) {
+                        *pp = c->next;
+                        break;
+                    }
+                a->n_conns--;
+                pthread_mutex_unlock(&a->mu);
+            }
+            TD_WARN("kvx agent %s:%u: refusing a connection (limit %d)", a->opts.host, a->port,
+                    a->opts.max_connections);
+            close(fd);
+            free(c);
+        }
+        pthread_attr_destroy(&attr);
+    }
+}
+
+int kvx_agent_create(kvx_agent **out, const kvx_agent_opts *opts, td_err *err)
+{
+    *out = NULL;
+    int rc = kvx_region_check(&opts->region, err);
+    if (rc) return rc;
+    kvx_agent *a = calloc(1, sizeof(*a));
+    if (!a) return td_err_set(err, TD_ENOMEM, "kvx: out of memory");
+    a->opts = *opts;
+    if (!a->opts.host) a->opts.host = "127.0.0.1";
+    if (!a->opts.lease_ms) a->opts.lease_ms = 30000;
+    if (a->opts.max_connections <= 0) a->opts.max_connections = 256;
+    a->listen_fd = -1;
+    if (kvx__random_id(a->engine_id)) {
+        free(a);
+        return td_err_set(err, TD_EIO, "kvx: getrandom failed: %s", strerror(errno));
+    }
+    kvx_id_to_hex(a->engine_id, a->engine_hex);
+    kvx__hello_fill(&a->hello, a->engine_id, &a->opts.layout, &a->opts.region);
+
+    struct addrinfo hints = {.ai_family = AF_UNSPEC,
+                             .ai_socktype = SOCK_STREAM,
+                             .ai_flags = AI_PASSIVE | AI_NUMERICSERV};
+    struct addrinfo *res = NULL;
+    char ports[8];
+    snprintf(ports, sizeof(ports), "%u", opts->port);
+    int g = getaddrinfo(a->opts.host, ports, &hints, &res);
+    if (g) {
+        free(a);
+        return td_err_set(err, TD_EINVAL, "kvx: cannot resolve listen address %s: %s", opts->host,
+                          gai_strerror(g));
+    }
+    rc = td_err_set(err, TD_EIO, "kvx: no address to listen on for %s", a->opts.host);
+    for (struct addrinfo *ai = res; ai && a->listen_fd < 0; ai = ai->ai_next) {
+        int fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
+        if (fd < 0) continue;
+        int one = 1;
+        setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+        if (bind(fd, ai->ai_addr, ai->ai_addrlen) < 0 || listen(fd, 128) < 0) {
+            int e = errno;
+            rc = td_err_set(err, TD_EIO, "kvx: cannot listen on %s:%u: %s%s", a->opts.host,
+                            opts->port, strerror(e),
+                            e == EADDRINUSE ? " (another engine uses this handshake port: "
+                                              "give each engine its own)"
+                                            : "");
+            close(fd);
+            continue;
+        }
+        a->listen_fd = fd;
+        rc = 0;
+    }
+    freeaddrinfo(res);
+    if (rc) {
+        free(a);
+        return rc;
+    }
+    struct sockaddr_storage ss;
+    socklen_t sl = sizeof(ss);
+    getsockname(a->listen_fd, (struct sockaddr *)&ss, &sl);
+    a->port = ntohs(ss.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&ss)->sin6_port
+                                             : ((struct sockaddr_in *)&ss)->sin_port);
+
+    pthread_mutex_init(&a->mu, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&a->cv, &ca);
+    pthread_condattr_destroy(&ca);
+    if (pthread_create(&a->lease_thread, NULL, lease_main, a)) {
+        close(a->listen_fd);
+        free(a);
+        return td_err_set(err, TD_ENOMEM, "kvx: cannot start the lease thread");
+    }
+    if (pthread_create(&a->accept_thread, NULL, accept_main, a)) {
+        pthread_mutex_lock(&a->mu);
+        a->stopping = true;
+        pthread_cond_broadcast(&a->cv);
+        pthread_mutex_unlock(&a->mu);
+        pthread_join(a->lease_thread, NULL);
+        close(a->listen_fd);
+        free(a);
+        return td_err_set(err, TD_ENOMEM, "kvx: cannot start the accept thread");
+    }
+    *out = a;
+    return 0;
+}
+
+void kvx_agent_destroy(kvx_agent *a)
+{
+    if (!a) return;
+    pthread_mutex_lock(&a->mu);
+    a->stopping = true;
+    pthread_cond_broadcast(&a->cv);
+    pthread_mutex_unlock(&a->mu);
+    shutdown(a->listen_fd, SHUT_RDWR); /* wakes accept() */
+    pthread_join(a->accept_thread, NULL);
+    pthread_join(a->lease_thread, NULL);
+    close(a->listen_fd);
+
+    /* Hang up on every consumer and wait for the connection threads to leave. */
+    pthread_mutex_lock(&a->mu);
+    for (conn *c = a->conns; c; c = c->next)
+        shutdown(c->fd, SHUT_RDWR);
+    while (a->n_conns > 0)
+        pthread_cond_wait(&a->cv, &a->mu);
+    pthread_mutex_unlock(&a->mu);
+
+    for (int i = 0; i < a->n_leases; i++) {
+        a->leases[i]->reason = KVX_RELEASED_SHUTDOWN;
+        lease_give_back(a, a->leases[i]);
+    }
+    free(a->leases);
+    pthread_mutex_destroy(&a->mu);
+    pthread_cond_destroy(&a->cv);
+    free(a);
+}

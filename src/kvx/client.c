@@ -1,0 +1,858 @@
+/*
+ * kvx/client.c - the consumer side: the session cache, transfers cut into pieces, and
+ * the worker threads that run them.
+ *
+ * A session is one producer incarnation (host, port, engine id) and a pool of at most
+ * qp_per_transfer connections to it, each greeted by its own HELLO. A transfer's block
+ * runs are cut into pieces (about total / qp_per_transfer bytes each, between 64 KiB and
+ * 8 MiB), queued FIFO; every worker takes the next piece of any transfer and moves it on
+ * a free connection of that transfer's session. So one transfer uses several connections
+ * at once, and independent transfers proceed side by side.
+ *
+ * A transfer completes when its last piece finishes; the first failing piece decides its
+ * error, and its remaining pieces are skipped. Every wait is bounded by the transfer's
+ * deadline. A connection that saw any I/O error or timeout is closed, never reused.
+ */
+#include <errno.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "kvx/kvx_internal.h"
+
+#define MIN_PIECE_BYTES (64u << 10)
+#define MAX_PIECE_BYTES (8u << 20)
+#define BATCH_BYTES (256u << 10) /* bytes received between checksum passes */
+
+typedef struct kvx__session {
+    struct kvx_client *client;
+    char host[256];
+    uint16_t port;
+    uint8_t engine_id[KVX_ID_BYTES];
+    char engine_hex[KVX_ID_HEX];
+    int refs;              /* under client->mu: the cache's and each user's */
+    _Atomic bool replaced; /* a newer incarnation took this address */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int *idle;
+    int n_idle, n_open, max_open;
+    struct kvx__session *next;
+} kvx__session;
+
+typedef struct piece_desc {
+    uint32_t seg, src, dst, n;
+} piece_desc;
+
+typedef struct kvx__piece {
+    struct kvx_xfer *x;
+    uint32_t first, count; /* descriptors x->pd[first .. first + count) */
+    uint64_t bytes, blocks;
+    struct kvx__piece *next;
+} kvx__piece;
+
+struct kvx_xfer {
+    struct kvx_client *c;
+    kvx__session *s;
+    uint8_t transfer_id[KVX_ID_BYTES];
+    piece_desc *pd;
+    uint32_t n_pd;
+    kvx__piece *pieces;
+    int n_pieces, pending;
+    uint64_t start_ns, deadline_ns;
+    int code;
+    td_err result;
+    bool done, detached;
+    kvx_done_fn cb;
+    void *user;
+    kvx_xfer_info info;
+};
+
+struct kvx_client {
+    kvx_client_opts opts;
+    kvx_hello hello;
+    const kvx__transport *transport;
+    pthread_mutex_t mu;
+    pthread_cond_t work_cv, done_cv;
+    pthread_cond_t watch_cv; /* CLOCK_MONOTONIC; wakes the watchdog */
+    uint64_t watch_next;     /* when the watchdog plans to wake (UINT64_MAX: not planned) */
+    kvx__piece *qhead, *qtail;
+    bool stopping;
+    pthread_t watchdog;
+    bool has_watchdog;
+    pthread_t *workers;
+    int n_workers;
+    kvx__session *sessions;
+};
+
+static const kvx__transport tcp_transport;
+
+void kvx_client_opts_default(kvx_client_opts *o)
+{
+    memset(o, 0, sizeof(*o));
+    o->num_worker_threads = 4;
+    o->qp_per_transfer = 4;
+    o->transfer_timeout_ms = 30000;
+    o->verify_checksums = true;
+}
+
+/* ---------------------------------------------------------------- sessions */
+
+static void session_free(kvx__session *s)
+{
+    for (int i = 0; i < s->n_idle; i++)
+        close(s->idle[i]);
+    free(s->idle);
+    pthread_mutex_destroy(&s->mu);
+    pthread_cond_destroy(&s->cv);
+    free(s);
+}
+
+static void session_put(kvx__session *s)
+{
+    kvx_client *c = s->client;
+    pthread_mutex_lock(&c->mu);
+    bool last = --s->refs == 0;
+    pthread_mutex_unlock(&c->mu);
+    if (last) session_free(s);
+}
+
+/*
+ * The session for (host, port, engine id), created if needed. A cached session for the
+ * same address but another engine id belongs to a dead incarnation: it is dropped.
+ */
+static int session_get(kvx_client *c, const char *host, uint16_t port, const char *engine_hex,
+                       kvx__session **out, td_err *err)
+{
+    uint8_t id[KVX_ID_BYTES];
+    if (!host || strlen(host) >= sizeof(((kvx__session *)0)->host))
+        return td_err_set(err, TD_EINVAL, "kvx: bad producer host");
+    if (kvx_id_from_hex(engine_hex, id))
+        return td_err_set(err, TD_EINVAL, "kvx: engine id must be 32 hex digits");
+    kvx__session *drop = NULL;
+    pthread_mutex_lock(&c->mu);
+    for (kvx__session **pp = &c->sessions; *pp; pp = &(*pp)->next) {
+        kvx__session *s = *pp;
+        if (s->port != port || strcmp(s->host, host)) continue;
+        if (!memcmp(s->engine_id, id, KVX_ID_BYTES)) {
+            s->refs++;
+            pthread_mutex_unlock(&c->mu);
+            *out = s;
+            return 0;
+        }
+        *pp = s->next;
+        atomic_store(&s->replaced, true);
+        if (--s->refs == 0) drop = s;
+        break;
+    }
+    kvx__session *s = calloc(1, sizeof(*s));
+    int *idle = calloc((size_t)c->opts.qp_per_transfer, sizeof(int));
+    if (!s || !idle) {
+        pthread_mutex_unlock(&c->mu);
+        free(s);
+        free(idle);
+        if (drop) session_free(drop);
+        return td_err_set(err, TD_ENOMEM, "kvx: out of memory");
+    }
+    s->client = c;
+    snprintf(s->host, sizeof(s->host), "%s", host);
+    s->port = port;
+    memcpy(s->engine_id, id, KVX_ID_BYTES);
+    kvx_id_to_hex(id, s->engine_hex);
+    s->refs = 2;
+    s->idle = idle;
+    s->max_open = c->opts.qp_per_transfer;
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&s->cv, &ca);
+    pthread_condattr_destroy(&ca);
+    s->next = c->sessions;
+    c->sessions = s;
+    pthread_mutex_unlock(&c->mu);
+    if (drop) session_free(drop);
+    *out = s;
+    return 0;
+}
+
+int kvx_client_n_sessions(kvx_client *c)
+{
+    int n = 0;
+    pthread_mutex_lock(&c->mu);
+    for (kvx__session *s = c->sessions; s; s = s->next)
+        n++;
+    pthread_mutex_unlock(&c->mu);
+    return n;
+}
+
+/* Greet a fresh connection: our HELLO, then the producer's HELLO_ACK or its refusal. */
+static int handshake(kvx__session *s, int fd, uint64_t deadline_ns, td_err *err)
+{
+    kvx_client *c = s->client;
+    kvx_hello h = c->hello;
+    memcpy(h.expect_engine_id, s->engine_id, KVX_ID_BYTES);
+    h.features = c->opts.verify_checksums ? KVX_FEAT_CHECKSUMS : 0;
+    uint8_t buf[512];
+    size_t n = kvx_wire_encode_hello(buf, sizeof(buf), KVX_MSG_HELLO, 1, &h);
+    int rc = kvx__send_all(fd, buf, n, deadline_ns, err);
+    kvx_msg m;
+    if (!rc) rc = kvx__recv_frame(fd, buf, sizeof(buf), &m, deadline_ns, err);
+    if (rc) return rc;
+    if (m.hdr.type == KVX_MSG_ERROR)
+        return td_err_set(err, m.u.error.code, "kvx: producer %s:%u: %s", s->host, s->port,
+                          m.u.error.msg);
+    if (m.hdr.type != KVX_MSG_HELLO_ACK)
+        return td_err_set(err, TD_EPROTO, "kvx: producer %s:%u answered HELLO with %s", s->host,
+                          s->port, kvx_wire_type_name(m.hdr.type));
+    if (memcmp(m.u.hello.engine_id, s->engine_id, KVX_ID_BYTES)) {
+        char got[KVX_ID_HEX];
+        kvx_id_to_hex(m.u.hello.engine_id, got);
+        return td_err_set(err, TD_ECONN, "kvx: producer %s:%u is engine %s, not %s (it restarted)",
+                          s->host, s->port, got, s->engine_hex);
+    }
+    td_err e;
+    if ((rc = kvx__hello_compare(&c->hello, &m.u.hello, &e))) {
+        TD_WARN("kvx: refusing producer %s:%u: %s", s->host, s->port, e.msg);
+        return td_err_set(err, rc, "kvx: producer %s:%u: %s", s->host, s->port, e.msg);
+    }
+    return 0;
+}
+
+/* A connection of the session: an idle one, a new one (greeted), or wait for one. */
+static int conn_get(kvx__session *s, uint64_t deadline_ns, int *fd, bool *fresh, td_err *err)
+{
+    pthread_mutex_lock(&s->mu);
+    for (;;) {
+        if (s->n_idle > 0) {
+            *fd = s->idle[--s->n_idle];
+            /* An idle connection has nothing to read; readable means the producer hung up
+             * (it restarted or died): drop it instead of failing a request on it. */
+            struct pollfd pf = {.fd = *fd, .events = POLLIN};
+            if (poll(&pf, 1, 0) != 0) {
+                close(*fd);
+                s->n_open--;
+                continue;
+            }
+            *fresh = false;
+            pthread_mutex_unlock(&s->mu);
+            return 0;
+        }
+        if (s->n_open < s->max_open) {
+            s->n_open++;
+            pthread_mutex_unlock(&s->mu);
+            int rc = kvx__connect(s->host, s->port, deadline_ns, fd, err);
+            if (!rc) {
+                rc = handshake(s, *fd, deadline_ns, err);
+                if (rc) close(*fd);
+            }
+            if (rc) {
+                pthread_mutex_lock(&s->mu);
+                s->n_open--;
+                pthread_cond_signal(&s->cv);
+                pthread_mutex_unlock(&s->mu);
+                return rc;
+            }
+            *fresh = true;
+            return 0;
+        }
+        uint64_t now = td_now_ns();
+        if (now >= deadline_ns) {
+            pthread_mutex_unlock(&s->mu);
+            return td_err_set(err, TD_ETIMEDOUT,
+                              "kvx: deadline passed waiting for a connection to %s:%u", s->host,
+                              s->port);
+        }
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        uint64_t wait = TD_MIN(deadline_ns - now, 1000000000ull);
+        ts.tv_nsec += (long)wait;
+        ts.tv_sec += ts.tv_nsec / 1000000000L;
+        ts.tv_nsec %= 1000000000L;
+        pthread_cond_timedwait(&s->cv, &s->mu, &ts);
+    }
+}
+
+static void conn_put(kvx__session *s, int fd, bool ok)
+{
+    pthread_mutex_lock(&s->mu);
+    if (ok && !atomic_load(&s->replaced) && s->n_idle < s->max_open) {
+        s->idle[s->n_idle++] = fd;
+    } else {
+        close(fd);
+        s->n_open--;
+    }
+    pthread_cond_signal(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+}
+
+/* ---------------------------------------------------------------- the tcp transport */
+
+static int tcp_run_piece(kvx__session *s, kvx__piece *p, td_err *err)
+{
+    kvx_client *c = s->client;
+    struct kvx_xfer *x = p->x;
+    const kvx_region *r = &c->opts.region;
+    bool want_crc = c->opts.verify_checksums;
+    size_t req_cap = KVX_HDR_BYTES + 24 + (size_t)p->count * KVX_DESC_BYTES;
+    size_t in_cap = 4 * (size_t)(want_crc ? p->blocks : 0) + 512;
+    uint8_t *req = malloc(req_cap), *in = malloc(in_cap);
+    kvx_wire_desc *wd = malloc(p->count * sizeof(*wd));
+    struct iovec *iov = malloc((2 * p->count + 1) * sizeof(*iov)), *todo = iov + p->count;
+    uint32_t *crc = want_crc ? malloc(p->blocks * sizeof(uint32_t)) : NULL;
+    int rc = 0;
+    if (!req || !in || !wd || !iov || (want_crc && !crc)) {
+        rc = td_err_set(err, TD_ENOMEM, "kvx: out of memory");
+        goto out;
+    }
+    for (uint32_t k = 0; k < p->count; k++) {
+        const piece_desc *d = &x->pd[p->first + k];
+        wd[k] = (kvx_wire_desc){d->seg, d->src, d->n};
+    }
+    size_t req_n = kvx_wire_encode_read(req, req_cap, (uint32_t)(p - x->pieces), x->transfer_id,
+                                        want_crc ? KVX_READ_CHECKSUMS : 0, wd, p->count);
+    TD_ASSERT(req_n > 0);
+
+    kvx_msg m;
+    int fd = -1;
+    for (int attempt = 0;; attempt++) {
+        bool fresh;
+        rc = conn_get(s, x->deadline_ns, &fd, &fresh, err);
+        if (rc) goto out;
+        rc = kvx__send_all(fd, req, req_n, x->deadline_ns, err);
+        if (!rc) rc = kvx__recv_frame(fd, in, in_cap, &m, x->deadline_ns, err);
+        if (!rc) break;
+        conn_put(s, fd, false);
+        /* An idle connection may have died with its producer's previous life or an idle
+         * timeout: retry once on a fresh one, whose handshake tells what really happened. */
+        if (rc != TD_ECONN || fresh || attempt > 0) goto out;
+    }
+    if (m.hdr.type == KVX_MSG_ERROR) {
+        conn_put(s, fd, true);
+        rc = td_err_set(err, m.u.error.code, "kvx: producer %s:%u: %s", s->host, s->port,
+                        m.u.error.msg);
+        goto out;
+    }
+    uint32_t want_n_crc = want_crc ? (uint32_t)p->blocks : 0;
+    if (m.hdr.type != KVX_MSG_DATA || m.hdr.tag != (uint32_t)(p - x->pieces) ||
+        m.u.data.data_len != p->bytes || m.u.data.n_crc != want_n_crc) {
+        conn_put(s, fd, false);
+        rc = td_err_set(err, TD_EPROTO,
+                        "kvx: producer %s:%u answered READ with %s of %llu bytes and %u "
+                        "checksums (expected DATA of %llu bytes and %u)",
+                        s->host, s->port, kvx_wire_type_name(m.hdr.type),
+                        (unsigned long long)m.u.data.data_len, m.u.data.n_crc,
+                        (unsigned long long)p->bytes, want_n_crc);
+        goto out;
+    }
+    /* Receive in batches of about BATCH_BYTES and checksum each batch while it is in cache. */
+    bool corrupt = atomic_load(&kvx__test_corrupt_pieces) > 0 &&
+                   atomic_fetch_sub(&kvx__test_corrupt_pieces, 1) > 0;
+    uint32_t per_chunk = kvx__batch_blocks(r->block_bytes, BATCH_BYTES), at = 0;
+    int n_iov = 0;
+    uint64_t batch = 0;
+    for (uint32_t k = 0; k < p->count && !rc; k++) {
+        const piece_desc *d = &x->pd[p->first + k];
+        uint8_t *base = (uint8_t *)r->base + kvx__offset(r, d->seg, d->dst);
+        for (uint32_t j = 0; j < d->n && !rc;) {
+            uint32_t cb = TD_MIN(d->n - j, per_chunk);
+            iov[n_iov++] =
+                (struct iovec){base + (uint64_t)j * r->block_bytes, (size_t)cb * r->block_bytes};
+            batch += (uint64_t)cb * r->block_bytes;
+            j += cb;
+            bool last = k + 1 == p->count && j == d->n;
+            /* Batches end at per_chunk blocks: at most one iovec per descriptor each. */
+            if (batch < (uint64_t)per_chunk * r->block_bytes && !last) continue;
+            memcpy(todo, iov, (size_t)n_iov * sizeof(*todo)); /* readv consumes its iovecs */
+            int n_todo = n_iov;
+            if (last && want_n_crc) /* the checksum trailer arrives with the last batch */
+                todo[n_todo++] = (struct iovec){in, (size_t)want_n_crc * 4};
+            rc = kvx__readv_all(fd, todo, n_todo, x->deadline_ns, err);
+            if (!rc && corrupt) {
+                ((uint8_t *)iov[0].iov_base)[r->block_bytes / 2] ^= 0x40;
+                corrupt = false;
+            }
+            for (int v = 0; v < n_iov && !rc && want_crc; v++) {
+                uint32_t nb = (uint32_t)(iov[v].iov_len / r->block_bytes);
+                kvx__crc32c_blocks(iov[v].iov_base, r->block_bytes, nb, crc + at);
+                at += nb;
+            }
+            n_iov = 0;
+            batch = 0;
+        }
+    }
+    conn_put(s, fd, rc == 0);
+    if (rc) goto out;
+    at = 0;
+    for (uint32_t k = 0; k < p->count && want_crc && !rc; k++) {
+        const piece_desc *d = &x->pd[p->first + k];
+        for (uint32_t j = 0; j < d->n; j++, at++)
+            if (crc[at] != kvx_wire_trailer_get(in, at)) {
+                rc = td_err_set(err, TD_EPROTO,
+                                "kvx: checksum mismatch in segment %u, block %u (producer block "
+                                "%u) from %s:%u",
+                                d->seg, d->dst + j, d->src + j, s->host, s->port);
+                break;
+            }
+    }
+out:
+    free(req);
+    free(in);
+    free(wd);
+    free(iov);
+    free(crc);
+    return rc;
+}
+
+static int tcp_control(kvx__session *s, uint8_t type, const uint8_t id[KVX_ID_BYTES],
+                       uint64_t deadline_ns, td_err *err)
+{
+    uint8_t buf[512];
+    size_t n = type == KVX_MSG_RELEASE ? kvx_wire_encode_release(buf, sizeof(buf), 1, id)
+                                       : kvx_wire_encode_heartbeat(buf, sizeof(buf), 1, id, 1);
+    kvx_msg m;
+    int fd, rc;
+    for (int attempt = 0;; attempt++) {
+        bool fresh;
+        rc = conn_get(s, deadline_ns, &fd, &fresh, err);
+        if (rc) return rc;
+        rc = kvx__send_all(fd, buf, n, deadline_ns, err);
+        uint8_t in[512];
+        if (!rc) rc = kvx__recv_frame(fd, in, sizeof(in), &m, deadline_ns, err);
+        if (!rc) break;
+        conn_put(s, fd, false);
+        if (rc != TD_ECONN || fresh || attempt > 0) return rc;
+    }
+    conn_put(s, fd, m.hdr.type == KVX_MSG_ACK || m.hdr.type == KVX_MSG_ERROR);
+    if (m.hdr.type == KVX_MSG_ERROR)
+        return td_err_set(err, m.u.error.code, "kvx: producer %s:%u: %s", s->host, s->port,
+                          m.u.error.msg);
+    if (m.hdr.type != KVX_MSG_ACK)
+        return td_err_set(err, TD_EPROTO, "kvx: producer %s:%u answered with %s", s->host, s->port,
+                          kvx_wire_type_name(m.hdr.type));
+    if (m.u.ack.value == 0)
+        return td_err_set(err, TD_ENOTFOUND, "kvx: producer %s:%u: unknown or expired transfer id",
+                          s->host, s->port);
+    return 0;
+}
+
+static const kvx__transport tcp_transport = {"tcp", tcp_run_piece, tcp_control};
+
+/* ---------------------------------------------------------------- transfers */
+
+static void xfer_free_mem(struct kvx_xfer *x)
+{
+    free(x->pd);
+    free(x->pieces);
+    free(x);
+}
+
+static void xfer_complete(struct kvx_xfer *x)
+{
+    kvx_client *c = x->c;
+    x->info.seconds = (double)(td_now_ns() - x->start_ns) * 1e-9;
+    if (x->code == 0) td_err_clear(&x->result);
+    session_put(x->s);
+    x->s = NULL;
+    if (x->cb) x->cb(x->user, x, &x->result);
+    pthread_mutex_lock(&c->mu);
+    x->done = true;
+    bool free_now = x->detached;
+    pthread_cond_broadcast(&c->done_cv);
+    pthread_mutex_unlock(&c->mu);
+    if (free_now) xfer_free_mem(x);
+}
+
+static void piece_finish(kvx_client *c, kvx__piece *p, int rc, const td_err *e)
+{
+    struct kvx_xfer *x = p->x;
+    pthread_mutex_lock(&c->mu);
+    if (rc && !x->code) {
+        x->code = rc;
+        x->result = *e;
+        x->result.code = rc;
+    } else if (!rc) {
+        x->info.bytes += p->bytes;
+    }
+    bool last = --x->pending == 0;
+    pthread_mutex_unlock(&c->mu);
+    if (last) xfer_complete(x);
+}
+
+static void *worker_main(void *arg)
+{
+    kvx_client *c = arg;
+    for (;;) {
+        pthread_mutex_lock(&c->mu);
+        while (!c->qhead && !c->stopping)
+            pthread_cond_wait(&c->work_cv, &c->mu);
+        kvx__piece *p = c->qhead;
+        if (!p) {
+            pthread_mutex_unlock(&c->mu);
+            return NULL;
+        }
+        c->qhead = p->next;
+        if (!c->qhead) c->qtail = NULL;
+        struct kvx_xfer *x = p->x;
+        int failed = x->code;
+        pthread_mutex_unlock(&c->mu);
+
+        td_err e;
+        td_err_clear(&e);
+        int rc;
+        if (failed)
+            rc = failed; /* another piece already decided the outcome */
+        else if (td_now_ns() >= x->deadline_ns)
+            rc = td_err_set(&e, TD_ETIMEDOUT, "kvx: transfer deadline passed before it could run");
+        else
+            rc = c->transport->run_piece(x->s, p, &e);
+        piece_finish(c, p, rc, &e);
+    }
+}
+
+/*
+ * The watchdog fails pieces that are still queued when their transfer's deadline passes,
+ * so a transfer queued behind busy workers still ends on time. (A piece that is running
+ * is bounded by the same deadline inside the transport.) It sleeps until the earliest
+ * deadline in the queue, or indefinitely while the queue is empty.
+ */
+static void *watchdog_main(void *arg)
+{
+    kvx_client *c = arg;
+    pthread_mutex_lock(&c->mu);
+    while (!c->stopping) {
+        uint64_t now = td_now_ns(), next = UINT64_MAX;
+        kvx__piece *expired = NULL, *kept_last = NULL;
+        for (kvx__piece **pp = &c->qhead; *pp;) {
+            kvx__piece *p = *pp;
+            if (p->x->deadline_ns <= now) {
+                *pp = p->next;
+                p->next = expired;
+                expired = p;
+            } else {
+                next = TD_MIN(next, p->x->deadline_ns);
+                kept_last = p;
+                pp = &p->next;
+            }
+        }
+        c->qtail = kept_last;
+        if (expired) {
+            pthread_mutex_unlock(&c->mu);
+            while (expired) {
+                kvx__piece *n = expired->next;
+                td_err e;
+                td_err_set(&e, TD_ETIMEDOUT,
+                           "kvx: transfer deadline passed while waiting for a worker");
+                piece_finish(c, expired, TD_ETIMEDOUT, &e);
+                expired = n;
+            }
+            pthread_mutex_lock(&c->mu);
+            continue;
+        }
+        c->watch_next = next;
+        if (next == UINT64_MAX) {
+            pthread_cond_wait(&c->watch_cv, &c->mu);
+        } else {
+            struct timespec ts = {(time_t)(next / 1000000000ull), (long)(next % 1000000000ull)};
+            pthread_cond_timedwait(&c->watch_cv, &c->mu, &ts);
+        }
+    }
+    pthread_mutex_unlock(&c->mu);
+    return NULL;
+}
+
+int kvx_client_create(kvx_client **out, const kvx_client_opts *opts, td_err *err)
+{
+    *out = NULL;
+    int rc = kvx_region_check(&opts->region, err);
+    if (rc) return rc;
+    kvx_client *c = calloc(1, sizeof(*c));
+    if (!c) return td_err_set(err, TD_ENOMEM, "kvx: out of memory");
+    c->opts = *opts;
+    if (c->opts.num_worker_threads <= 0) c->opts.num_worker_threads = 4;
+    if (c->opts.qp_per_transfer <= 0) c->opts.qp_per_transfer = 4;
+    if (!c->opts.transfer_timeout_ms) c->opts.transfer_timeout_ms = 30000;
+    if (c->opts.num_worker_threads > 256 || c->opts.qp_per_transfer > 256) {
+        free(c);
+        return td_err_set(err, TD_EINVAL, "kvx: at most 256 worker threads and connections");
+    }
+    uint8_t id[KVX_ID_BYTES];
+    if (kvx__random_id(id)) {
+        free(c);
+        return td_err_set(err, TD_EIO, "kvx: getrandom failed");
+    }
+    kvx__hello_fill(&c->hello, id, &c->opts.layout, &c->opts.region);
+    c->transport = &tcp_transport;
+    pthread_mutex_init(&c->mu, NULL);
+    pthread_cond_init(&c->work_cv, NULL);
+    pthread_cond_init(&c->done_cv, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&c->watch_cv, &ca);
+    pthread_condattr_destroy(&ca);
+    c->watch_next = UINT64_MAX;
+    c->has_watchdog = pthread_create(&c->watchdog, NULL, watchdog_main, c) == 0;
+    c->workers = calloc((size_t)c->opts.num_worker_threads, sizeof(pthread_t));
+    for (int i = 0; c->workers && i < c->opts.num_worker_threads; i++) {
+        if (pthread_create(&c->workers[i], NULL, worker_main, c)) break;
+        c->n_workers++;
+    }
+    if (!c->has_watchdog || c->n_workers < c->opts.num_worker_threads) {
+        kvx_client_destroy(c);
+        return td_err_set(err, TD_ENOMEM, "kvx: cannot start worker threads");
+    }
+    *out = c;
+    return 0;
+}
+
+void kvx_client_destroy(kvx_client *c)
+{
+    if (!c) return;
+    pthread_mutex_lock(&c->mu);
+    c->stopping = true;
+    kvx__piece *q = c->qhead;
+    c->qhead = c->qtail = NULL;
+    pthread_cond_broadcast(&c->work_cv);
+    pthread_cond_signal(&c->watch_cv);
+    pthread_mutex_unlock(&c->mu);
+    if (c->has_watchdog) pthread_join(c->watchdog, NULL);
+    while (q) {
+        kvx__piece *next = q->next;
+        td_err e;
+        td_err_set(&e, TD_ECANCELED, "kvx: the consumer shut down");
+        piece_finish(c, q, TD_ECANCELED, &e);
+        q = next;
+    }
+    for (int i = 0; i < c->n_workers; i++)
+        pthread_join(c->workers[i], NULL);
+    free(c->workers);
+    while (c->sessions) {
+        kvx__session *s = c->sessions;
+        c->sessions = s->next;
+        session_put(s);
+    }
+    pthread_mutex_destroy(&c->mu);
+    pthread_cond_destroy(&c->work_cv);
+    pthread_cond_destroy(&c->done_cv);
+    pthread_cond_destroy(&c->watch_cv);
+    free(c);
+}
+
+/* Append a descriptor, growing the array. */
+static int pd_push(struct kvx_xfer *x, uint32_t *cap, piece_desc d)
+{
+    if (x->n_pd == *cap) {
+        uint32_t nc = *cap ? 2 * *cap : 64;
+        piece_desc *np = realloc(x->pd, nc * sizeof(*np));
+        if (!np) return TD_ENOMEM;
+        x->pd = np;
+        *cap = nc;
+    }
+    x->pd[x->n_pd++] = d;
+    return 0;
+}
+
+static int piece_push(struct kvx_xfer *x, int *cap, kvx__piece p)
+{
+    if (x->n_pieces == *cap) {
+        int nc = *cap ? 2 * *cap : 8;
+        kvx__piece *np = realloc(x->pieces, (size_t)nc * sizeof(*np));
+        if (!np) return TD_ENOMEM;
+        x->pieces = np;
+        *cap = nc;
+    }
+    x->pieces[x->n_pieces++] = p;
+    return 0;
+}
+
+/* Cut the runs into pieces of about piece_blocks blocks (and at most KVX_MAX_DESC ranges). */
+static int xfer_plan(struct kvx_xfer *x, const kvx_run *runs, int n_runs, const kvx_region *r,
+                     uint32_t qp)
+{
+    uint64_t total_blocks = 0;
+    for (int i = 0; i < n_runs; i++)
+        total_blocks += runs[i].n_blocks;
+    total_blocks *= r->n_segments;
+    uint64_t total = total_blocks * r->block_bytes;
+    uint64_t target = TD_MAX(TD_MIN(total / qp, (uint64_t)MAX_PIECE_BYTES), MIN_PIECE_BYTES);
+    uint64_t piece_blocks = TD_MAX(target / r->block_bytes, 1);
+    piece_blocks = TD_MIN(piece_blocks, (uint64_t)KVX_MAX_CRC);
+    uint32_t pd_cap = 0;
+    int pc_cap = 0;
+    kvx__piece cur = {.x = x};
+    for (uint32_t seg = 0; seg < r->n_segments; seg++)
+        for (int i = 0; i < n_runs; i++)
+            for (uint32_t off = 0; off < runs[i].n_blocks;) {
+                uint32_t take =
+                    (uint32_t)TD_MIN((uint64_t)(runs[i].n_blocks - off), piece_blocks - cur.blocks);
+                if (pd_push(
+                        x, &pd_cap,
+                        (piece_desc){seg, runs[i].src_block + off, runs[i].dst_block + off, take}))
+                    return TD_ENOMEM;
+                cur.count++;
+                cur.blocks += take;
+                cur.bytes += take * r->block_bytes;
+                off += take;
+                if (cur.blocks == piece_blocks || cur.count == KVX_MAX_DESC) {
+                    if (piece_push(x, &pc_cap, cur)) return TD_ENOMEM;
+                    cur = (kvx__piece){.x = x, .first = x->n_pd};
+                }
+            }
+    if (cur.count && piece_push(x, &pc_cap, cur)) return TD_ENOMEM;
+    return 0;
+}
+
+int kvx_read_start(kvx_client *c, const kvx_read_req *req, kvx_xfer **out, td_err *err)
+{
+    *out = NULL;
+    if (!req->src_blocks || !req->dst_blocks || req->n_blocks < 1)
+        return td_err_set(err, TD_EINVAL, "kvx: a read needs at least one block");
+    struct kvx_xfer *x = calloc(1, sizeof(*x));
+    kvx_run *runs = malloc((size_t)req->n_blocks * sizeof(*runs));
+    if (!x || !runs) {
+        free(x);
+        free(runs);
+        return td_err_set(err, TD_ENOMEM, "kvx: out of memory");
+    }
+    int rc = 0;
+    if (kvx_id_from_hex(req->transfer_id, x->transfer_id)) {
+        rc = td_err_set(err, TD_EINVAL, "kvx: transfer id must be 32 hex digits");
+        goto fail;
+    }
+    int n_runs = kvx_coalesce(req->src_blocks, req->dst_blocks, req->n_blocks, INT32_MAX,
+                              c->opts.region.n_blocks, runs);
+    if (n_runs < 0) {
+        rc = td_err_set(err, TD_EINVAL,
+                        "kvx: a block id is negative or outside the local region "
+                        "(%u blocks)",
+                        c->opts.region.n_blocks);
+        goto fail;
+    }
+    x->c = c;
+    x->cb = req->done;
+    x->user = req->user;
+    x->info.n_runs = (uint32_t)n_runs;
+    x->info.n_descriptors = (uint32_t)n_runs * c->opts.region.n_segments;
+    if (xfer_plan(x, runs, n_runs, &c->opts.region, (uint32_t)c->opts.qp_per_transfer)) {
+        rc = td_err_set(err, TD_ENOMEM, "kvx: out of memory");
+        goto fail;
+    }
+    if ((rc = session_get(c, req->host, req->port, req->engine_id, &x->s, err))) goto fail;
+    free(runs);
+    runs = NULL;
+    x->start_ns = td_now_ns();
+    uint32_t timeout = req->timeout_ms ? req->timeout_ms : c->opts.transfer_timeout_ms;
+    x->deadline_ns = x->start_ns + (uint64_t)timeout * 1000000ull;
+    x->pending = x->n_pieces;
+
+    pthread_mutex_lock(&c->mu);
+    if (c->stopping) {
+        pthread_mutex_unlock(&c->mu);
+        session_put(x->s);
+        rc = td_err_set(err, TD_ESTATE, "kvx: the consumer is shutting down");
+        goto fail;
+    }
+    for (int i = 0; i < x->n_pieces; i++) {
+        kvx__piece *p = &x->pieces[i];
+        p->next = NULL;
+        if (c->qtail)
+            c->qtail->next = p;
+        else
+            c->qhead = p;
+        c->qtail = p;
+    }
+    pthread_cond_broadcast(&c->work_cv);
+    if (x->deadline_ns < c->watch_next) pthread_cond_signal(&c->watch_cv);
+    pthread_mutex_unlock(&c->mu);
+    *out = x;
+    return 0;
+fail:
+    free(runs);
+    xfer_free_mem(x);
+    return rc;
+}
+
+int kvx_xfer_poll(kvx_xfer *x, td_err *result)
+{
+    pthread_mutex_lock(&x->c->mu);
+    bool done = x->done;
+    pthread_mutex_unlock(&x->c->mu);
+    if (!done) return TD_EAGAIN;
+    if (result) *result = x->result;
+    return x->code;
+}
+
+int kvx_xfer_wait(kvx_xfer *x, td_err *result)
+{
+    kvx_client *c = x->c;
+    pthread_mutex_lock(&c->mu);
+    while (!x->done)
+        pthread_cond_wait(&c->done_cv, &c->mu);
+    pthread_mutex_unlock(&c->mu);
+    if (result) *result = x->result;
+    return x->code;
+}
+
+void kvx_xfer_free(kvx_xfer *x)
+{
+    if (!x) return;
+    kvx_client *c = x->c;
+    pthread_mutex_lock(&c->mu);
+    bool now = x->done;
+    x->detached = true;
+    pthread_mutex_unlock(&c->mu);
+    if (now) xfer_free_mem(x);
+}
+
+void kvx_xfer_get_info(kvx_xfer *x, kvx_xfer_info *out)
+{
+    pthread_mutex_lock(&x->c->mu);
+    *out = x->info;
+    pthread_mutex_unlock(&x->c->mu);
+}
+
+static int control(kvx_client *c, uint8_t type, const char *host, uint16_t port,
+                   const char *engine_id, const char *transfer_id, td_err *err)
+{
+    uint8_t id[KVX_ID_BYTES];
+    if (kvx_id_from_hex(transfer_id, id))
+        return td_err_set(err, TD_EINVAL, "kvx: transfer id must be 32 hex digits");
+    kvx__session *s;
+    int rc = session_get(c, host, port, engine_id, &s, err);
+    if (rc) return rc;
+    uint64_t deadline = td_now_ns() + (uint64_t)c->opts.transfer_timeout_ms * 1000000ull;
+    rc = c->transport->control(s, type, id, deadline, err);
+    session_put(s);
+    return rc;
+}
+
+int kvx_release(kvx_client *c, const char *host, uint16_t port, const char *engine_id,
+                const char *transfer_id, td_err *err)
+{
+    return control(c, KVX_MSG_RELEASE, host, port, engine_id, transfer_id, err);
+}
+
+int kvx_heartbeat(kvx_client *c, const char *host, uint16_t port, const char *engine_id,
+                  const char *transfer_id, td_err *err)
+{
+    return control(c, KVX_MSG_HEARTBEAT, host, port, engine_id, transfer_id, err);
+}
+
+int kvx_session_check(kvx_client *c, const char *host, uint16_t port, const char *engine_id,
+                      td_err *err)
+{
+    kvx__session *s;
+    int rc = session_get(c, host, port, engine_id, &s, err);
+    if (rc) return rc;
+    int fd;
+    bool fresh;
+    uint64_t deadline = td_now_ns() + (uint64_t)c->opts.transfer_timeout_ms * 1000000ull;
+    rc = conn_get(s, deadline, &fd, &fresh, err);
+    if (!rc) conn_put(s, fd, true);
+    session_put(s);
+    return rc;
+}

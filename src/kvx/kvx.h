@@ -1,0 +1,255 @@
+/*
+ * kvx/kvx.h - the KV transfer engine: moves byte ranges between memory regions that two
+ * processes registered, and knows nothing of models or HTTP.
+ *
+ * Two objects:
+ *  - kvx_agent (producer side): registers one region (its KV pool), listens on a TCP
+ *    handshake port bound to one address, holds registered transfers under leases, and
+ *    serves reads of them. A transfer_id is an unguessable capability (128 random bits).
+ *  - kvx_client (consumer side): owns its own region, caches one session per producer
+ *    incarnation (host, port, engine id), and runs reads asynchronously on its worker
+ *    threads over several connections per peer.
+ *
+ * A region is generic: n_segments segments (one per layer for a KV pool) of
+ * segment_stride bytes each; in every segment, block b occupies
+ * [b * block_bytes, (b + 1) * block_bytes). Blocks with consecutive ids are contiguous,
+ * so a transfer moves a few (segment, offset, length) ranges per run of consecutive ids.
+ *
+ * Threading contract:
+ *  - every function here is thread safe, except *_destroy, which must not race with any
+ *    other call on the same object;
+ *  - callbacks (kvx_release_fn, kvx_done_fn) run on a kvx thread (or in the caller of
+ *    kvx_agent_cancel / kvx_agent_destroy / kvx_client_destroy), with no kvx lock held;
+ *    they must be short and must not call *_destroy of the object that invoked them.
+ *    They may call kvx_agent_register / kvx_read_start etc.
+ *  - the consumer's region memory of a transfer is written by kvx threads until the
+ *    transfer completes (kvx_xfer_poll returns something other than TD_EAGAIN, or the
+ *    done callback has run); only then may the caller read or reuse those blocks.
+ *
+ * Failure contract: every transfer ends, within its deadline plus a small slack, with 0
+ * or a clear error: TD_ETIMEDOUT (deadline), TD_ECONN (connection refused or broken,
+ * peer closed, producer restarted), TD_EPROTO (checksum mismatch, malformed frame,
+ * layout mismatch), TD_ENOTFOUND (unknown or expired transfer id), TD_ECANCELED
+ * (client destroyed). Never a hang.
+ */
+#ifndef TD_KVX_KVX_H
+#define TD_KVX_KVX_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "util/td.h"
+
+/** 128-bit ids (engine ids, transfer ids) as 32 lowercase hex digits plus NUL. */
+#define KVX_ID_BYTES 16
+#define KVX_ID_HEX 33
+
+/**
+ * What both sides must agree on before any byte moves. Opaque integers to kvx: they are
+ * only compared field by field, and a mismatch names the field and both values.
+ */
+typedef struct kvx_layout {
+    uint64_t model_fingerprint;
+    uint32_t n_layers;
+    uint32_t n_kv_heads;
+    uint32_t head_dim;
+    uint32_t block_size; /* tokens per block */
+    uint32_t kv_dtype;
+    uint32_t tp_rank;
+    uint32_t tp_size;
+} kvx_layout;
+
+/** A registered memory region (see the top of this file). Not owned by kvx. */
+typedef struct kvx_region {
+    void *base;
+    uint32_t n_segments;     /* layers */
+    uint64_t segment_stride; /* bytes from one segment to the next */
+    uint64_t block_bytes;    /* bytes of one block in one segment */
+    uint32_t n_blocks;       /* blocks per segment; n_blocks * block_bytes <= stride */
+} kvx_region;
+
+/**
+ * Compare two layouts. Returns 0 when equal, else TD_EPROTO with a message naming the
+ * first differing field and both values ("block_size: local 16, peer 32").
+ */
+int kvx_layout_compare(const kvx_layout *local, const kvx_layout *peer, td_err *err);
+
+/** Check a region's geometry (non-NULL base, blocks fit in the stride, no overflow). */
+int kvx_region_check(const kvx_region *r, td_err *err);
+
+/** Hex-encode a 16-byte id into out[KVX_ID_HEX]; parse one back (0 or TD_EINVAL). */
+void kvx_id_to_hex(const uint8_t id[KVX_ID_BYTES], char out[KVX_ID_HEX]);
+int kvx_id_from_hex(const char *hex, uint8_t id[KVX_ID_BYTES]);
+
+/* ---------------------------------------------------------------- descriptors */
+
+/**
+ * A run of consecutive blocks on both sides: producer blocks [src, src + n) go to consumer
+ * blocks [dst, dst + n) in every segment.
+ */
+typedef struct kvx_run {
+    uint32_t src_block, dst_block, n_blocks;
+} kvx_run;
+
+/**
+ * Coalesce a block mapping (src[i] -> dst[i], i < n) into runs where both sides are
+ * consecutive. `runs` must hold n entries. Returns the number of runs (>= 0), or TD_EINVAL
+ * if an id is negative or >= the side's n_blocks (src_limit, dst_limit).
+ */
+int kvx_coalesce(const int32_t *src, const int32_t *dst, int n, uint32_t src_limit,
+                 uint32_t dst_limit, kvx_run *runs);
+
+/* ---------------------------------------------------------------- producer */
+
+typedef enum kvx_release_reason {
+    KVX_RELEASED_BY_CONSUMER = 0, /* the consumer sent RELEASE */
+    KVX_RELEASED_EXPIRED = 1,     /* lease_ms passed with no read or heartbeat */
+    KVX_RELEASED_CANCELED = 2,    /* kvx_agent_cancel */
+    KVX_RELEASED_SHUTDOWN = 3,    /* kvx_agent_destroy */
+} kvx_release_reason;
+
+/**
+ * Gives a transfer's blocks back to their owner. Called exactly once per registered
+ * transfer, from a kvx thread (or from kvx_agent_cancel / kvx_agent_destroy in the
+ * caller's thread), after any read of those blocks has finished.
+ */
+typedef void (*kvx_release_fn)(void *user, const char *transfer_id, const int32_t *blocks,
+                               int n_blocks, kvx_release_reason reason, void *transfer_user);
+
+typedef struct kvx_agent_opts {
+    const char *host; /* address to bind, e.g. "127.0.0.1"; never all interfaces by default */
+    uint16_t port;    /* handshake port; 0 picks a free one (kvx_agent_port says which) */
+    kvx_layout layout;
+    kvx_region region;
+    uint32_t lease_ms;   /* default lease (0 = 30000) */
+    bool checksums;      /* send per-block CRC32C when the consumer asks (default on) */
+    int max_connections; /* 0 = 256 */
+    kvx_release_fn release_cb;
+    void *release_user;
+} kvx_agent_opts;
+
+typedef struct kvx_agent kvx_agent;
+
+/** Defaults: host 127.0.0.1, lease 30 s, checksums on, 256 connections. */
+void kvx_agent_opts_default(kvx_agent_opts *o);
+
+/**
+ * Bind, listen and start the accept and lease threads. A port already in use is
+ * TD_EIO with a message naming host:port. The engine id is drawn from getrandom.
+ */
+int kvx_agent_create(kvx_agent **out, const kvx_agent_opts *opts, td_err *err);
+
+/** Close every connection, release every remaining lease (KVX_RELEASED_SHUTDOWN), free. */
+void kvx_agent_destroy(kvx_agent *a);
+
+uint16_t kvx_agent_port(const kvx_agent *a);
+/** This incarnation's engine id, hex. */
+const char *kvx_agent_engine_id(const kvx_agent *a);
+
+/**
+ * Hold `blocks` (copied) for a consumer; writes the transfer id (capability) to id_out.
+ * lease_ms 0 takes the agent's default. transfer_user is passed back to release_cb.
+ * Errors: TD_EINVAL (bad block id, n < 1).
+ */
+int kvx_agent_register(kvx_agent *a, const int32_t *blocks, int n_blocks, uint32_t lease_ms,
+                       void *transfer_user, char id_out[KVX_ID_HEX], td_err *err);
+
+/** Drop a transfer from the producer side; TD_ENOTFOUND if it is already gone. */
+int kvx_agent_cancel(kvx_agent *a, const char *transfer_id);
+
+/** Transfers currently held (for tests and metrics). */
+int kvx_agent_n_leases(kvx_agent *a);
+
+typedef struct kvx_agent_stats {
+    uint64_t bytes_sent, reads, leases_expired, leases_released, handshakes_refused,
+        unknown_transfer;
+} kvx_agent_stats;
+void kvx_agent_get_stats(kvx_agent *a, kvx_agent_stats *out);
+
+/** The last handshake refusal or protocol error the agent saw ("" if none). */
+void kvx_agent_last_error(kvx_agent *a, char *buf, size_t cap);
+
+/* ---------------------------------------------------------------- consumer */
+
+typedef struct kvx_client_opts {
+    kvx_layout layout;
+    kvx_region region;
+    int num_worker_threads;       /* 0 = 4 */
+    int qp_per_transfer;          /* connections per peer and pieces per transfer; 0 = 4 */
+    uint32_t transfer_timeout_ms; /* default deadline; 0 = 30000 */
+    bool verify_checksums;        /* default on */
+} kvx_client_opts;
+
+typedef struct kvx_client kvx_client;
+typedef struct kvx_xfer kvx_xfer;
+
+/** Called once when a transfer ends, on a kvx thread; `result` is the outcome. */
+typedef void (*kvx_done_fn)(void *user, kvx_xfer *x, const td_err *result);
+
+void kvx_client_opts_default(kvx_client_opts *o);
+int kvx_client_create(kvx_client **out, const kvx_client_opts *opts, td_err *err);
+
+/**
+ * Fail queued transfers with TD_ECANCELED, wait for running pieces (bounded by their
+ * deadlines), close every session and free. Every transfer has completed (its done
+ * callback has run) when this returns. Call kvx_xfer_free on every handle first (a
+ * running transfer is then freed when it ends): no handle may be used afterwards.
+ */
+void kvx_client_destroy(kvx_client *c);
+
+typedef struct kvx_read_req {
+    const char *host;
+    uint16_t port;
+    const char *engine_id;   /* the producer incarnation (hex) the blocks belong to */
+    const char *transfer_id; /* capability (hex) from the producer */
+    const int32_t *src_blocks, *dst_blocks; /* producer ids -> consumer ids, n_blocks each */
+    int n_blocks;
+    uint32_t timeout_ms; /* 0 = the client's transfer_timeout_ms */
+    kvx_done_fn done;    /* may be NULL: then poll or wait */
+    void *user;
+} kvx_read_req;
+
+/**
+ * Start a read: validates the arguments, coalesces the blocks and queues the pieces;
+ * returns at once. On success *out is a handle the caller owns (free with kvx_xfer_free
+ * after completion). Argument errors are returned here and no transfer starts.
+ */
+int kvx_read_start(kvx_client *c, const kvx_read_req *req, kvx_xfer **out, td_err *err);
+
+/** TD_EAGAIN while running; else the final code, with the message in *result. */
+int kvx_xfer_poll(kvx_xfer *x, td_err *result);
+/** Block until the transfer ends (it always does, by its deadline); returns its code. */
+int kvx_xfer_wait(kvx_xfer *x, td_err *result);
+/** Free a handle. If the transfer is still running it is freed when it ends. */
+void kvx_xfer_free(kvx_xfer *x);
+
+typedef struct kvx_xfer_info {
+    uint64_t bytes;         /* bytes moved */
+    uint32_t n_runs;        /* coalesced runs */
+    uint32_t n_descriptors; /* byte ranges: runs x segments */
+    double seconds;         /* start to completion */
+} kvx_xfer_info;
+void kvx_xfer_get_info(kvx_xfer *x, kvx_xfer_info *out);
+
+/**
+ * Synchronous control messages over the session (blocking, bounded by the client's
+ * transfer_timeout_ms): tell the producer to give a transfer's blocks back, or extend
+ * its lease. TD_ENOTFOUND if the producer no longer holds it.
+ */
+int kvx_release(kvx_client *c, const char *host, uint16_t port, const char *engine_id,
+                const char *transfer_id, td_err *err);
+int kvx_heartbeat(kvx_client *c, const char *host, uint16_t port, const char *engine_id,
+                  const char *transfer_id, td_err *err);
+
+/**
+ * Open (or reuse) the session to a producer and run the handshake now; the same errors
+ * that a read would meet (refused, layout mismatch, different engine id).
+ */
+int kvx_session_check(kvx_client *c, const char *host, uint16_t port, const char *engine_id,
+                      td_err *err);
+
+/** Sessions currently cached (for tests). */
+int kvx_client_n_sessions(kvx_client *c);
+
+#endif

@@ -1,0 +1,333 @@
+/* kvx/wire.c - encoding and strict decoding of kvx frames (format in wire.h). */
+#include "kvx/wire.h"
+
+#include <string.h>
+
+#define HELLO_PAYLOAD (16 + 16 + 36 + 4 + 8 + 16 + 4)
+
+static void put16(uint8_t *p, uint16_t v)
+{
+    p[0] = (uint8_t)v;
+    p[1] = (uint8_t)(v >> 8);
+}
+
+static void put32(uint8_t *p, uint32_t v)
+{
+    for (int i = 0; i < 4; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static void put64(uint8_t *p, uint64_t v)
+{
+    for (int i = 0; i < 8; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static uint16_t get16(const uint8_t *p)
+{
+    return (uint16_t)(p[0] | (p[1] << 8));
+}
+
+static uint32_t get32(const uint8_t *p)
+{
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+static uint64_t get64(const uint8_t *p)
+{
+    return (uint64_t)get32(p) | (uint64_t)get32(p + 4) << 32;
+}
+
+const char *kvx_wire_type_name(int type)
+{
+    static const char *names[] = {"?",    "HELLO",   "HELLO_ACK", "AUTH", "READ",
+                                  "DATA", "RELEASE", "HEARTBEAT", "ACK",  "ERROR"};
+    if (type >= KVX_MSG_HELLO && type <= KVX_MSG_ERROR) return names[type];
+    return "unknown";
+}
+
+static size_t put_hdr(uint8_t *buf, size_t cap, uint8_t type, uint32_t tag, size_t payload)
+{
+    if (payload > KVX_MAX_PAYLOAD || cap < KVX_HDR_BYTES + payload) return 0;
+    put32(buf, KVX_MAGIC);
+    put16(buf + 4, KVX_VERSION);
+    buf[6] = type;
+    buf[7] = 0;
+    put32(buf + 8, (uint32_t)payload);
+    put32(buf + 12, tag);
+    return KVX_HDR_BYTES + payload;
+}
+
+int kvx_wire_decode_hdr(const uint8_t buf[KVX_HDR_BYTES], kvx_hdr *out, td_err *err)
+{
+    uint32_t magic = get32(buf);
+    if (magic != KVX_MAGIC)
+        return td_err_set(err, TD_EFORMAT, "kvx: bad frame magic 0x%08x (not a kvx peer?)", magic);
+    out->version = get16(buf + 4);
+    out->type = buf[6];
+    out->flags = buf[7];
+    out->payload_len = get32(buf + 8);
+    out->tag = get32(buf + 12);
+    if (out->version != KVX_VERSION)
+        return td_err_set(err, TD_EUNSUPPORTED, "kvx: peer speaks protocol version %u, this is %u",
+                          out->version, KVX_VERSION);
+    if (out->type < KVX_MSG_HELLO || out->type > KVX_MSG_ERROR)
+        return td_err_set(err, TD_EFORMAT, "kvx: unknown message type %u", out->type);
+    if (out->flags != 0)
+        return td_err_set(err, TD_EFORMAT, "kvx: %s frame with unknown flags 0x%02x",
+                          kvx_wire_type_name(out->type), out->flags);
+    if (out->payload_len > KVX_MAX_PAYLOAD)
+        return td_err_set(err, TD_EFORMAT, "kvx: %s payload of %u bytes exceeds the limit %u",
+                          kvx_wire_type_name(out->type), out->payload_len, KVX_MAX_PAYLOAD);
+    return 0;
+}
+
+static int bad_len(td_err *err, const kvx_hdr *h, size_t want)
+{
+    return td_err_set(err, TD_EFORMAT, "kvx: %s payload is %u bytes, expected %zu",
+                      kvx_wire_type_name(h->type), h->payload_len, want);
+}
+
+static void get_layout(const uint8_t *p, kvx_layout *l)
+{
+    l->model_fingerprint = get64(p);
+    l->n_layers = get32(p + 8);
+    l->n_kv_heads = get32(p + 12);
+    l->head_dim = get32(p + 16);
+    l->block_size = get32(p + 20);
+    l->kv_dtype = get32(p + 24);
+    l->tp_rank = get32(p + 28);
+    l->tp_size = get32(p + 32);
+}
+
+static void put_layout(uint8_t *p, const kvx_layout *l)
+{
+    put64(p, l->model_fingerprint);
+    put32(p + 8, l->n_layers);
+    put32(p + 12, l->n_kv_heads);
+    put32(p + 16, l->head_dim);
+    put32(p + 20, l->block_size);
+    put32(p + 24, l->kv_dtype);
+    put32(p + 28, l->tp_rank);
+    put32(p + 32, l->tp_size);
+}
+
+int kvx_wire_decode(const kvx_hdr *h, const uint8_t *p, size_t len, kvx_msg *m, td_err *err)
+{
+    memset(m, 0, sizeof(*m));
+    m->hdr = *h;
+    if (len != h->payload_len)
+        return td_err_set(err, TD_EFORMAT, "kvx: %s frame truncated: %zu of %u payload bytes",
+                          kvx_wire_type_name(h->type), len, h->payload_len);
+    switch (h->type) {
+    case KVX_MSG_HELLO:
+    case KVX_MSG_HELLO_ACK: {
+        if (len != HELLO_PAYLOAD) return bad_len(err, h, HELLO_PAYLOAD);
+        kvx_hello *x = &m->u.hello;
+        memcpy(x->engine_id, p, 16);
+        memcpy(x->expect_engine_id, p + 16, 16);
+        get_layout(p + 32, &x->layout);
+        x->n_segments = get32(p + 68);
+        x->block_bytes = get64(p + 72);
+        memcpy(x->nonce, p + 80, 16);
+        x->features = get32(p + 96);
+        return 0;
+    }
+    case KVX_MSG_AUTH:
+        if (len != 32) return bad_len(err, h, 32);
+        memcpy(m->u.auth.mac, p, 32);
+        return 0;
+    case KVX_MSG_READ: {
+        if (len < 24) return bad_len(err, h, 24);
+        memcpy(m->u.read.transfer_id, p, 16);
+        m->u.read.flags = get32(p + 16);
+        m->u.read.n_desc = get32(p + 20);
+        if (m->u.read.flags & ~KVX_READ_CHECKSUMS)
+            return td_err_set(err, TD_EFORMAT, "kvx: READ with unknown flags 0x%x",
+                              m->u.read.flags);
+        if (m->u.read.n_desc == 0 || m->u.read.n_desc > KVX_MAX_DESC)
+            return td_err_set(err, TD_EFORMAT, "kvx: READ with %u descriptors (limit 1..%u)",
+                              m->u.read.n_desc, KVX_MAX_DESC);
+        size_t want = 24 + (size_t)m->u.read.n_desc * KVX_DESC_BYTES;
+        if (len != want) return bad_len(err, h, want);
+        m->u.read.desc = p + 24;
+        for (uint32_t i = 0; i < m->u.read.n_desc; i++)
+            if (kvx_wire_get_desc(m, i).n_blocks == 0)
+                return td_err_set(err, TD_EFORMAT, "kvx: READ descriptor %u is empty", i);
+        return 0;
+    }
+    case KVX_MSG_DATA:
+        if (len != 12) return bad_len(err, h, 12);
+        m->u.data.data_len = get64(p);
+        m->u.data.n_crc = get32(p + 8);
+        if (m->u.data.n_crc > KVX_MAX_CRC)
+            return td_err_set(err, TD_EFORMAT, "kvx: DATA with %u checksums (limit %u)",
+                              m->u.data.n_crc, KVX_MAX_CRC);
+        return 0;
+    case KVX_MSG_RELEASE:
+        if (len != 16) return bad_len(err, h, 16);
+        memcpy(m->u.release.transfer_id, p, 16);
+        return 0;
+    case KVX_MSG_HEARTBEAT: {
+        if (len < 4) return bad_len(err, h, 4);
+        m->u.heartbeat.n_ids = get32(p);
+        if (m->u.heartbeat.n_ids == 0 || m->u.heartbeat.n_ids > KVX_MAX_HEARTBEAT_IDS)
+            return td_err_set(err, TD_EFORMAT, "kvx: HEARTBEAT with %u ids (limit 1..%u)",
+                              m->u.heartbeat.n_ids, KVX_MAX_HEARTBEAT_IDS);
+        size_t want = 4 + (size_t)m->u.heartbeat.n_ids * KVX_ID_BYTES;
+        if (len != want) return bad_len(err, h, want);
+        m->u.heartbeat.ids = p + 4;
+        return 0;
+    }
+    case KVX_MSG_ACK:
+        if (len != 4) return bad_len(err, h, 4);
+        m->u.ack.value = get32(p);
+        return 0;
+    case KVX_MSG_ERROR: {
+        if (len < 6) return bad_len(err, h, 6);
+        m->u.error.code = (int32_t)get32(p);
+        uint16_t n = get16(p + 4);
+        if (n > KVX_MAX_ERRMSG)
+            return td_err_set(err, TD_EFORMAT, "kvx: ERROR message of %u bytes (limit %u)", n,
+                              KVX_MAX_ERRMSG);
+        if (len != 6u + n) return bad_len(err, h, 6u + n);
+        if (m->u.error.code >= 0 || m->u.error.code < -1000)
+            return td_err_set(err, TD_EFORMAT, "kvx: ERROR with code %d (must be negative)",
+                              m->u.error.code);
+        memcpy(m->u.error.msg, p + 6, n);
+        m->u.error.msg[n] = 0;
+        /* The message ends up in logs and HTTP bodies: keep it printable. */
+        for (uint16_t i = 0; i < n; i++)
+            if ((unsigned char)m->u.error.msg[i] < 0x20 || m->u.error.msg[i] == 0x7f)
+                m->u.error.msg[i] = '?';
+        return 0;
+    }
+    }
+    return td_err_set(err, TD_EFORMAT, "kvx: unknown message type %u", h->type);
+}
+
+int kvx_wire_decode_frame(const uint8_t *buf, size_t len, kvx_msg *out, td_err *err)
+{
+    if (len < KVX_HDR_BYTES)
+        return td_err_set(err, TD_EFORMAT, "kvx: truncated frame header (%zu of %d bytes)", len,
+                          KVX_HDR_BYTES);
+    kvx_hdr h;
+    int rc = kvx_wire_decode_hdr(buf, &h, err);
+    if (rc) return rc;
+    return kvx_wire_decode(&h, buf + KVX_HDR_BYTES, len - KVX_HDR_BYTES, out, err);
+}
+
+kvx_wire_desc kvx_wire_get_desc(const kvx_msg *m, uint32_t i)
+{
+    const uint8_t *p = m->u.read.desc + (size_t)i * KVX_DESC_BYTES;
+    return (kvx_wire_desc){get32(p), get32(p + 4), get32(p + 8)};
+}
+
+uint32_t kvx_wire_trailer_get(const uint8_t *trailer, uint32_t i)
+{
+    return get32(trailer + (size_t)i * 4);
+}
+
+void kvx_wire_trailer_put(uint8_t *trailer, const uint32_t *crcs, uint32_t n_crc)
+{
+    for (uint32_t i = 0; i < n_crc; i++)
+        put32(trailer + (size_t)i * 4, crcs[i]);
+}
+
+const uint8_t *kvx_wire_get_id(const kvx_msg *m, uint32_t i)
+{
+    return m->u.heartbeat.ids + (size_t)i * KVX_ID_BYTES;
+}
+
+size_t kvx_wire_encode_hello(uint8_t *buf, size_t cap, uint8_t type, uint32_t tag,
+                             const kvx_hello *x)
+{
+    if (type != KVX_MSG_HELLO && type != KVX_MSG_HELLO_ACK) return 0;
+    size_t n = put_hdr(buf, cap, type, tag, HELLO_PAYLOAD);
+    if (!n) return 0;
+    uint8_t *p = buf + KVX_HDR_BYTES;
+    memcpy(p, x->engine_id, 16);
+    memcpy(p + 16, x->expect_engine_id, 16);
+    put_layout(p + 32, &x->layout);
+    put32(p + 68, x->n_segments);
+    put64(p + 72, x->block_bytes);
+    memcpy(p + 80, x->nonce, 16);
+    put32(p + 96, x->features);
+    return n;
+}
+
+size_t kvx_wire_encode_auth(uint8_t *buf, size_t cap, uint32_t tag, const uint8_t mac[32])
+{
+    size_t n = put_hdr(buf, cap, KVX_MSG_AUTH, tag, 32);
+    if (n) memcpy(buf + KVX_HDR_BYTES, mac, 32);
+    return n;
+}
+
+size_t kvx_wire_encode_read(uint8_t *buf, size_t cap, uint32_t tag,
+                            const uint8_t transfer_id[KVX_ID_BYTES], uint32_t flags,
+                            const kvx_wire_desc *d, uint32_t n_desc)
+{
+    if (n_desc == 0 || n_desc > KVX_MAX_DESC) return 0;
+    size_t n = put_hdr(buf, cap, KVX_MSG_READ, tag, 24 + (size_t)n_desc * KVX_DESC_BYTES);
+    if (!n) return 0;
+    uint8_t *p = buf + KVX_HDR_BYTES;
+    memcpy(p, transfer_id, 16);
+    put32(p + 16, flags);
+    put32(p + 20, n_desc);
+    for (uint32_t i = 0; i < n_desc; i++) {
+        uint8_t *q = p + 24 + (size_t)i * KVX_DESC_BYTES;
+        put32(q, d[i].segment);
+        put32(q + 4, d[i].block);
+        put32(q + 8, d[i].n_blocks);
+    }
+    return n;
+}
+
+size_t kvx_wire_encode_data(uint8_t *buf, size_t cap, uint32_t tag, uint64_t data_len,
+                            uint32_t n_crc)
+{
+    if (n_crc > KVX_MAX_CRC) return 0;
+    size_t n = put_hdr(buf, cap, KVX_MSG_DATA, tag, 12);
+    if (!n) return 0;
+    put64(buf + KVX_HDR_BYTES, data_len);
+    put32(buf + KVX_HDR_BYTES + 8, n_crc);
+    return n;
+}
+
+size_t kvx_wire_encode_release(uint8_t *buf, size_t cap, uint32_t tag,
+                               const uint8_t transfer_id[KVX_ID_BYTES])
+{
+    size_t n = put_hdr(buf, cap, KVX_MSG_RELEASE, tag, 16);
+    if (n) memcpy(buf + KVX_HDR_BYTES, transfer_id, 16);
+    return n;
+}
+
+size_t kvx_wire_encode_heartbeat(uint8_t *buf, size_t cap, uint32_t tag, const uint8_t *ids,
+                                 uint32_t n_ids)
+{
+    if (n_ids == 0 || n_ids > KVX_MAX_HEARTBEAT_IDS) return 0;
+    size_t n = put_hdr(buf, cap, KVX_MSG_HEARTBEAT, tag, 4 + (size_t)n_ids * KVX_ID_BYTES);
+    if (!n) return 0;
+    put32(buf + KVX_HDR_BYTES, n_ids);
+    memcpy(buf + KVX_HDR_BYTES + 4, ids, (size_t)n_ids * KVX_ID_BYTES);
+    return n;
+}
+
+size_t kvx_wire_encode_ack(uint8_t *buf, size_t cap, uint32_t tag, uint32_t value)
+{
+    size_t n = put_hdr(buf, cap, KVX_MSG_ACK, tag, 4);
+    if (n) put32(buf + KVX_HDR_BYTES, value);
+    return n;
+}
+
+size_t kvx_wire_encode_error(uint8_t *buf, size_t cap, uint32_t tag, int32_t code, const char *msg)
+{
+    size_t len = strnlen(msg, KVX_MAX_ERRMSG);
+    if (code >= 0) return 0;
+    size_t n = put_hdr(buf, cap, KVX_MSG_ERROR, tag, 6 + len);
+    if (!n) return 0;
+    put32(buf + KVX_HDR_BYTES, (uint32_t)code);
+    put16(buf + KVX_HDR_BYTES + 4, (uint16_t)len);
+    memcpy(buf + KVX_HDR_BYTES + 6, msg, len);
+    return n;
+}

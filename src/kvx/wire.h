@@ -1,0 +1,149 @@
+/*
+ * kvx/wire.h - the kvx wire protocol: length-prefixed binary frames, little-endian.
+ *
+ * Every frame is a 16-byte header and a payload of payload_len bytes:
+ *
+ *   off  size  field
+ *     0     4  magic "KVX1" (0x3158564B read as little-endian u32)
+ *     4     2  version (KVX_VERSION)
+ *     6     1  type (kvx_msg_type)
+ *     7     1  flags (must be 0: no flag is defined in version 1)
+ *     8     4  payload_len (<= KVX_MAX_PAYLOAD)
+ *    12     4  tag: chosen by the requester, echoed in the answer
+ *
+ * A DATA frame is followed by data_len raw bytes that are not part of its payload (the
+ * requested ranges in request order, sent straight from the producer's region), then by
+ * a trailer of n_crc little-endian u32 CRC32C values, one per block in the same order.
+ * The checksums trail the data so that each is computed just before its block is sent,
+ * while the block is in cache, and verified just after it arrives.
+ *
+ * Decoding is strict: a wrong magic, version, type, flag, a payload length that is not
+ * exactly what the type needs, or a count beyond its limit is TD_EFORMAT (TD_EUNSUPPORTED
+ * for a version this build does not speak) with a message. Decoded arrays point into the
+ * caller's buffer (no allocation); read them with kvx_wire_get_*.
+ */
+#ifndef TD_KVX_WIRE_H
+#define TD_KVX_WIRE_H
+
+#include "kvx/kvx.h"
+
+#define KVX_MAGIC 0x3158564Bu
+#define KVX_VERSION 1
+#define KVX_HDR_BYTES 16
+#define KVX_MAX_PAYLOAD (1u << 20)
+#define KVX_MAX_DESC 16384
+#define KVX_MAX_CRC 65536
+#define KVX_MAX_HEARTBEAT_IDS 1024
+#define KVX_MAX_ERRMSG 255
+#define KVX_DESC_BYTES 12
+
+typedef enum kvx_msg_type {
+    KVX_MSG_HELLO = 1,     /* consumer -> producer: who I am, what I expect */
+    KVX_MSG_HELLO_ACK = 2, /* producer -> consumer: who I am */
+    KVX_MSG_AUTH = 3,      /* consumer -> producer: challenge response (placeholder) */
+    KVX_MSG_READ = 4,      /* consumer -> producer: send these block runs of a transfer */
+    KVX_MSG_DATA = 5,      /* producer -> consumer: checksums, then the bytes */
+    KVX_MSG_RELEASE = 6,   /* consumer -> producer: done with a transfer */
+    KVX_MSG_HEARTBEAT = 7, /* consumer -> producer: extend these leases */
+    KVX_MSG_ACK = 8,       /* answer to RELEASE / HEARTBEAT */
+    KVX_MSG_ERROR = 9,     /* answer to anything: code and message */
+} kvx_msg_type;
+
+/* HELLO features */
+#define KVX_FEAT_CHECKSUMS 1u
+/* READ flags */
+#define KVX_READ_CHECKSUMS 1u
+
+typedef struct kvx_hdr {
+    uint16_t version;
+    uint8_t type, flags;
+    uint32_t payload_len, tag;
+} kvx_hdr;
+
+/* A READ descriptor: blocks [block, block + n_blocks) of one segment. */
+typedef struct kvx_wire_desc {
+    uint32_t segment, block, n_blocks;
+} kvx_wire_desc;
+
+typedef struct kvx_hello {
+    uint8_t engine_id[KVX_ID_BYTES];
+    uint8_t expect_engine_id[KVX_ID_BYTES]; /* all zero in HELLO_ACK, or "any" in HELLO */
+    kvx_layout layout;
+    uint32_t n_segments;
+    uint64_t block_bytes;
+    uint8_t nonce[KVX_ID_BYTES]; /* auth challenge material (unused until auth lands) */
+    uint32_t features;           /* HELLO: KVX_FEAT_*; HELLO_ACK: 1 if AUTH is required */
+} kvx_hello;
+
+typedef struct kvx_msg {
+    kvx_hdr hdr;
+    union {
+        kvx_hello hello; /* HELLO and HELLO_ACK */
+        struct {
+            uint8_t mac[32];
+        } auth;
+        struct {
+            uint8_t transfer_id[KVX_ID_BYTES];
+            uint32_t flags, n_desc;
+            const uint8_t *desc; /* n_desc * KVX_DESC_BYTES, inside the decoded buffer */
+        } read;
+        struct {
+            uint64_t data_len;
+            uint32_t n_crc; /* trailer entries after the data: 0, or one per block */
+        } data;
+        struct {
+            uint8_t transfer_id[KVX_ID_BYTES];
+        } release;
+        struct {
+            uint32_t n_ids;
+            const uint8_t *ids; /* n_ids * KVX_ID_BYTES */
+        } heartbeat;
+        struct {
+            uint32_t value;
+        } ack;
+        struct {
+            int32_t code;
+            char msg[KVX_MAX_ERRMSG + 1]; /* NUL-terminated copy */
+        } error;
+    } u;
+} kvx_msg;
+
+/** Decode a header from 16 bytes. */
+int kvx_wire_decode_hdr(const uint8_t buf[KVX_HDR_BYTES], kvx_hdr *out, td_err *err);
+
+/** Decode a payload of hdr->payload_len bytes (len must equal it) into *out. */
+int kvx_wire_decode(const kvx_hdr *hdr, const uint8_t *payload, size_t len, kvx_msg *out,
+                    td_err *err);
+
+/** Decode a whole frame (header + payload) from buf; trailing bytes are an error. */
+int kvx_wire_decode_frame(const uint8_t *buf, size_t len, kvx_msg *out, td_err *err);
+
+kvx_wire_desc kvx_wire_get_desc(const kvx_msg *m, uint32_t i);
+/** Entry i of a DATA trailer (n_crc little-endian u32 values); and the writer. */
+uint32_t kvx_wire_trailer_get(const uint8_t *trailer, uint32_t i);
+void kvx_wire_trailer_put(uint8_t *trailer, const uint32_t *crcs, uint32_t n_crc);
+const uint8_t *kvx_wire_get_id(const kvx_msg *m, uint32_t i);
+
+/*
+ * Encoders write header + payload into buf and return the frame's size, or 0 when cap is
+ * too small or a count exceeds its limit.
+ */
+size_t kvx_wire_encode_hello(uint8_t *buf, size_t cap, uint8_t type, uint32_t tag,
+                             const kvx_hello *h);
+size_t kvx_wire_encode_auth(uint8_t *buf, size_t cap, uint32_t tag, const uint8_t mac[32]);
+size_t kvx_wire_encode_read(uint8_t *buf, size_t cap, uint32_t tag,
+                            const uint8_t transfer_id[KVX_ID_BYTES], uint32_t flags,
+                            const kvx_wire_desc *descs, uint32_t n_desc);
+size_t kvx_wire_encode_data(uint8_t *buf, size_t cap, uint32_t tag, uint64_t data_len,
+                            uint32_t n_crc);
+size_t kvx_wire_encode_release(uint8_t *buf, size_t cap, uint32_t tag,
+                               const uint8_t transfer_id[KVX_ID_BYTES]);
+size_t kvx_wire_encode_heartbeat(uint8_t *buf, size_t cap, uint32_t tag, const uint8_t *ids,
+                                 uint32_t n_ids);
+size_t kvx_wire_encode_ack(uint8_t *buf, size_t cap, uint32_t tag, uint32_t value);
+size_t kvx_wire_encode_error(uint8_t *buf, size_t cap, uint32_t tag, int32_t code, const char *msg);
+
+/** Name of a message type ("READ"), "unknown" otherwise. */
+const char *kvx_wire_type_name(int type);
+
+#endif

@@ -1,0 +1,365 @@
+/* Unit tests for kvx/wire.c and the pure helpers of kvx/common.c: frame round trips, every
+ * class of malformed input, CRC32C, descriptor coalescing, layout comparison, ids. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <cmocka.h>
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvx/kvx_internal.h"
+
+static kvx_layout sample_layout(void)
+{
+    return (kvx_layout){.model_fingerprint = 0x1122334455667788ull,
+                        .n_layers = 12,
+                        .n_kv_heads = 12,
+                        .head_dim = 64,
+                        .block_size = 16,
+                        .kv_dtype = 1,
+                        .tp_rank = 0,
+                        .tp_size = 1};
+}
+
+static void test_roundtrip(void **state)
+{
+    (void)state;
+    uint8_t buf[4096];
+    kvx_msg m;
+    td_err err;
+
+    kvx_hello h = {0};
+    for (int i = 0; i < 16; i++)
+        h.engine_id[i] = (uint8_t)i, h.nonce[i] = (uint8_t)(100 + i);
+    h.layout = sample_layout();
+    h.n_segments = 12;
+    h.block_bytes = 32768;
+    h.features = KVX_FEAT_CHECKSUMS;
+    size_t n = kvx_wire_encode_hello(buf, sizeof(buf), KVX_MSG_HELLO, 7, &h);
+    assert_true(n > KVX_HDR_BYTES);
+    assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), 0);
+    assert_int_equal(m.hdr.type, KVX_MSG_HELLO);
+    assert_int_equal(m.hdr.tag, 7);
+    assert_memory_equal(&m.u.hello.layout, &h.layout, sizeof(h.layout));
+    assert_memory_equal(m.u.hello.engine_id, h.engine_id, 16);
+    assert_memory_equal(m.u.hello.nonce, h.nonce, 16);
+    assert_int_equal(m.u.hello.n_segments, 12);
+    assert_int_equal(m.u.hello.block_bytes, 32768);
+    assert_int_equal(m.u.hello.features, KVX_FEAT_CHECKSUMS);
+    n = kvx_wire_encode_hello(buf, sizeof(buf), KVX_MSG_HELLO_ACK, 8, &h);
+    assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), 0);
+    assert_int_equal(m.hdr.type, KVX_MSG_HELLO_ACK);
+
+    uint8_t id[16];
+    for (int i = 0; i < 16; i++)
+        id[i] = (uint8_t)(0xa0 + i);
+    kvx_wire_desc d[3] = {{0, 5, 3}, {1, 0xfffffff0u, 7}, {11, 9, 1}};
+    n = kvx_wire_encode_read(buf, sizeof(buf), 9, id, KVX_READ_CHECKSUMS, d, 3);
+    assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), 0);
+    assert_int_equal(m.u.read.n_desc, 3);
+    assert_memory_equal(m.u.read.transfer_id, id, 16);
+    for (uint32_t i = 0; i < 3; i++) {
+        kvx_wire_desc g = kvx_wire_get_desc(&m, i);
+        assert_int_equal(g.segment, d[i].segment);
+        assert_int_equal(g.block, d[i].block);
+        assert_int_equal(g.n_blocks, d[i].n_blocks);
+    }
+
+    uint32_t crcs[4] = {1, 0xdeadbeef, 3, 0xffffffff};
+    n = kvx_wire_encode_data(buf, sizeof(buf), 10, 1ull << 40, 4);
+    assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), 0);
+    assert_int_equal(m.u.data.data_len, 1ull << 40);
+    assert_int_equal(m.u.data.n_crc, 4);
+    uint8_t trailer[16];
+    kvx_wire_trailer_put(trailer, crcs, 4);
+    for (uint32_t i = 0; i < 4; i++)
+        assert_int_equal(kvx_wire_trailer_get(trailer, i), crcs[i]);
+    assert_int_equal(kvx_wire_encode_data(buf, sizeof(buf), 10, 1, KVX_MAX_CRC + 1), 0);
+
+    n = kvx_wire_encode_release(buf, sizeof(buf), 11, id);
+    assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), 0);
+    assert_memory_equal(m.u.release.transfer_id, id, 16);
+
+    uint8_t ids[32];
+    memcpy(ids, id, 16);
+    memset(ids + 16, 0x55, 16);
+    n = kvx_wire_encode_heartbeat(buf, sizeof(buf), 12, ids, 2);
+    assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), 0);
+    assert_int_equal(m.u.heartbeat.n_ids, 2);
+    assert_memory_equal(kvx_wire_get_id(&m, 1), ids + 16, 16);
+
+    n = kvx_wire_encode_ack(buf, sizeof(buf), 13, 42);
+    assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), 0);
+    assert_int_equal(m.u.ack.value, 42);
+
+    n = kvx_wire_encode_error(buf, sizeof(buf), 14, TD_ENOTFOUND, "no such\ttransfer");
+    assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), 0);
+    assert_int_equal(m.u.error.code, TD_ENOTFOUND);
+    assert_string_equal(m.u.error.msg, "no such?transfer"); /* control bytes made printable */
+
+    uint8_t mac[32];
+    memset(mac, 7, 32);
+    n = kvx_wire_encode_auth(buf, sizeof(buf), 15, mac);
+    assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), 0);
+    assert_memory_equal(m.u.auth.mac, mac, 32);
+
+    /* Encoders refuse what the decoder would refuse. */
+    assert_int_equal(kvx_wire_encode_read(buf, sizeof(buf), 1, id, 0, d, 0), 0);
+    assert_int_equal(kvx_wire_encode_read(buf, 20, 1, id, 0, d, 3), 0);
+    assert_int_equal(kvx_wire_encode_error(buf, sizeof(buf), 1, 5, "x"), 0);
+    assert_int_equal(kvx_wire_encode_heartbeat(buf, sizeof(buf), 1, ids, 0), 0);
+}
+
+/* Every proper prefix of a valid frame is an error, never a crash or a success. */
+static void test_truncated(void **state)
+{
+    (void)state;
+    uint8_t buf[4096];
+    kvx_msg m;
+    td_err err;
+    kvx_wire_desc d[2] = {{0, 1, 2}, {1, 3, 4}};
+    uint8_t id[16] = {1};
+    size_t sizes[4];
+    uint8_t frames[4][512];
+    kvx_hello h = {0};
+    sizes[0] = kvx_wire_encode_hello(frames[0], 512, KVX_MSG_HELLO, 1, &h);
+    sizes[1] = kvx_wire_encode_read(frames[1], 512, 1, id, 0, d, 2);
+    sizes[2] = kvx_wire_encode_data(frames[2], 512, 1, 99, 3);
+    sizes[3] = kvx_wire_encode_error(frames[3], 512, 1, TD_EIO, "disk on fire");
+    for (int f = 0; f < 4; f++)
+        for (size_t len = 0; len < sizes[f]; len++) {
+            memcpy(buf, frames[f], len);
+            td_err_clear(&err);
+            assert_int_equal(kvx_wire_decode_frame(buf, len, &m, &err), TD_EFORMAT);
+            assert_true(strlen(err.msg) > 0);
+        }
+    /* Trailing bytes after a whole frame are an error too. */
+    memcpy(buf, frames[1], sizes[1]);
+    buf[sizes[1]] = 0;
+    assert_int_equal(kvx_wire_decode_frame(buf, sizes[1] + 1, &m, &err), TD_EFORMAT);
+}
+
+static void set32(uint8_t *p, uint32_t v)
+{
+    for (int i = 0; i < 4; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static void test_bad_headers(void **state)
+{
+    (void)state;
+    uint8_t buf[256], good[256];
+    kvx_msg m;
+    td_err err;
+    size_t n = kvx_wire_encode_ack(good, sizeof(good), 1, 1);
+
+    memcpy(buf, good, n);
+    buf[0] ^= 1; /* magic */
+    assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), TD_EFORMAT);
+    assert_non_null(strstr(err.msg, "magic"));
+
+    memcpy(buf, good, n);
+    buf[4] = 2; /* version */
+    assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), TD_EUNSUPPORTED);
+    assert_non_null(strstr(err.msg, "version 2"));
+
+    int bad_types[] = {0, 10, 77, 255};
+    for (size_t i = 0; i < TD_ARRAY_LEN(bad_types); i++) {
+        memcpy(buf, good, n);
+        buf[6] = (uint8_t)bad_types[i];
+        assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), TD_EFORMAT);
+        assert_non_null(strstr(err.msg, "unknown message type"));
+    }
+
+    memcpy(buf, good, n);
+    buf[7] = 0x80; /* flags */
+    assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), TD_EFORMAT);
+
+    memcpy(buf, good, n);
+    set32(buf + 8, 0xffffffffu); /* absurd length */
+    assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), TD_EFORMAT);
+    assert_non_null(strstr(err.msg, "exceeds the limit"));
+    kvx_hdr h;
+    assert_int_equal(kvx_wire_decode_hdr(buf, &h, &err), TD_EFORMAT);
+
+    /* A length that is valid for the limit but wrong for the type. */
+    memcpy(buf, good, n);
+    set32(buf + 8, 5);
+    buf[n] = 0;
+    assert_int_equal(kvx_wire_decode_frame(buf, n + 1, &m, &err), TD_EFORMAT);
+}
+
+static void test_bad_payloads(void **state)
+{
+    (void)state;
+    uint8_t buf[1024];
+    kvx_msg m;
+    td_err err;
+    uint8_t id[16] = {0};
+    kvx_wire_desc d[2] = {{0, 1, 2}, {1, 3, 4}};
+
+    /* READ: n_desc disagreeing with the length, zero, beyond the limit, an empty range,
+     * unknown flags. */
+    size_t n = kvx_wire_encode_read(buf, sizeof(buf), 1, id, 0, d, 2);
+    set32(buf + KVX_HDR_BYTES + 20, 3);
+    assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), TD_EFORMAT);
+    set32(buf + KVX_HDR_BYTES + 20, 0);
+    assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), TD_EFORMAT);
+    set32(buf + KVX_HDR_BYTES + 20, KVX_MAX_DESC + 1);
+    assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), TD_EFORMAT);
+    assert_non_null(strstr(err.msg, "descriptors"));
+    set32(buf + KVX_HDR_BYTES + 20, 2);
+    set32(buf + KVX_HDR_BYTES + 24 + 8, 0);
+    assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), TD_EFORMAT);
+    assert_non_null(strstr(err.msg, "empty"));
+    n = kvx_wire_encode_read(buf, sizeof(buf), 1, id, 0x10, d, 2);
+    assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), TD_EFORMAT);
+
+    /* DATA: more checksums than allowed; a payload longer than its fixed size. */
+    n = kvx_wire_encode_data(buf, sizeof(buf), 1, 10, 2);
+    set32(buf + KVX_HDR_BYTES + 8, KVX_MAX_CRC + 1);
+    assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), TD_EFORMAT);
+    set32(buf + KVX_HDR_BYTES + 8, 3);
+    set32(buf + 8, 16);
+    memset(buf + n, 0, 4);
+    assert_int_equal(kvx_wire_decode_frame(buf, n + 4, &m, &err), TD_EFORMAT);
+
+    /* HEARTBEAT: zero ids, too many ids. */
+    n = kvx_wire_encode_heartbeat(buf, sizeof(buf), 1, id, 1);
+    set32(buf + KVX_HDR_BYTES, 0);
+    assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), TD_EFORMAT);
+    set32(buf + KVX_HDR_BYTES, KVX_MAX_HEARTBEAT_IDS + 1);
+    assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), TD_EFORMAT);
+
+    /* ERROR: a non-negative code, a message length beyond the payload or the limit. */
+    n = kvx_wire_encode_error(buf, sizeof(buf), 1, TD_EIO, "abc");
+    set32(buf + KVX_HDR_BYTES, 0);
+    assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), TD_EFORMAT);
+    set32(buf + KVX_HDR_BYTES, (uint32_t)TD_EIO);
+    buf[KVX_HDR_BYTES + 4] = 200;
+    assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), TD_EFORMAT);
+    buf[KVX_HDR_BYTES + 4] = 0xff;
+    buf[KVX_HDR_BYTES + 5] = 0xff;
+    assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), TD_EFORMAT);
+
+    /* Fixed-size messages with a wrong size. */
+    n = kvx_wire_encode_release(buf, sizeof(buf), 1, id);
+    set32(buf + 8, 15);
+    assert_int_equal(kvx_wire_decode_frame(buf, n - 1, &m, &err), TD_EFORMAT);
+    assert_non_null(strstr(err.msg, "RELEASE"));
+}
+
+static void test_crc32c(void **state)
+{
+    (void)state;
+    assert_int_equal(kvx__crc32c(0, "123456789", 9), 0xE3069283u);
+    assert_int_equal(kvx__crc32c_portable(0, "123456789", 9), 0xE3069283u);
+    uint8_t *data = malloc(3 * 4099 + 64);
+    td_rng rng;
+    td_rng_seed(&rng, 5);
+    for (int i = 0; i < 3 * 4099 + 64; i++)
+        data[i] = (uint8_t)td_rng_next(&rng);
+    for (size_t len = 0; len < 200; len++)
+        assert_int_equal(kvx__crc32c(0, data + 1, len), kvx__crc32c_portable(0, data + 1, len));
+    /* Continuation: crc(a || b) == crc(crc(a), b). */
+    assert_int_equal(kvx__crc32c(kvx__crc32c(0, data, 100), data + 100, 900),
+                     kvx__crc32c(0, data, 1000));
+    for (uint32_t count = 1; count <= 7; count++) {
+        uint32_t out[7];
+        kvx__crc32c_blocks(data, 1027, count, out);
+        for (uint32_t i = 0; i < count; i++)
+            assert_int_equal(out[i], kvx__crc32c_portable(0, data + i * 1027, 1027));
+    }
+    free(data);
+}
+
+static void test_coalesce(void **state)
+{
+    (void)state;
+    kvx_run runs[64];
+    int32_t src[64], dst[64];
+    /* 64 consecutive blocks on both sides: one run. */
+    for (int i = 0; i < 64; i++)
+        src[i] = 100 + i, dst[i] = 7 + i;
+    assert_int_equal(kvx_coalesce(src, dst, 64, 1000, 1000, runs), 1);
+    assert_int_equal(runs[0].src_block, 100);
+    assert_int_equal(runs[0].dst_block, 7);
+    assert_int_equal(runs[0].n_blocks, 64);
+    /* A break on the consumer side only splits too. */
+    dst[32] = 500;
+    for (int i = 33; i < 64; i++)
+        dst[i] = 501 + (i - 33);
+    assert_int_equal(kvx_coalesce(src, dst, 64, 1000, 1000, runs), 2);
+    assert_int_equal(runs[1].src_block, 132);
+    assert_int_equal(runs[1].dst_block, 500);
+    assert_int_equal(runs[1].n_blocks, 32);
+    /* Four runs of 16: descriptors grow with runs, not blocks. */
+    for (int i = 0; i < 64; i++)
+        src[i] = (i / 16) * 100 + i % 16, dst[i] = i;
+    assert_int_equal(kvx_coalesce(src, dst, 64, 1000, 1000, runs), 4);
+    /* Nothing consecutive: one run per block. */
+    for (int i = 0; i < 64; i++)
+        src[i] = 2 * i, dst[i] = i;
+    assert_int_equal(kvx_coalesce(src, dst, 64, 1000, 1000, runs), 64);
+    /* Descending ids do not merge. */
+    for (int i = 0; i < 8; i++)
+        src[i] = 8 - i, dst[i] = 8 - i;
+    assert_int_equal(kvx_coalesce(src, dst, 8, 1000, 1000, runs), 8);
+    /* Out of range and negative ids. */
+    src[0] = 1000;
+    assert_int_equal(kvx_coalesce(src, dst, 1, 1000, 1000, runs), TD_EINVAL);
+    src[0] = -1;
+    assert_int_equal(kvx_coalesce(src, dst, 1, 1000, 1000, runs), TD_EINVAL);
+    src[0] = 1;
+    dst[0] = 5;
+    assert_int_equal(kvx_coalesce(src, dst, 1, 1000, 5, runs), TD_EINVAL);
+    assert_int_equal(kvx_coalesce(src, dst, 0, 1000, 5, runs), 0);
+}
+
+static void test_layout_and_ids(void **state)
+{
+    (void)state;
+    kvx_layout a = sample_layout(), b = a;
+    td_err err;
+    assert_int_equal(kvx_layout_compare(&a, &b, &err), 0);
+    b.block_size = 32;
+    assert_int_equal(kvx_layout_compare(&a, &b, &err), TD_EPROTO);
+    assert_non_null(strstr(err.msg, "block_size: local 16, peer 32"));
+    b = a;
+    b.kv_dtype = 7;
+    assert_int_equal(kvx_layout_compare(&a, &b, &err), TD_EPROTO);
+    assert_non_null(strstr(err.msg, "kv_dtype: local 1, peer 7"));
+    b = a;
+    b.model_fingerprint = 1;
+    assert_int_equal(kvx_layout_compare(&a, &b, &err), TD_EPROTO);
+    assert_non_null(strstr(err.msg, "model_fingerprint"));
+
+    uint8_t id[16], back[16];
+    assert_int_equal(kvx__random_id(id), 0);
+    char hex[KVX_ID_HEX];
+    kvx_id_to_hex(id, hex);
+    assert_int_equal(strlen(hex), 32);
+    assert_int_equal(kvx_id_from_hex(hex, back), 0);
+    assert_memory_equal(id, back, 16);
+    assert_int_equal(kvx_id_from_hex("00", back), TD_EINVAL);
+    assert_int_equal(kvx_id_from_hex("0123456789abcdef0123456789abcdeg", back), TD_EINVAL);
+    assert_int_equal(kvx_id_from_hex(NULL, back), TD_EINVAL);
+
+    kvx_region r = {
+        .base = id, .n_segments = 2, .segment_stride = 100, .block_bytes = 10, .n_blocks = 11};
+    assert_int_equal(kvx_region_check(&r, &err), TD_EINVAL);
+    r.n_blocks = 10;
+    assert_int_equal(kvx_region_check(&r, &err), 0);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_roundtrip),      cmocka_unit_test(test_truncated),
+        cmocka_unit_test(test_bad_headers),    cmocka_unit_test(test_bad_payloads),
+        cmocka_unit_test(test_crc32c),         cmocka_unit_test(test_coalesce),
+        cmocka_unit_test(test_layout_and_ids),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

@@ -1,0 +1,846 @@
+/*
+ * Transfer tests for kvx: a producer agent and a consumer client in one process (and one
+ * forked producer) over real loopback sockets, moving random bytes between two separately
+ * allocated pools. Covers: correctness with coalesced runs, 16 concurrent transfers,
+ * layout mismatch on both sides, guessed transfer ids, leases (release, expiry,
+ * heartbeats), a producer dying mid-transfer, deadlines, checksum corruption, a producer
+ * restart (new engine id at the same port), and port collisions.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <cmocka.h>
+
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "kvx/kvx_internal.h"
+
+#define N_SEG 4
+#define N_BLOCKS 256
+#define BLOCK_BYTES 2048
+#define STRIDE (N_BLOCKS * BLOCK_BYTES + 4096) /* padding between segments */
+
+typedef struct pool {
+    uint8_t *mem;
+    kvx_region region;
+} pool;
+
+static void pool_init(pool *p, uint64_t seed)
+{
+    p->mem = malloc((size_t)N_SEG * STRIDE);
+    if (seed) {
+        td_rng rng;
+        td_rng_seed(&rng, seed);
+        for (size_t i = 0; i < (size_t)N_SEG * STRIDE; i += 8) {
+            uint64_t v = td_rng_next(&rng);
+            memcpy(p->mem + i, &v, 8);
+        }
+    } else {
+        memset(p->mem, 0, (size_t)N_SEG * STRIDE);
+    }
+    p->region = (kvx_region){p->mem, N_SEG, STRIDE, BLOCK_BYTES, N_BLOCKS};
+}
+
+static uint8_t *blk(pool *p, int seg, int b)
+{
+    return p->mem + (size_t)seg * STRIDE + (size_t)b * BLOCK_BYTES;
+}
+
+static kvx_layout layout(void)
+{
+    return (kvx_layout){.model_fingerprint = 42,
+                        .n_layers = N_SEG,
+                        .n_kv_heads = 2,
+                        .head_dim = 16,
+                        .block_size = 16,
+                        .kv_dtype = 1,
+                        .tp_rank = 0,
+                        .tp_size = 1};
+}
+
+/* Release callback bookkeeping. */
+typedef struct released {
+    _Atomic int count;
+    _Atomic int reason;
+    _Atomic int blocks;
+} released;
+
+static void on_release(void *user, const char *id, const int32_t *blocks, int n,
+                       kvx_release_reason reason, void *tu)
+{
+    (void)id;
+    (void)blocks;
+    (void)tu;
+    released *r = user;
+    atomic_store(&r->reason, (int)reason);
+    atomic_fetch_add(&r->blocks, n);
+    atomic_fetch_add(&r->count, 1);
+}
+
+typedef struct fixture {
+    pool prod, cons;
+    kvx_agent *agent;
+    kvx_client *client;
+    released rel;
+} fixture;
+
+static kvx_agent *make_agent(fixture *f, uint16_t port, kvx_layout l)
+{
+    kvx_agent_opts o;
+    kvx_agent_opts_default(&o);
+    o.port = port;
+    o.layout = l;
+    o.region = f->prod.region;
+    o.release_cb = on_release;
+    o.release_user = &f->rel;
+    kvx_agent *a;
+    td_err err;
+    int rc = kvx_agent_create(&a, &o, &err);
+    if (rc) fprintf(stderr, "agent: %s\n", err.msg);
+    assert_int_equal(rc, 0);
+    return a;
+}
+
+static kvx_client *make_client(fixture *f, kvx_layout l)
+{
+    kvx_client_opts o;
+    kvx_client_opts_default(&o);
+    o.layout = l;
+    o.region = f->cons.region;
+    o.transfer_timeout_ms = 5000;
+    kvx_client *c;
+    td_err err;
+    assert_int_equal(kvx_client_create(&c, &o, &err), 0);
+    return c;
+}
+
+static int setup(void **state)
+{
+    fixture *f = calloc(1, sizeof(*f));
+    pool_init(&f->prod, 1234);
+    pool_init(&f->cons, 0);
+    f->agent = make_agent(f, 0, layout());
+    f->client = make_client(f, layout());
+    *state = f;
+    return 0;
+}
+
+static int teardown(void **state)
+{
+    fixture *f = *state;
+    atomic_store(&kvx__test_send_delay_ms, 0);
+    atomic_store(&kvx__test_corrupt_pieces, 0);
+    kvx_client_destroy(f->client);
+    kvx_agent_destroy(f->agent);
+    free(f->prod.mem);
+    free(f->cons.mem);
+    free(f);
+    return 0;
+}
+
+/* A release callback may run a moment after RELEASE is acknowledged: the producer's
+ * connection thread that sent the last bytes gives the blocks back once its writev returns. */
+static int wait_released(fixture *f, int n)
+{
+    for (int i = 0; i < 200 && atomic_load(&f->rel.count) < n; i++)
+        usleep(5 * 1000);
+    return atomic_load(&f->rel.count);
+}
+
+static int read_blocks(fixture *f, const char *tid, const int32_t *src, const int32_t *dst, int n,
+                       uint32_t timeout_ms, td_err *res, kvx_xfer_info *info)
+{
+    kvx_read_req rq = {.host = "127.0.0.1",
+                       .port = kvx_agent_port(f->agent),
+                       .engine_id = kvx_agent_engine_id(f->agent),
+                       .transfer_id = tid,
+                       .src_blocks = src,
+                       .dst_blocks = dst,
+                       .n_blocks = n,
+                       .timeout_ms = timeout_ms};
+    kvx_xfer *x;
+    td_err err;
+    int rc = kvx_read_start(f->client, &rq, &x, &err);
+    if (rc) {
+        *res = err;
+        return rc;
+    }
+    rc = kvx_xfer_wait(x, res);
+    if (info) kvx_xfer_get_info(x, info);
+    kvx_xfer_free(x);
+    return rc;
+}
+
+static void expect_copied(fixture *f, const int32_t *src, const int32_t *dst, int n)
+{
+    for (int s = 0; s < N_SEG; s++)
+        for (int i = 0; i < n; i++)
+            assert_memory_equal(blk(&f->cons, s, dst[i]), blk(&f->prod, s, src[i]), BLOCK_BYTES);
+}
+
+static void test_basic_read_and_release(void **state)
+{
+    fixture *f = *state;
+    /* Three runs on the producer side, mapped to two runs on the consumer side. */
+    int32_t src[] = {10, 11, 12, 13, 40, 41, 200, 201, 202};
+    int32_t dst[] = {0, 1, 2, 3, 4, 5, 100, 101, 102};
+    int n = TD_ARRAY_LEN(src);
+    char tid[KVX_ID_HEX];
+    td_err err;
+    assert_int_equal(kvx_agent_register(f->agent, src, n, 0, NULL, tid, &err), 0);
+    assert_int_equal(kvx_agent_n_leases(f->agent), 1);
+    kvx_xfer_info info;
+    int rc = read_blocks(f, tid, src, dst, n, 0, &err, &info);
+    if (rc) fprintf(stderr, "%s\n", err.msg);
+    assert_int_equal(rc, 0);
+    expect_copied(f, src, dst, n);
+    assert_int_equal(info.bytes, (uint64_t)n * N_SEG * BLOCK_BYTES);
+    assert_int_equal(info.n_runs, 3);
+    assert_int_equal(info.n_descriptors, 3 * N_SEG);
+    /* Blocks the transfer did not name stay untouched. */
+    uint8_t zero[BLOCK_BYTES] = {0};
+    assert_memory_equal(blk(&f->cons, 0, 6), zero, BLOCK_BYTES);
+    assert_memory_equal(blk(&f->cons, 3, 99), zero, BLOCK_BYTES);
+
+    /* Reading twice is fine while the lease lives. */
+    memset(f->cons.mem, 0, (size_t)N_SEG * STRIDE);
+    assert_int_equal(read_blocks(f, tid, src, dst, n, 0, &err, NULL), 0);
+    expect_copied(f, src, dst, n);
+
+    assert_int_equal(kvx_heartbeat(f->client, "127.0.0.1", kvx_agent_port(f->agent),
+                                   kvx_agent_engine_id(f->agent), tid, &err),
+                     0);
+    assert_int_equal(kvx_release(f->client, "127.0.0.1", kvx_agent_port(f->agent),
+                                 kvx_agent_engine_id(f->agent), tid, &err),
+                     0);
+    assert_int_equal(wait_released(f, 1), 1);
+    assert_int_equal(atomic_load(&f->rel.reason), KVX_RELEASED_BY_CONSUMER);
+    assert_int_equal(atomic_load(&f->rel.blocks), n);
+    assert_int_equal(kvx_agent_n_leases(f->agent), 0);
+    /* After release the id is dead: reads, heartbeats and releases are refused. */
+    assert_int_equal(read_blocks(f, tid, src, dst, n, 0, &err, NULL), TD_ENOTFOUND);
+    assert_int_equal(kvx_release(f->client, "127.0.0.1", kvx_agent_port(f->agent),
+                                 kvx_agent_engine_id(f->agent), tid, &err),
+                     TD_ENOTFOUND);
+    assert_int_equal(kvx_heartbeat(f->client, "127.0.0.1", kvx_agent_port(f->agent),
+                                   kvx_agent_engine_id(f->agent), tid, &err),
+                     TD_ENOTFOUND);
+    assert_int_equal(kvx_client_n_sessions(f->client), 1);
+}
+
+/* A large transfer: every block, one run, cut into pieces across the connections. */
+static void test_whole_pool(void **state)
+{
+    fixture *f = *state;
+    int32_t src[N_BLOCKS], dst[N_BLOCKS];
+    for (int i = 0; i < N_BLOCKS; i++)
+        src[i] = i, dst[i] = i;
+    char tid[KVX_ID_HEX];
+    td_err err;
+    assert_int_equal(kvx_agent_register(f->agent, src, N_BLOCKS, 0, NULL, tid, &err), 0);
+    kvx_xfer_info info;
+    assert_int_equal(read_blocks(f, tid, src, dst, N_BLOCKS, 0, &err, &info), 0);
+    expect_copied(f, src, dst, N_BLOCKS);
+    assert_int_equal(info.n_runs, 1);
+    assert_int_equal(info.n_descriptors, N_SEG);
+    /* 2 MiB over 4 connections: the transfer was cut into (at least) 4 pieces, each its own
+     * READ, which the 4 workers ran side by side. */
+    kvx_agent_stats st;
+    kvx_agent_get_stats(f->agent, &st);
+    assert_true(st.reads >= 4);
+    assert_int_equal(st.bytes_sent, (uint64_t)N_BLOCKS * N_SEG * BLOCK_BYTES);
+}
+
+typedef struct done_count {
+    _Atomic int n;
+    _Atomic int failed;
+} done_count;
+
+static void on_done(void *user, kvx_xfer *x, const td_err *res)
+{
+    (void)x;
+    done_count *d = user;
+    if (res->code) atomic_fetch_add(&d->failed, 1);
+    atomic_fetch_add(&d->n, 1);
+}
+
+static void test_16_concurrent(void **state)
+{
+    fixture *f = *state;
+    enum { N = 16, PER = 12 };
+    int32_t src[N][PER], dst[N][PER];
+    char tid[N][KVX_ID_HEX];
+    kvx_xfer *x[N];
+    done_count dc = {0};
+    td_err err;
+    for (int t = 0; t < N; t++) {
+        for (int i = 0; i < PER; i++) {
+            src[t][i] = (t * 7 + i * 3) % N_BLOCKS; /* scattered and shared between transfers */
+            dst[t][i] = t * PER + i;                /* disjoint on the consumer */
+        }
+        assert_int_equal(kvx_agent_register(f->agent, src[t], PER, 0, NULL, tid[t], &err), 0);
+    }
+    for (int t = 0; t < N; t++) {
+        kvx_read_req rq = {.host = "127.0.0.1",
+                           .port = kvx_agent_port(f->agent),
+                           .engine_id = kvx_agent_engine_id(f->agent),
+                           .transfer_id = tid[t],
+                           .src_blocks = src[t],
+                           .dst_blocks = dst[t],
+                           .n_blocks = PER,
+                           .done = on_done,
+                           .user = &dc};
+        assert_int_equal(kvx_read_start(f->client, &rq, &x[t], &err), 0);
+    }
+    for (int t = 0; t < N; t++) {
+        td_err res;
+        int rc = kvx_xfer_wait(x[t], &res);
+        if (rc) fprintf(stderr, "transfer %d: %s\n", t, res.msg);
+        assert_int_equal(rc, 0);
+        kvx_xfer_free(x[t]);
+    }
+    assert_int_equal(atomic_load(&dc.n), N);
+    assert_int_equal(atomic_load(&dc.failed), 0);
+    for (int t = 0; t < N; t++)
+        expect_copied(f, src[t], dst[t], PER);
+    for (int t = 0; t < N; t++)
+        assert_int_equal(kvx_release(f->client, "127.0.0.1", kvx_agent_port(f->agent),
+                                     kvx_agent_engine_id(f->agent), tid[t], &err),
+                         0);
+    assert_int_equal(wait_released(f, N), N);
+}
+
+static void test_layout_mismatch(void **state)
+{
+    fixture *f = *state;
+    struct {
+        const char *field;
+        kvx_layout l;
+    } cases[3];
+    cases[0].field = "block_size";
+    cases[0].l = layout();
+    cases[0].l.block_size = 32;
+    cases[1].field = "kv_dtype";
+    cases[1].l = layout();
+    cases[1].l.kv_dtype = 9;
+    cases[2].field = "tp_size";
+    cases[2].l = layout();
+    cases[2].l.tp_size = 2;
+    for (int i = 0; i < 3; i++) {
+        kvx_client *c = make_client(f, cases[i].l);
+        td_err err;
+        int rc = kvx_session_check(c, "127.0.0.1", kvx_agent_port(f->agent),
+                                   kvx_agent_engine_id(f->agent), &err);
+        assert_int_equal(rc, TD_EPROTO);
+        assert_non_null(strstr(err.msg, cases[i].field)); /* consumer side */
+        char last[320];
+        kvx_agent_last_error(f->agent, last, sizeof(last));
+        assert_non_null(strstr(last, cases[i].field)); /* producer side */
+        kvx_client_destroy(c);
+    }
+    kvx_agent_stats st;
+    kvx_agent_get_stats(f->agent, &st);
+    assert_int_equal(st.handshakes_refused, 3);
+    /* The matching client still works. */
+    td_err err;
+    assert_int_equal(kvx_session_check(f->client, "127.0.0.1", kvx_agent_port(f->agent),
+                                       kvx_agent_engine_id(f->agent), &err),
+                     0);
+}
+
+static void test_guessed_transfer_id(void **state)
+{
+    fixture *f = *state;
+    int32_t src[] = {1, 2, 3}, dst[] = {1, 2, 3};
+    char tid[KVX_ID_HEX], guess[KVX_ID_HEX];
+    td_err err;
+    assert_int_equal(kvx_agent_register(f->agent, src, 3, 0, NULL, tid, &err), 0);
+    uint8_t g[16];
+    assert_int_equal(kvx__random_id(g), 0);
+    kvx_id_to_hex(g, guess);
+    assert_int_equal(read_blocks(f, guess, src, dst, 3, 0, &err, NULL), TD_ENOTFOUND);
+    assert_non_null(strstr(err.msg, "unknown"));
+    /* A valid id with a block it does not cover reads nothing either. */
+    int32_t other[] = {1, 2, 4};
+    assert_int_equal(read_blocks(f, tid, other, dst, 3, 0, &err, NULL), TD_ERANGE);
+    uint8_t zero[BLOCK_BYTES] = {0};
+    for (int s = 0; s < N_SEG; s++)
+        for (int b = 0; b < 5; b++)
+            assert_memory_equal(blk(&f->cons, s, b), zero, BLOCK_BYTES);
+    kvx_agent_stats st;
+    kvx_agent_get_stats(f->agent, &st);
+    assert_int_equal(st.unknown_transfer, 1);
+    assert_int_equal(st.bytes_sent, 0);
+    /* Malformed ids are argument errors. */
+    assert_int_equal(read_blocks(f, "xyz", src, dst, 3, 0, &err, NULL), TD_EINVAL);
+    /* The real id still works after all that. */
+    assert_int_equal(read_blocks(f, tid, src, dst, 3, 0, &err, NULL), 0);
+    expect_copied(f, src, dst, 3);
+}
+
+static void test_lease_expiry(void **state)
+{
+    fixture *f = *state;
+    int32_t b[] = {5, 6};
+    char tid[KVX_ID_HEX], tid2[KVX_ID_HEX];
+    td_err err;
+    assert_int_equal(kvx_agent_register(f->agent, b, 2, 100, NULL, tid, &err), 0);
+    assert_int_equal(kvx_agent_register(f->agent, b, 2, 300, NULL, tid2, &err), 0);
+    /* Heartbeats keep the second alive well past its lease. */
+    for (int i = 0; i < 6; i++) {
+        usleep(100 * 1000);
+        assert_int_equal(kvx_heartbeat(f->client, "127.0.0.1", kvx_agent_port(f->agent),
+                                       kvx_agent_engine_id(f->agent), tid2, &err),
+                         0);
+    }
+    assert_int_equal(atomic_load(&f->rel.count), 1); /* only the first expired */
+    assert_int_equal(atomic_load(&f->rel.reason), KVX_RELEASED_EXPIRED);
+    assert_int_equal(kvx_agent_n_leases(f->agent), 1);
+    for (int i = 0; i < 200 && atomic_load(&f->rel.count) < 2; i++)
+        usleep(10 * 1000);
+    assert_int_equal(atomic_load(&f->rel.count), 2);
+    assert_int_equal(atomic_load(&f->rel.blocks), 4);
+    kvx_agent_stats st;
+    kvx_agent_get_stats(f->agent, &st);
+    assert_int_equal(st.leases_expired, 2);
+    assert_int_equal(read_blocks(f, tid, b, b, 2, 0, &err, NULL), TD_ENOTFOUND);
+}
+
+static void test_checksum_corruption(void **state)
+{
+    fixture *f = *state;
+    int32_t src[] = {20, 21, 22, 23}, dst[] = {50, 51, 52, 53};
+    char tid[KVX_ID_HEX];
+    td_err err;
+    assert_int_equal(kvx_agent_register(f->agent, src, 4, 0, NULL, tid, &err), 0);
+    atomic_store(&kvx__test_corrupt_pieces, 1);
+    assert_int_equal(read_blocks(f, tid, src, dst, 4, 0, &err, NULL), TD_EPROTO);
+    assert_non_null(strstr(err.msg, "checksum mismatch"));
+    /* A retry gets clean data. */
+    assert_int_equal(read_blocks(f, tid, src, dst, 4, 0, &err, NULL), 0);
+    expect_copied(f, src, dst, 4);
+}
+
+static void test_deadline(void **state)
+{
+    fixture *f = *state;
+    int32_t b[] = {7, 8};
+    char tid[KVX_ID_HEX];
+    td_err err;
+    assert_int_equal(kvx_agent_register(f->agent, b, 2, 0, NULL, tid, &err), 0);
+    atomic_store(&kvx__test_send_delay_ms, 1500);
+    uint64_t t0 = td_now_ns();
+    assert_int_equal(read_blocks(f, tid, b, b, 2, 300, &err, NULL), TD_ETIMEDOUT);
+    double s = (double)(td_now_ns() - t0) * 1e-9;
+    assert_true(s >= 0.29 && s < 1.0);
+    atomic_store(&kvx__test_send_delay_ms, 0);
+    /* The connection that timed out was dropped; the next read uses a clean one. */
+    assert_int_equal(read_blocks(f, tid, b, b, 2, 0, &err, NULL), 0);
+    expect_copied(f, b, b, 2);
+}
+
+/* A transfer queued behind a busy worker still ends by its own deadline. */
+static void test_deadline_while_queued(void **state)
+{
+    fixture *f = *state;
+    kvx_client_opts o;
+    kvx_client_opts_default(&o);
+    o.layout = layout();
+    o.region = f->cons.region;
+    o.num_worker_threads = 1;
+    o.qp_per_transfer = 1;
+    kvx_client *c;
+    td_err err;
+    assert_int_equal(kvx_client_create(&c, &o, &err), 0);
+    int32_t a[] = {1}, b[] = {2};
+    char ta[KVX_ID_HEX], tb[KVX_ID_HEX];
+    assert_int_equal(kvx_agent_register(f->agent, a, 1, 0, NULL, ta, &err), 0);
+    assert_int_equal(kvx_agent_register(f->agent, b, 1, 0, NULL, tb, &err), 0);
+    atomic_store(&kvx__test_send_delay_ms, 1000);
+    kvx_read_req rq = {.host = "127.0.0.1",
+                       .port = kvx_agent_port(f->agent),
+                       .engine_id = kvx_agent_engine_id(f->agent),
+                       .transfer_id = ta,
+                       .src_blocks = a,
+                       .dst_blocks = a,
+                       .n_blocks = 1,
+                       .timeout_ms = 5000};
+    kvx_xfer *xa, *xb;
+    assert_int_equal(kvx_read_start(c, &rq, &xa, &err), 0);
+    usleep(50 * 1000); /* the only worker is now inside A */
+    rq.transfer_id = tb;
+    rq.src_blocks = rq.dst_blocks = b;
+    rq.timeout_ms = 200;
+    uint64_t t0 = td_now_ns();
+    assert_int_equal(kvx_read_start(c, &rq, &xb, &err), 0);
+    td_err res;
+    assert_int_equal(kvx_xfer_wait(xb, &res), TD_ETIMEDOUT);
+    double s = (double)(td_now_ns() - t0) * 1e-9;
+    assert_true(s >= 0.19 && s < 0.6);
+    assert_int_equal(kvx_xfer_poll(xa, &res), TD_EAGAIN); /* A is still running */
+    assert_int_equal(kvx_xfer_wait(xa, &res), 0);
+    atomic_store(&kvx__test_send_delay_ms, 0);
+    kvx_xfer_free(xa);
+    kvx_xfer_free(xb);
+    kvx_client_destroy(c);
+}
+
+/* An odd geometry: blocks of 1000 bytes (not a multiple of 8), 3 segments, runs of every
+ * length from 1 to 12, checksummed batches that do not divide the runs. */
+static void test_odd_geometry(void **state)
+{
+    (void)state;
+    enum { SEGS = 3, NB = 300, BB = 1000, STR = NB * BB + 8 };
+    uint8_t *pm = malloc(SEGS * STR), *cm = calloc(SEGS, STR);
+    td_rng rng;
+    td_rng_seed(&rng, 99);
+    for (int i = 0; i < SEGS * STR; i++)
+        pm[i] = (uint8_t)td_rng_next(&rng);
+    kvx_layout l = layout();
+    kvx_agent_opts ao;
+    kvx_agent_opts_default(&ao);
+    ao.layout = l;
+    ao.region = (kvx_region){pm, SEGS, STR, BB, NB};
+    kvx_client_opts co;
+    kvx_client_opts_default(&co);
+    co.layout = l;
+    co.region = (kvx_region){cm, SEGS, STR, BB, NB};
+    co.qp_per_transfer = 3;
+    kvx_agent *a;
+    kvx_client *c;
+    td_err err;
+    assert_int_equal(kvx_agent_create(&a, &ao, &err), 0);
+    assert_int_equal(kvx_client_create(&c, &co, &err), 0);
+    int32_t src[NB], dst[NB];
+    int n = 0, next_src = 0, next_dst = 5;
+    for (int run = 1; run <= 12; run++) { /* 78 blocks in runs of 1..12, gaps between */
+        for (int j = 0; j < run; j++)
+            src[n] = next_src + j, dst[n++] = next_dst + j;
+        next_src += run + 3;
+        next_dst += run + (run % 2); /* some consumer runs touch, some do not */
+    }
+    char tid[KVX_ID_HEX];
+    assert_int_equal(kvx_agent_register(a, src, n, 0, NULL, tid, &err), 0);
+    kvx_read_req rq = {.host = "127.0.0.1",
+                       .port = kvx_agent_port(a),
+                       .engine_id = kvx_agent_engine_id(a),
+                       .transfer_id = tid,
+                       .src_blocks = src,
+                       .dst_blocks = dst,
+                       .n_blocks = n};
+    kvx_xfer *x;
+    assert_int_equal(kvx_read_start(c, &rq, &x, &err), 0);
+    td_err res;
+    int rc = kvx_xfer_wait(x, &res);
+    if (rc) fprintf(stderr, "%s\n", res.msg);
+    assert_int_equal(rc, 0);
+    kvx_xfer_info info;
+    kvx_xfer_get_info(x, &info);
+    assert_int_equal(info.n_runs, 12);
+    kvx_xfer_free(x);
+    for (int sgm = 0; sgm < SEGS; sgm++)
+        for (int i = 0; i < n; i++)
+            assert_memory_equal(cm + (size_t)sgm * STR + (size_t)dst[i] * BB,
+                                pm + (size_t)sgm * STR + (size_t)src[i] * BB, BB);
+    kvx_client_destroy(c);
+    kvx_agent_destroy(a);
+    free(pm);
+    free(cm);
+}
+
+/* A lease that expires while its blocks are being sent leaves the table at once, but its
+ * blocks go back only after the send has finished. */
+static void test_expiry_waits_for_inflight_read(void **state)
+{
+    fixture *f = *state;
+    int32_t b[] = {60, 61};
+    char tid[KVX_ID_HEX];
+    td_err err;
+    assert_int_equal(kvx_agent_register(f->agent, b, 2, 150, NULL, tid, &err), 0);
+    atomic_store(&kvx__test_send_delay_ms, 700);
+    kvx_read_req rq = {.host = "127.0.0.1",
+                       .port = kvx_agent_port(f->agent),
+                       .engine_id = kvx_agent_engine_id(f->agent),
+                       .transfer_id = tid,
+                       .src_blocks = b,
+                       .dst_blocks = b,
+                       .n_blocks = 2,
+                       .timeout_ms = 5000};
+    kvx_xfer *x;
+    assert_int_equal(kvx_read_start(f->client, &rq, &x, &err), 0);
+    usleep(450 * 1000); /* the lease (renewed when the READ arrived) has expired by now */
+    assert_int_equal(kvx_agent_n_leases(f->agent), 0);
+    assert_int_equal(atomic_load(&f->rel.count), 0); /* but the blocks are still on the wire */
+    td_err res;
+    assert_int_equal(kvx_xfer_wait(x, &res), 0);
+    kvx_xfer_free(x);
+    expect_copied(f, b, b, 2);
+    assert_int_equal(wait_released(f, 1), 1);
+    assert_int_equal(atomic_load(&f->rel.reason), KVX_RELEASED_EXPIRED);
+    atomic_store(&kvx__test_send_delay_ms, 0);
+}
+
+/* The producer agent closes while the data is on its way. */
+static void test_producer_closes_mid_transfer(void **state)
+{
+    fixture *f = *state;
+    int32_t b[] = {30, 31, 32};
+    char tid[KVX_ID_HEX];
+    td_err err;
+    assert_int_equal(kvx_agent_register(f->agent, b, 3, 0, NULL, tid, &err), 0);
+    atomic_store(&kvx__test_send_delay_ms, 400);
+    kvx_read_req rq = {.host = "127.0.0.1",
+                       .port = kvx_agent_port(f->agent),
+                       .engine_id = kvx_agent_engine_id(f->agent),
+                       .transfer_id = tid,
+                       .src_blocks = b,
+                       .dst_blocks = b,
+                       .n_blocks = 3,
+                       .timeout_ms = 3000};
+    kvx_xfer *x;
+    assert_int_equal(kvx_read_start(f->client, &rq, &x, &err), 0);
+    usleep(100 * 1000);
+    uint64_t t0 = td_now_ns();
+    kvx_agent_destroy(f->agent);
+    f->agent = NULL;
+    td_err res;
+    int rc = kvx_xfer_wait(x, &res);
+    double s = (double)(td_now_ns() - t0) * 1e-9;
+    assert_int_equal(rc, TD_ECONN);
+    assert_true(s < 2.0);
+    kvx_xfer_free(x);
+    assert_int_equal(atomic_load(&f->rel.reason), KVX_RELEASED_SHUTDOWN);
+    atomic_store(&kvx__test_send_delay_ms, 0);
+    f->agent = make_agent(f, 0, layout()); /* for teardown */
+}
+
+/* A forked producer is SIGKILLed while the consumer waits for its data. */
+static void test_producer_killed(void **state)
+{
+    fixture *f = *state;
+    int pfd[2];
+    assert_int_equal(pipe(pfd), 0);
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        close(pfd[0]);
+        atomic_store(&kvx__test_send_delay_ms, 10000);
+        kvx_agent_opts o;
+        kvx_agent_opts_default(&o);
+        o.layout = layout();
+        o.region = f->prod.region;
+        kvx_agent *a;
+        td_err err;
+        if (kvx_agent_create(&a, &o, &err)) _exit(1);
+        int32_t b[] = {1, 2};
+        char line[128], tid[KVX_ID_HEX];
+        if (kvx_agent_register(a, b, 2, 0, NULL, tid, &err)) _exit(1);
+        int n = snprintf(line, sizeof(line), "%u %s %s\n", kvx_agent_port(a),
+                         kvx_agent_engine_id(a), tid);
+        if (write(pfd[1], line, (size_t)n) != n) _exit(1);
+        for (;;)
+            pause();
+    }
+    close(pfd[1]);
+    char line[128] = {0};
+    size_t got = 0;
+    while (got < sizeof(line) - 1 && !strchr(line, '\n')) {
+        ssize_t r = read(pfd[0], line + got, sizeof(line) - 1 - got);
+        assert_true(r > 0);
+        got += (size_t)r;
+    }
+    close(pfd[0]);
+    unsigned port;
+    char eid[KVX_ID_HEX], tid[KVX_ID_HEX];
+    assert_int_equal(sscanf(line, "%u %32s %32s", &port, eid, tid), 3);
+    int32_t b[] = {1, 2};
+    kvx_read_req rq = {.host = "127.0.0.1",
+                       .port = (uint16_t)port,
+                       .engine_id = eid,
+                       .transfer_id = tid,
+                       .src_blocks = b,
+                       .dst_blocks = b,
+                       .n_blocks = 2,
+                       .timeout_ms = 4000};
+    kvx_xfer *x;
+    td_err err;
+    assert_int_equal(kvx_read_start(f->client, &rq, &x, &err), 0);
+    usleep(200 * 1000);
+    uint64_t t0 = td_now_ns();
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+    td_err res;
+    int rc = kvx_xfer_wait(x, &res);
+    double s = (double)(td_now_ns() - t0) * 1e-9;
+    assert_int_equal(rc, TD_ECONN);
+    assert_true(s < 1.0);
+    kvx_xfer_free(x);
+    /* Nothing listens there now: a new read fails fast and clearly. */
+    assert_int_equal(kvx_read_start(f->client, &rq, &x, &err), 0);
+    assert_int_equal(kvx_xfer_wait(x, &res), TD_ECONN);
+    assert_non_null(strstr(res.msg, "connect"));
+    kvx_xfer_free(x);
+}
+
+/* A new incarnation at the same address: the cached session is replaced. */
+static void test_producer_restart(void **state)
+{
+    fixture *f = *state;
+    td_err err;
+    uint16_t port = kvx_agent_port(f->agent);
+    char old_id[KVX_ID_HEX];
+    snprintf(old_id, sizeof(old_id), "%s", kvx_agent_engine_id(f->agent));
+    assert_int_equal(kvx_session_check(f->client, "127.0.0.1", port, old_id, &err), 0);
+    kvx_agent_destroy(f->agent);
+    f->agent = make_agent(f, port, layout());
+    assert_string_not_equal(old_id, kvx_agent_engine_id(f->agent));
+    /* The old incarnation's blocks are gone: a clear error, not a read from the new one. */
+    assert_int_equal(kvx_session_check(f->client, "127.0.0.1", port, old_id, &err), TD_ECONN);
+    assert_non_null(strstr(err.msg, "restarted"));
+    int32_t b[] = {3, 4};
+    char tid[KVX_ID_HEX];
+    assert_int_equal(kvx_agent_register(f->agent, b, 2, 0, NULL, tid, &err), 0);
+    assert_int_equal(read_blocks(f, tid, b, b, 2, 0, &err, NULL), 0);
+    expect_copied(f, b, b, 2);
+    assert_int_equal(kvx_client_n_sessions(f->client), 1);
+}
+
+static void test_port_collision(void **state)
+{
+    fixture *f = *state;
+    kvx_agent_opts o;
+    kvx_agent_opts_default(&o);
+    o.port = kvx_agent_port(f->agent);
+    o.layout = layout();
+    o.region = f->prod.region;
+    kvx_agent *a = NULL;
+    td_err err;
+    assert_int_equal(kvx_agent_create(&a, &o, &err), TD_EIO);
+    assert_null(a);
+    char port[16];
+    snprintf(port, sizeof(port), ":%u", o.port);
+    assert_non_null(strstr(err.msg, port));
+    assert_non_null(strstr(err.msg, "in use"));
+}
+
+/* Hostile or confused peers on the producer's port get an ERROR and a hang-up, and the
+ * agent keeps serving everyone else. */
+static int raw_exchange(fixture *f, const uint8_t *frame, size_t n, kvx_msg *m, uint8_t *buf,
+                        td_err *err)
+{
+    int fd;
+    uint64_t deadline = td_now_ns() + 2000000000ull;
+    int rc = kvx__connect("127.0.0.1", kvx_agent_port(f->agent), deadline, &fd, err);
+    if (!rc) rc = kvx__send_all(fd, frame, n, deadline, err);
+    if (!rc) rc = kvx__recv_frame(fd, buf, 4096, m, deadline, err);
+    if (!rc) { /* then the producer hangs up */
+        uint8_t extra;
+        int rc2 = kvx__recv_all(fd, &extra, 1, deadline, err);
+        assert_int_equal(rc2, TD_ECONN);
+    }
+    close(fd);
+    return rc;
+}
+
+static void test_hostile_peers(void **state)
+{
+    fixture *f = *state;
+    uint8_t frame[256], buf[4096];
+    kvx_msg m;
+    td_err err;
+
+    memcpy(frame, "GET / HTTP/1.1\r\n\r\n", 18); /* not a kvx peer */
+    assert_int_equal(raw_exchange(f, frame, 18, &m, buf, &err), 0);
+    assert_int_equal(m.hdr.type, KVX_MSG_ERROR);
+    assert_int_equal(m.u.error.code, TD_EFORMAT);
+    assert_non_null(strstr(m.u.error.msg, "magic"));
+
+    size_t n = kvx_wire_encode_ack(frame, sizeof(frame), 1, 0);
+    frame[4] = 9; /* a future version */
+    assert_int_equal(raw_exchange(f, frame, n, &m, buf, &err), 0);
+    assert_int_equal(m.u.error.code, TD_EUNSUPPORTED);
+
+    uint8_t id[16] = {0};
+    kvx_wire_desc d = {0, 0, 1};
+    n = kvx_wire_encode_read(frame, sizeof(frame), 1, id, 0, &d, 1); /* READ before HELLO */
+    assert_int_equal(raw_exchange(f, frame, n, &m, buf, &err), 0);
+    assert_int_equal(m.u.error.code, TD_EPROTO);
+    assert_non_null(strstr(m.u.error.msg, "HELLO"));
+
+    n = kvx_wire_encode_ack(frame, sizeof(frame), 1, 0);
+    frame[8] = 0xff; /* absurd length */
+    frame[9] = 0xff;
+    frame[10] = 0xff;
+    frame[11] = 0x7f;
+    assert_int_equal(raw_exchange(f, frame, n, &m, buf, &err), 0);
+    assert_int_equal(m.u.error.code, TD_EFORMAT);
+
+    kvx_agent_stats st;
+    kvx_agent_get_stats(f->agent, &st);
+    assert_int_equal(st.reads, 0);
+    /* The agent still serves a well-behaved consumer. */
+    assert_int_equal(kvx_session_check(f->client, "127.0.0.1", kvx_agent_port(f->agent),
+                                       kvx_agent_engine_id(f->agent), &err),
+                     0);
+}
+
+static void test_bad_requests(void **state)
+{
+    fixture *f = *state;
+    td_err err;
+    int32_t b[] = {1}, bad[] = {N_BLOCKS};
+    kvx_xfer *x;
+    kvx_read_req rq = {.host = "127.0.0.1",
+                       .port = kvx_agent_port(f->agent),
+                       .engine_id = kvx_agent_engine_id(f->agent),
+                       .transfer_id = "00000000000000000000000000000000",
+                       .src_blocks = b,
+                       .dst_blocks = bad,
+                       .n_blocks = 1};
+    assert_int_equal(kvx_read_start(f->client, &rq, &x, &err), TD_EINVAL);
+    rq.dst_blocks = b;
+    rq.n_blocks = 0;
+    assert_int_equal(kvx_read_start(f->client, &rq, &x, &err), TD_EINVAL);
+    rq.n_blocks = 1;
+    rq.engine_id = "nothex";
+    assert_int_equal(kvx_read_start(f->client, &rq, &x, &err), TD_EINVAL);
+    char tid[KVX_ID_HEX];
+    assert_int_equal(kvx_agent_register(f->agent, bad, 1, 0, NULL, tid, &err), TD_EINVAL);
+    assert_int_equal(kvx_agent_register(f->agent, b, 0, 0, NULL, tid, &err), TD_EINVAL);
+    assert_int_equal(kvx_agent_cancel(f->agent, "00000000000000000000000000000000"), TD_ENOTFOUND);
+    assert_int_equal(kvx_agent_register(f->agent, b, 1, 0, NULL, tid, &err), 0);
+    assert_int_equal(kvx_agent_cancel(f->agent, tid), 0);
+    assert_int_equal(atomic_load(&f->rel.reason), KVX_RELEASED_CANCELED);
+}
+
+#define T(fn) cmocka_unit_test_setup_teardown(fn, setup, teardown)
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        T(test_basic_read_and_release),
+        T(test_whole_pool),
+        T(test_16_concurrent),
+        T(test_layout_mismatch),
+        T(test_guessed_transfer_id),
+        T(test_lease_expiry),
+        T(test_checksum_corruption),
+        T(test_deadline),
+        T(test_deadline_while_queued),
+        T(test_producer_closes_mid_transfer),
+        T(test_producer_killed),
+        T(test_producer_restart),
+        T(test_port_collision),
+        T(test_hostile_peers),
+        T(test_bad_requests),
+        T(test_odd_geometry),
+        T(test_expiry_waits_for_inflight_read),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
