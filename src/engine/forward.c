@@ -19,6 +19,9 @@
 
 #include "backend/cpu/cpu.h"
 
+/* Most heads one attention work item covers (each thread keeps their scores). */
+#define ATT_MAX_HEADS 16
+
 static int q_dim(const td_model *m)
 {
     return m->shape.n_head * m->shape.head_dim;
@@ -27,6 +30,12 @@ static int q_dim(const td_model *m)
 static int kv_dim(const td_model *m)
 {
     return m->shape.n_head_kv * m->shape.head_dim;
+}
+
+/* Heads whose scores one thread holds at a time (see task_attention). */
+static int score_heads(const td_model *m)
+{
+    return TD_MIN(m->shape.n_head, ATT_MAX_HEADS);
 }
 
 static size_t mm_scratch_bytes(const td_model *m, int rows, int n_threads)
@@ -47,7 +56,8 @@ size_t fwd_workspace_bytes(const td_model *m, int max_tokens, int max_logits, in
     size_t T = (size_t)max_tokens;
     size_t floats = T * (size_t)s->n_embd * 3 + T * (size_t)q_dim(m) * 2 +
                     T * (size_t)kv_dim(m) * 2 + T * (size_t)s->n_ff * 2 +
-                    (size_t)max_logits * (size_t)s->n_embd + (size_t)n_threads * (size_t)max_ctx;
+                    (size_t)max_logits * (size_t)s->n_embd +
+                    (size_t)n_threads * (size_t)score_heads(m) * (size_t)max_ctx;
     int rows = TD_MAX(max_tokens, max_logits);
     return floats * sizeof(float) + mm_scratch_bytes(m, rows, n_threads) + 64 * 16;
 }
@@ -70,7 +80,7 @@ int fwd_init(fwd_ctx *f, const td_model *m, kv_pool *kv, td_pool *pool, int max_
         {&f->q, T * q_dim(m)},    {&f->k, T * kv_dim(m)},        {&f->v, T * kv_dim(m)},
         {&f->att, T * q_dim(m)},  {&f->hb, T * s->n_ff},         {&f->hb2, T * s->n_ff},
         {&f->xo, (size_t)max_logits * s->n_embd},
-        {&f->scores, (size_t)f->n_threads * max_ctx},
+        {&f->scores, (size_t)f->n_threads * score_heads(m) * max_ctx},
     };
     for (size_t i = 0; i < TD_ARRAY_LEN(bufs); i++) {
         *bufs[i].dst = td_aligned_alloc(bufs[i].n * sizeof(float));
@@ -113,6 +123,30 @@ static void matmul(fwd_ctx *f, float *y, const float *x, const td_weight *w, int
 {
     cpu_matmul(f->pool, y, w->rows, x, w->cols, w->data, w->row_bytes, w->type, M, (int)w->rows,
                (int)w->cols, f->mm_scratch);
+}
+
+/*
+ * y[i] = x w[i]^T for n weights that read the same x (Q/K/V, gate/up): one pool run
+ * when the weights share a type and width, so one join (and for quantized weights one
+ * quantization of x) instead of n; each output is bit-identical either way.
+ */
+static void matmul_same_x(fwd_ctx *f, float *const *y, const float *x, const td_weight *const *w,
+                          int n, int M)
+{
+    bool same = true;
+    for (int i = 1; i < n; i++)
+        same = same && w[i]->type == w[0]->type && w[i]->cols == w[0]->cols;
+    if (!same) {
+        for (int i = 0; i < n; i++) matmul(f, y[i], x, w[i], M);
+        return;
+    }
+    cpu_mm_out outs[CPU_MM_MAX_OUT];
+    TD_ASSERT(n <= CPU_MM_MAX_OUT);
+    for (int i = 0; i < n; i++)
+        outs[i] = (cpu_mm_out){.y = y[i], .ldy = w[i]->rows, .w = w[i]->data,
+                               .w_row_bytes = w[i]->row_bytes, .N = (int)w[i]->rows};
+    cpu_matmul_multi(f->pool, outs, n, x, w[0]->cols, w[0]->type, M, (int)w[0]->cols,
+                     f->mm_scratch);
 }
 
 /* x[t] = embedding(token[t]); xb[t] = rmsnorm(x[t]) * layer0.attn_norm */
@@ -163,10 +197,27 @@ static void task_rope_store(void *ctx, int ith, int nth)
     }
 }
 
+/* Heads per attention item: all of them when there are enough tokens to share among
+ * the threads, fewer when the batch is small (batch-1 decode still uses every thread). */
+static int att_heads(const fwd_ctx *f, int n_rows)
+{
+    int n_head = f->model->shape.n_head;
+    int chunks = TD_MIN(n_head, (4 * f->n_threads + n_rows - 1) / n_rows);
+    chunks = TD_MAX(chunks, (n_head + ATT_MAX_HEADS - 1) / ATT_MAX_HEADS);
+    return (n_head + chunks - 1) / chunks;
+}
+
 /*
- * Attention: one work item is (token, head). Items are taken from a shared counter
- * because their cost grows with the position; which thread computes an item does
- * not change its arithmetic, so the result stays deterministic.
+ * Attention: one work item is (token, a run of up to att_heads consecutive heads).
+ * Items are taken from a shared counter because their cost grows with the position;
+ * which thread computes an item, and which heads share it, does not change any head's
+ * arithmetic (the same kernel calls in the same position order), so the result stays
+ * deterministic.
+ *
+ * Why several heads per item: a token's K (and V) row holds every head side by side
+ * (token_bytes apart), so one head alone reads head_dim elements out of every row, a
+ * strided walk that the hardware prefetcher follows poorly. Sweeping all the heads of
+ * a block before the next block reads each block's rows contiguously, once.
  */
 static void task_attention(void *ctx, int ith, int nth)
 {
@@ -175,36 +226,47 @@ static void task_attention(void *ctx, int ith, int nth)
     fwd_ctx *f = tk->f;
     const td_model_shape *s = &f->model->shape;
     const kv_pool *kv = f->kv;
-    int hd = s->head_dim, qd = q_dim(f->model);
-    int group = s->n_head / s->n_head_kv;
-    size_t elem = (size_t)td_type_block_bytes(kv->dtype);
-    float scale = 1.0f / sqrtf((float)hd);
-    float *sc = f->scores + (size_t)ith * f->max_ctx;
-    int64_t n_items = (int64_t)tk->n_rows * s->n_head;
+    const int hd = s->head_dim, qd = q_dim(f->model), bs = kv->block_size;
+    const int group = s->n_head / s->n_head_kv;
+    const size_t head_bytes = (size_t)hd * (size_t)td_type_block_bytes(kv->dtype);
+    const float scale = 1.0f / sqrtf((float)hd);
+    const int hc = att_heads(f, tk->n_rows);
+    TD_ASSERT(hc <= score_heads(f->model));
+    const int chunks = (s->n_head + hc - 1) / hc;
+    float *sc = f->scores + (size_t)ith * score_heads(f->model) * f->max_ctx;
+    int64_t n_items = (int64_t)tk->n_rows * chunks;
     for (;;) {
         int64_t item = __atomic_fetch_add(&tk->next_item, 1, __ATOMIC_RELAXED);
         if (item >= n_items) break;
-        int t = (int)(item / s->n_head), h = (int)(item % s->n_head);
-        int g = h / group;
-        const float *q = f->q + (size_t)t * qd + (size_t)h * hd;
-        float *out = f->att + (size_t)t * qd + (size_t)h * hd;
+        int t = (int)(item / chunks), h0 = (int)(item % chunks) * hc;
+        int h1 = TD_MIN(s->n_head, h0 + hc);
+        const float *q = f->q + (size_t)t * qd;
+        float *out = f->att + (size_t)t * qd;
         int r = tk->row_map ? tk->row_map[t] : t;
         int32_t pos = tk->b->pos[r];
         const int32_t *table = tk->b->block_tables[tk->b->seq[r]];
-        size_t head_off = (size_t)g * hd * elem;
         int n = pos + 1;
-        for (int j0 = 0; j0 < n; j0 += kv->block_size) {
-            const uint8_t *kb = kv_k(kv, tk->il, table[j0 / kv->block_size]) + head_off;
-            int jn = TD_MIN(kv->block_size, n - j0);
-            cpu_dot_kv_multi(sc + j0, q, kb, kv->token_bytes, kv->dtype, hd, jn);
+        for (int j0 = 0; j0 < n; j0 += bs) {
+            const uint8_t *kb = kv_k(kv, tk->il, table[j0 / bs]);
+            int jn = TD_MIN(bs, n - j0);
+            for (int h = h0; h < h1; h++)
+                cpu_dot_kv_multi(sc + (size_t)(h - h0) * f->max_ctx + j0, q + (size_t)h * hd,
+                                 kb + (size_t)(h / group) * head_bytes, kv->token_bytes, kv->dtype,
+                                 hd, jn);
         }
-        for (int j = 0; j < n; j++) sc[j] *= scale;
-        cpu_softmax(sc, n);
-        memset(out, 0, (size_t)hd * sizeof(float));
-        for (int j0 = 0; j0 < n; j0 += kv->block_size) {
-            const uint8_t *vb = kv_v(kv, tk->il, table[j0 / kv->block_size]) + head_off;
-            int jn = TD_MIN(kv->block_size, n - j0);
-            cpu_axpy_kv_multi(out, sc + j0, vb, kv->token_bytes, kv->dtype, hd, jn);
+        for (int h = h0; h < h1; h++) {
+            float *sh = sc + (size_t)(h - h0) * f->max_ctx;
+            for (int j = 0; j < n; j++) sh[j] *= scale;
+            cpu_softmax(sh, n);
+        }
+        memset(out + (size_t)h0 * hd, 0, (size_t)(h1 - h0) * hd * sizeof(float));
+        for (int j0 = 0; j0 < n; j0 += bs) {
+            const uint8_t *vb = kv_v(kv, tk->il, table[j0 / bs]);
+            int jn = TD_MIN(bs, n - j0);
+            for (int h = h0; h < h1; h++)
+                cpu_axpy_kv_multi(out + (size_t)h * hd, sc + (size_t)(h - h0) * f->max_ctx + j0,
+                                  vb + (size_t)(h / group) * head_bytes, kv->token_bytes,
+                                  kv->dtype, hd, jn);
         }
     }
 }
@@ -274,9 +336,8 @@ void fwd_run(fwd_ctx *f, const fwd_batch *b)
     for (int il = 0; il < s->n_layer; il++) {
         const td_layer *L = &m->layers[il];
         tk.il = il;
-        matmul(f, f->q, f->xb, &L->wq, T);
-        matmul(f, f->k, f->xb, &L->wk, T);
-        matmul(f, f->v, f->xb, &L->wv, T);
+        matmul_same_x(f, (float *const[]){f->q, f->k, f->v}, f->xb,
+                      (const td_weight *const[]){&L->wq, &L->wk, &L->wv}, 3, T);
         tk.layer = L;
         td_pool_run(f->pool, task_rope_store, &tk);
         if (il == s->n_layer - 1 && b->n_logits < T) {
@@ -292,8 +353,8 @@ void fwd_run(fwd_ctx *f, const fwd_batch *b)
         matmul(f, f->xb2, f->att, &L->wo, T);
         tk.layer = L; /* residual, then the FFN norm of this layer */
         td_pool_run(f->pool, task_residual_norm, &tk);
-        matmul(f, f->hb, f->xb, &L->w_gate, T);
-        matmul(f, f->hb2, f->xb, &L->w_up, T);
+        matmul_same_x(f, (float *const[]){f->hb, f->hb2}, f->xb,
+                      (const td_weight *const[]){&L->w_gate, &L->w_up}, 2, T);
         td_pool_run(f->pool, task_silu, &tk);
         matmul(f, f->xb2, f->hb, &L->w_down, T);
         tk.layer = NULL; /* residual, then the next layer's attention norm (if any) */

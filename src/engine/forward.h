@@ -40,7 +40,7 @@ typedef struct fwd_ctx {
     float *att;    /* [max_tokens][n_head * head_dim] attention output */
     float *hb, *hb2; /* [max_tokens][n_ff] */
     float *xo;     /* [max_logits][n_embd] final-normed rows for the output matmul */
-    float *scores; /* [n_threads][max_ctx] attention scores */
+    float *scores; /* [n_threads][min(n_head, 16)][max_ctx] attention scores */
     void *mm_scratch;
     size_t workspace_bytes;
 } fwd_ctx;

@@ -65,6 +65,13 @@ int kv_pool_init(kv_pool *p, int n_layers, int kv_dim, int block_size, td_type d
     if (m == MAP_FAILED)
         return td_err_set(err, TD_ENOMEM, "kv cache: cannot map %zu bytes", p->total_bytes);
     p->base = m;
+    /* Transparent huge pages where the system allows them (advisory; failure is fine).
+     * The pool stays lazy, in 2 MiB steps; attention walks many blocks of each layer,
+     * and with 4 KiB pages nearly every block costs TLB misses (expensive page walks
+     * under virtualization), and every page its first-touch fault. */
+#ifdef MADV_HUGEPAGE
+    (void)madvise(m, p->total_bytes, MADV_HUGEPAGE);
+#endif
     p->ref = calloc((size_t)n_blocks, sizeof(int32_t));
     p->hash = calloc((size_t)n_blocks, sizeof(uint64_t));
     p->prev = malloc((size_t)n_blocks * sizeof(int32_t));

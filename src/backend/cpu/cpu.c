@@ -184,70 +184,142 @@ size_t cpu_matmul_scratch_size(td_type wtype, int M, int K, int n_threads)
     return mm_layout_for(wtype, TD_MAX(M, 1), K, n_threads).total;
 }
 
+/*
+ * From MM_GUIDED_MIN_M x rows on (compute-bound calls), weight rows are handed out
+ * dynamically, in chunks that shrink towards the end (guided scheduling): a thread
+ * that finishes early, or that another process delayed, does not leave the other
+ * threads waiting at the join. Which thread computes a row does not change its
+ * arithmetic. MM_GRAIN is a multiple of CPU__N_ALIGN and of every
+ * kernel's panel width (6, 16, 32 rows), so a chunk never ends in a part-empty panel.
+ */
+#define MM_GRAIN 96
+/* Calls with fewer x rows than this split the rows statically (see mm_worker). */
+#define MM_GUIDED_MIN_M 4
+
 typedef struct {
-    cpu__mm mm;
+    cpu__mm mm[CPU_MM_MAX_OUT]; /* one per output; x and the quantized x are shared */
+    int64_t base[CPU_MM_MAX_OUT + 1]; /* output i owns rows [base[i], base[i] + N) of the
+                                       * combined row space; base[i] % MM_GRAIN == 0 */
+    int n_out;
     const cpu__kernels *kern;
     td_pool *pool;
     uint8_t *thread_scratch;
     size_t thread_bytes;
     int offset;
+    _Alignas(64) int64_t next; /* the first row not yet handed out (atomic) */
 } mm_job;
+
+/* Take the next chunk of rows [*r0, *r1); false when none are left. */
+static bool mm_grab(mm_job *job, int nth, int64_t *r0, int64_t *r1)
+{
+    int64_t total = job->base[job->n_out];
+    int64_t cur = __atomic_load_n(&job->next, __ATOMIC_RELAXED);
+    for (;;) {
+        if (cur >= total) return false;
+        /* A single thread takes everything: each chunk start costs a weight prefetch. */
+        int64_t size = nth == 1 ? total : TD_ALIGN_UP((total - cur) / (2 * nth), MM_GRAIN);
+        size = TD_MAX(size, MM_GRAIN);
+        int64_t end = TD_MIN(total, cur + size);
+        if (__atomic_compare_exchange_n(&job->next, &cur, end, true, __ATOMIC_RELAXED,
+                                        __ATOMIC_RELAXED)) {
+            *r0 = cur;
+            *r1 = end;
+            return true;
+        }
+    }
+}
+
+/* Rows [r0, r1) of the combined row space; they may cover the ends of several outputs
+ * (the padding between outputs holds no rows). */
+static void mm_rows(const mm_job *job, int64_t r0, int64_t r1, void *scratch)
+{
+    for (int i = 0; i < job->n_out; i++) {
+        int64_t n0 = TD_MAX(r0, job->base[i]) - job->base[i];
+        int64_t n1 = TD_MIN(r1, job->base[i] + job->mm[i].N) - job->base[i];
+        if (n0 < n1) job->kern->matmul(&job->mm[i], (int)n0, (int)n1, scratch);
+    }
+}
 
 static void mm_worker(void *arg, int ith, int nth)
 {
     mm_job *job = arg;
-    const cpu__mm *mm = &job->mm;
-    if (cpu__is_quantized(mm->wtype)) {
+    const cpu__mm *mm0 = &job->mm[0];
+    if (cpu__is_quantized(mm0->wtype)) {
         /* Each row's quantization depends only on that row: split rows, then wait. */
         int64_t m0, m1;
-        td_split_range(mm->M, ith, nth, &m0, &m1);
+        td_split_range(mm0->M, ith, nth, &m0, &m1);
         for (int64_t m = m0; m < m1; m++)
-            job->kern->quant_x(mm->x + m * mm->ldx, mm->K, job->offset,
-                               (int8_t *)mm->xq + m * (int64_t)mm->xq_stride,
-                               (float *)mm->xd + m * (int64_t)mm->xs_stride,
-                               (int32_t *)mm->xc + m * (int64_t)mm->xs_stride);
+            job->kern->quant_x(mm0->x + m * mm0->ldx, mm0->K, job->offset,
+                               (int8_t *)mm0->xq + m * (int64_t)mm0->xq_stride,
+                               (float *)mm0->xd + m * (int64_t)mm0->xs_stride,
+                               (int32_t *)mm0->xc + m * (int64_t)mm0->xs_stride);
         td_pool_barrier(job->pool);
     }
-    int64_t chunks = (mm->N + CPU__N_ALIGN - 1) / CPU__N_ALIGN, c0, c1;
-    td_split_range(chunks, ith, nth, &c0, &c1);
-    int n0 = (int)(c0 * CPU__N_ALIGN), n1 = (int)TD_MIN(c1 * CPU__N_ALIGN, (int64_t)mm->N);
-    if (n0 < n1)
-        job->kern->matmul(mm, n0, n1, job->thread_scratch + (size_t)ith * job->thread_bytes);
+    void *scratch = job->thread_scratch + (size_t)ith * job->thread_bytes;
+    int64_t r0, r1;
+    if (mm0->M < MM_GUIDED_MIN_M) {
+        /* GEMV-like calls stream the weights at the memory's pace, which is even across
+         * threads; one contiguous range each keeps the weight prefetch running, which
+         * every chunk start would interrupt. */
+        int64_t c0, c1;
+        td_split_range(job->base[job->n_out] / CPU__N_ALIGN, ith, nth, &c0, &c1);
+        mm_rows(job, c0 * CPU__N_ALIGN, c1 * CPU__N_ALIGN, scratch);
+        return;
+    }
+    while (mm_grab(job, nth, &r0, &r1)) mm_rows(job, r0, r1, scratch);
 }
 
-void cpu_matmul(td_pool *pool, float *y, int64_t ldy, const float *x, int64_t ldx, const void *w,
-                size_t w_row_bytes, td_type wtype, int M, int N, int K, void *scratch)
+void cpu_matmul_multi(td_pool *pool, const cpu_mm_out *outs, int n_out, const float *x,
+                      int64_t ldx, td_type wtype, int M, int K, void *scratch)
 {
-    if (M <= 0 || N <= 0) return;
+    TD_ASSERT(n_out >= 1 && n_out <= CPU_MM_MAX_OUT);
+    if (M <= 0) return;
     TD_ASSERT(K > 0 && td_type_block_elems(wtype) > 0 && wtype != TD_TYPE_FP8_E4M3);
-    TD_ASSERT(td_row_bytes(wtype, K) > 0 && w_row_bytes >= td_row_bytes(wtype, K));
-    TD_ASSERT(ldx >= K && ldy >= N);
+    TD_ASSERT(td_row_bytes(wtype, K) > 0 && ldx >= K);
     TD_ASSERT(scratch && ((uintptr_t)scratch & 63) == 0);
     mm_layout l = mm_layout_for(wtype, M, K, td_pool_size(pool));
     uint8_t *s = scratch;
     mm_job job = {
-        .mm = {.y = y,
-               .ldy = ldy,
-               .x = x,
-               .ldx = ldx,
-               .w = w,
-               .w_row_bytes = w_row_bytes,
-               .wtype = wtype,
-               .M = M,
-               .N = N,
-               .K = K,
-               .xq = (const int8_t *)(s + l.xq_off),
-               .xd = (const float *)(void *)(s + l.xd_off),
-               .xc = (const int32_t *)(void *)(s + l.xc_off),
-               .xq_stride = l.xq_stride,
-               .xs_stride = l.xs_stride},
+        .n_out = n_out,
         .kern = active(),
         .pool = pool,
         .thread_scratch = s + l.thread_off,
         .thread_bytes = l.thread_bytes,
         .offset = cpu__q_offset(wtype),
     };
+    int64_t base = 0;
+    for (int i = 0; i < n_out; i++) {
+        const cpu_mm_out *o = &outs[i];
+        TD_ASSERT(o->N >= 0 && o->ldy >= o->N && o->w_row_bytes >= td_row_bytes(wtype, K));
+        job.mm[i] = (cpu__mm){.y = o->y,
+                              .ldy = o->ldy,
+                              .x = x,
+                              .ldx = ldx,
+                              .w = o->w,
+                              .w_row_bytes = o->w_row_bytes,
+                              .wtype = wtype,
+                              .M = M,
+                              .N = o->N,
+                              .K = K,
+                              .xq = (const int8_t *)(s + l.xq_off),
+                              .xd = (const float *)(void *)(s + l.xd_off),
+                              .xc = (const int32_t *)(void *)(s + l.xc_off),
+                              .xq_stride = l.xq_stride,
+                              .xs_stride = l.xs_stride};
+        job.base[i] = base;
+        base += TD_ALIGN_UP((int64_t)o->N, MM_GRAIN);
+    }
+    job.base[n_out] = base;
+    if (base == 0) return;
     td_pool_run(pool, mm_worker, &job);
+}
+
+void cpu_matmul(td_pool *pool, float *y, int64_t ldy, const float *x, int64_t ldx, const void *w,
+                size_t w_row_bytes, td_type wtype, int M, int N, int K, void *scratch)
+{
+    if (M <= 0 || N <= 0) return;
+    cpu_mm_out o = {.y = y, .ldy = ldy, .w = w, .w_row_bytes = w_row_bytes, .N = N};
+    cpu_matmul_multi(pool, &o, 1, x, ldx, wtype, M, K, scratch);
 }
 
 void cpu_matmul_ref(float *y, int64_t ldy, const float *x, int64_t ldx, const void *w,

@@ -46,6 +46,27 @@ size_t cpu_matmul_scratch_size(td_type wtype, int M, int K, int n_threads);
 void cpu_matmul(td_pool *pool, float *y, int64_t ldy, const float *x, int64_t ldx, const void *w,
                 size_t w_row_bytes, td_type wtype, int M, int N, int K, void *scratch);
 
+/** One output of cpu_matmul_multi: y = x W^T with W of N rows (as for cpu_matmul). */
+typedef struct cpu_mm_out {
+    float *y;
+    int64_t ldy;
+    const void *w;
+    size_t w_row_bytes;
+    int N;
+} cpu_mm_out;
+
+#define CPU_MM_MAX_OUT 4
+
+/**
+ * Several matmuls of the same x against weights of one type and width K (e.g. the
+ * Q, K and V projections), in one pool run: x is quantized once (q8_0/q4_0) and the
+ * threads share out the rows of all the weights together, so there is one join
+ * instead of n_out. Each output is bit-identical to its own cpu_matmul call.
+ * n_out <= CPU_MM_MAX_OUT; scratch as for cpu_matmul.
+ */
+void cpu_matmul_multi(td_pool *pool, const cpu_mm_out *outs, int n_out, const float *x,
+                      int64_t ldx, td_type wtype, int M, int K, void *scratch);
+
 /** Plain-C reference of cpu_matmul (double accumulation is NOT used: f32, for tests). */
 void cpu_matmul_ref(float *y, int64_t ldy, const float *x, int64_t ldx, const void *w,
                     size_t w_row_bytes, td_type wtype, int M, int N, int K);

@@ -31,7 +31,8 @@
 
 #include "backend/cpu/cpu.h"
 
-/* N is split across threads in multiples of this many weight rows. */
+/* N is split across threads in multiples of this many weight rows (cpu.c's MM_GRAIN
+ * is a multiple of it). */
 #define CPU__N_ALIGN 32
 
 /** One matmul call, as seen by an ISA's kernel (see cpu_matmul). */

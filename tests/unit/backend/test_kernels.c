@@ -410,6 +410,63 @@ static void test_matmul_batch_invariance(void **state)
         td_pool_free(pools[i]);
 }
 
+/* cpu_matmul_multi: each output equals its own cpu_matmul call bit for bit, whatever
+ * the thread count, with output sizes that do not fill the scheduling grain. */
+static void test_matmul_multi(void **state)
+{
+    (void)state;
+    td_rng rng;
+    td_rng_seed(&rng, 3);
+    td_pool *pools[3];
+    for (int i = 0; i < 3; i++)
+        assert_int_equal(td_pool_create(&pools[i], i + 1, false, NULL), 0);
+    enum { MMAX = 37, NOUT = 3 };
+    static const int Ns[NOUT] = {101, 40, 230};
+    static const int Ms[] = {1, 5, MMAX};
+    for (size_t ti = 0; ti < TD_ARRAY_LEN(all_types); ti++) {
+        td_type t = all_types[ti];
+        const int K = 96;
+        weights w[NOUT];
+        float *want[NOUT], *got[NOUT];
+        cpu_mm_out outs[NOUT];
+        for (int i = 0; i < NOUT; i++) {
+            w[i] = make_weights(&rng, t, Ns[i], K);
+            want[i] = td_xmalloc(sizeof(float) * MMAX * Ns[i]);
+            got[i] = td_xmalloc(sizeof(float) * MMAX * Ns[i]);
+            outs[i] = (cpu_mm_out){.y = got[i], .ldy = Ns[i], .w = w[i].w,
+                                   .w_row_bytes = w[i].row_bytes, .N = Ns[i]};
+        }
+        float *x = rand_floats(&rng, (size_t)MMAX * K, 2.0f);
+        FOR_EACH_ISA(isa)
+        {
+            for (size_t mi = 0; mi < TD_ARRAY_LEN(Ms); mi++) {
+                int M = Ms[mi];
+                for (int i = 0; i < NOUT; i++) run_matmul(pools[0], &w[i], want[i], Ns[i], x, K, M);
+                for (int p = 0; p < 3; p++) {
+                    size_t sz = cpu_matmul_scratch_size(t, M, K, p + 1);
+                    void *scratch = td_aligned_alloc(sz);
+                    for (int i = 0; i < NOUT; i++)
+                        memset(got[i], 0xff, sizeof(float) * MMAX * Ns[i]);
+                    cpu_matmul_multi(pools[p], outs, NOUT, x, K, t, M, K, scratch);
+                    td_aligned_free(scratch);
+                    for (int i = 0; i < NOUT; i++)
+                        if (memcmp(want[i], got[i], sizeof(float) * (size_t)M * Ns[i]) != 0)
+                            fail_msg("%s isa %d: output %d of a multi matmul differs (M=%d, %d "
+                                     "threads)", td_type_name(t), isa, i, M, p + 1);
+                }
+            }
+        }
+        for (int i = 0; i < NOUT; i++) {
+            free(w[i].w);
+            free(want[i]);
+            free(got[i]);
+        }
+        free(x);
+    }
+    for (int i = 0; i < 3; i++)
+        td_pool_free(pools[i]);
+}
+
 /* ---- row kernels ------------------------------------------------------------------- */
 
 static void test_row_kernels(void **state)
@@ -628,6 +685,7 @@ int main(void)
         cmocka_unit_test(test_block_quant),
         cmocka_unit_test(test_matmul_accuracy),
         cmocka_unit_test(test_matmul_batch_invariance),
+        cmocka_unit_test(test_matmul_multi),
         cmocka_unit_test(test_row_kernels),
         cmocka_unit_test(test_kv_kernels),
         cmocka_unit_test(test_rope),
