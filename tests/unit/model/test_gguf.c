@@ -9,6 +9,8 @@
 #include <stddef.h>
 #include <cmocka.h>
 
+#include "test_shared.h"
+
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -19,21 +21,9 @@
 
 /* ---- helpers ---------------------------------------------------------------- */
 
-static const char *shared_dir(void)
-{
-    const char *d = getenv("TD_SHARED_DIR");
-    struct stat st;
-    if (!d || stat(d, &st) != 0 || !S_ISDIR(st.st_mode))
-        fail_msg("the shared data folder is missing: TD_SHARED_DIR='%s'. Run the tests through "
-                 "ctest, or export TD_SHARED_DIR=/path/to/shared (it holds models/ and "
-                 "tokenizer/)",
-                 d ? d : "(unset)");
-    return d;
-}
-
 static void shared_path(char *buf, size_t cap, const char *rel)
 {
-    snprintf(buf, cap, "%s/%s", shared_dir(), rel);
+    snprintf(buf, cap, "%s/%s", td_test_shared_dir(), rel);
 }
 
 static void tmp_path(char *buf, size_t cap, const char *name)

@@ -8,6 +8,8 @@
 #include <stddef.h>
 #include <cmocka.h>
 
+#include "test_shared.h"
+
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -16,18 +18,6 @@
 
 #include "model/mkmodel.h"
 #include "model/model.h"
-
-static const char *shared_dir(void)
-{
-    const char *d = getenv("TD_SHARED_DIR");
-    struct stat st;
-    if (!d || stat(d, &st) != 0 || !S_ISDIR(st.st_mode))
-        fail_msg("the shared data folder is missing: TD_SHARED_DIR='%s'. Run the tests through "
-                 "ctest, or export TD_SHARED_DIR=/path/to/shared (it holds models/ and "
-                 "tokenizer/)",
-                 d ? d : "(unset)");
-    return d;
-}
 
 static void tmp_path(char *buf, size_t cap, const char *name)
 {
@@ -158,7 +148,7 @@ static void test_vocab_from(void **state)
 {
     (void)state;
     char vocab[1024], path[512];
-    snprintf(vocab, sizeof(vocab), "%s/tokenizer/ggml-vocab-llama-spm.gguf", shared_dir());
+    snprintf(vocab, sizeof(vocab), "%s/tokenizer/ggml-vocab-llama-spm.gguf", td_test_shared_dir());
     tmp_path(path, sizeof(path), "spm.gguf");
     td_model_shape s;
     td_err err;

@@ -8,6 +8,8 @@
 #include <stddef.h>
 #include <cmocka.h>
 
+#include "test_shared.h"
+
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -17,18 +19,6 @@
 
 #include "model/mkmodel.h"
 #include "model/model.h"
-
-static const char *shared_dir(void)
-{
-    const char *d = getenv("TD_SHARED_DIR");
-    struct stat st;
-    if (!d || stat(d, &st) != 0 || !S_ISDIR(st.st_mode))
-        fail_msg("the shared data folder is missing: TD_SHARED_DIR='%s'. Run the tests through "
-                 "ctest, or export TD_SHARED_DIR=/path/to/shared (it holds models/ and "
-                 "tokenizer/)",
-                 d ? d : "(unset)");
-    return d;
-}
 
 static void tmp_path(char *buf, size_t cap, const char *name)
 {
@@ -46,7 +36,7 @@ static void tmp_path(char *buf, size_t cap, const char *name)
 static td_model *load_shared(const char *rel)
 {
     char path[1024];
-    snprintf(path, sizeof(path), "%s/%s", shared_dir(), rel);
+    snprintf(path, sizeof(path), "%s/%s", td_test_shared_dir(), rel);
     td_model *m;
     td_err err;
     if (td_model_load(&m, path, &err)) fail_msg("%s", err.msg);
@@ -218,7 +208,7 @@ static void test_bad_models(void **state)
 {
     (void)state;
     char src[1024], dst[512];
-    snprintf(src, sizeof(src), "%s/models/stories260K.gguf", shared_dir());
+    snprintf(src, sizeof(src), "%s/models/stories260K.gguf", td_test_shared_dir());
     tmp_path(dst, sizeof(dst), "bad.gguf");
     td_model *m = NULL;
     td_err err;
@@ -275,9 +265,9 @@ static void test_bad_models(void **state)
     /* not a model at all */
     assert_err(td_model_load(&m, "/nonexistent/model.gguf", &err), err, TD_EIO, "cannot open");
     char path[1024];
-    snprintf(path, sizeof(path), "%s/tokenizer/ggml-vocab-gpt-2.gguf", shared_dir());
+    snprintf(path, sizeof(path), "%s/tokenizer/ggml-vocab-gpt-2.gguf", td_test_shared_dir());
     assert_err(td_model_load(&m, path, &err), err, TD_EUNSUPPORTED, "architecture 'gpt2'");
-    snprintf(path, sizeof(path), "%s/tokenizer/ggml-vocab-llama-spm.gguf", shared_dir());
+    snprintf(path, sizeof(path), "%s/tokenizer/ggml-vocab-llama-spm.gguf", td_test_shared_dir());
     assert_err(td_model_load(&m, path, &err), err, TD_EFORMAT,
                "missing tensor 'token_embd.weight'");
 }
