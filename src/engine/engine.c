@@ -4,9 +4,10 @@
  *
  * Memory is planned once, at creation, in this order: weights (mapped), the
  * activation workspace for a step of max_num_batched_tokens tokens and
- * max_num_seqs logit rows, then the KV block pool from the KV budget. Nothing
- * on the step path allocates except the per-request arrays that grow with a
- * request's own generated text, so a step can never run out of memory.
+ * max_num_seqs logit rows, then the KV block pool from the KV budget. The step
+ * allocates nothing for compute or KV; only a request's generated text and the
+ * output queue (reused every step) can grow, so a step never runs out of KV or
+ * workspace memory.
  */
 #include "engine/engine_internal.h"
 
@@ -289,6 +290,27 @@ static char *xstrdup(const char *s)
     return d;
 }
 
+/*
+ * A live request is always in exactly one of the two lists, so giving both room for every
+ * live request here, when one is added, means the step can move requests between them
+ * (admission, preemption) without ever allocating.
+ */
+static int reserve_lists(td_engine *e, int n)
+{
+    if (n <= e->cap_waiting && n <= e->cap_running) return 0;
+    int cap = TD_MAX(16, TD_MAX(e->cap_waiting, e->cap_running) * 2);
+    while (cap < n) cap *= 2;
+    req **w = realloc(e->waiting, (size_t)cap * sizeof(req *));
+    if (!w) return TD_ENOMEM;
+    e->waiting = w;
+    e->cap_waiting = cap;
+    req **r = realloc(e->running, (size_t)cap * sizeof(req *));
+    if (!r) return TD_ENOMEM;
+    e->running = r;
+    e->cap_running = cap;
+    return 0;
+}
+
 int td_engine_add_request(td_engine *e, uint64_t *out_id, const int32_t *prompt, int n_prompt,
                           const td_sampling *sp, td_err *err)
 {
@@ -361,13 +383,7 @@ int td_engine_add_request(td_engine *e, uint64_t *out_id, const int32_t *prompt,
     r->t_arrival = td_now_s();
     td_rng_seed(&r->rng, sp->has_seed ? sp->seed : td_rng_next(&e->rng));
     tok_stream_init(&r->ts, e->tok, sp->skip_special_tokens);
-    if (e->n_waiting == e->cap_waiting) {
-        int cap = e->cap_waiting ? e->cap_waiting * 2 : 16;
-        req **w = realloc(e->waiting, (size_t)cap * sizeof(req *));
-        if (!w) goto oom;
-        e->waiting = w;
-        e->cap_waiting = cap;
-    }
+    if (reserve_lists(e, e->n_waiting + e->n_running + 1) != 0) goto oom;
     e->waiting[e->n_waiting++] = r;
     if (out_id) *out_id = r->id;
     return 0;

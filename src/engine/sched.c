@@ -137,13 +137,7 @@ static void preempt(td_engine *e, req *r)
     r->state = REQ_WAITING;
     r->n_preemptions++;
     e->stats.num_preemptions++;
-    if (e->n_waiting == e->cap_waiting) {
-        int cap = e->cap_waiting ? e->cap_waiting * 2 : 16;
-        req **w = realloc(e->waiting, (size_t)cap * sizeof(req *));
-        TD_ASSERT(w);
-        e->waiting = w;
-        e->cap_waiting = cap;
-    }
+    TD_ASSERT(e->n_waiting < e->cap_waiting); /* reserved by td_engine_add_request */
     memmove(&e->waiting[1], &e->waiting[0], (size_t)e->n_waiting * sizeof(req *));
     e->waiting[0] = r;
     e->n_waiting++;
@@ -342,13 +336,7 @@ int sched__step(td_engine *e, td_err *err)
         }
         memmove(&e->waiting[0], &e->waiting[1], (size_t)(e->n_waiting - 1) * sizeof(req *));
         e->n_waiting--;
-        if (e->n_running == e->cap_running) {
-            int cap = e->cap_running ? e->cap_running * 2 : 16;
-            req **rr = realloc(e->running, (size_t)cap * sizeof(req *));
-            TD_ASSERT(rr);
-            e->running = rr;
-            e->cap_running = cap;
-        }
+        TD_ASSERT(e->n_running < e->cap_running); /* reserved by td_engine_add_request */
         e->running[e->n_running++] = r;
         r->state = REQ_RUNNING;
         r->admitted_once = true;
