@@ -4,9 +4,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 pkgs=(build-essential cmake pkg-config clang libevent-dev libcjson-dev libpcre2-dev
-      libcmocka-dev libcurl4-openssl-dev libclang-rt-14-dev nodejs npm)
+      libcmocka-dev libcurl4-openssl-dev libclang-rt-14-dev)
 missing=()
 for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+# Node.js + npm (for the openai-client tests): a NodeSource nodejs bundles npm and
+# conflicts with Debian's npm package, so ask for them only when absent.
+command -v node >/dev/null || missing+=(nodejs)
+command -v npm >/dev/null || missing+=(npm)
 if ((${#missing[@]})); then
     SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
     $SUDO apt-get update -qq
