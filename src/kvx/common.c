@@ -468,3 +468,23 @@ int kvx__recv_frame(int fd, uint8_t *buf, size_t cap, kvx_msg *m, uint64_t deadl
     if (rc) return rc;
     return kvx_wire_decode(&h, buf, h.payload_len, m, err);
 }
+
+const char *kvx_protocol_name(kvx_protocol p)
+{
+    switch (p) {
+    case KVX_PROTO_TCP: return "tcp";
+    case KVX_PROTO_SHM: return "shm";
+    case KVX_PROTO_UCX: return "ucx";
+    }
+    return "?";
+}
+
+bool kvx_protocol_available(kvx_protocol p)
+{
+    switch (p) {
+    case KVX_PROTO_TCP: return true;
+    case KVX_PROTO_SHM: return false; /* until the shm transport exists */
+    case KVX_PROTO_UCX: return false; /* until the ucx transport exists */
+    }
+    return false;
+}

@@ -67,7 +67,24 @@ typedef struct kvx_region {
     uint64_t segment_stride; /* bytes from one segment to the next */
     uint64_t block_bytes;    /* bytes of one block in one segment */
     uint32_t n_blocks;       /* blocks per segment; n_blocks * block_bytes <= stride */
+    /* Producer side, for the shm transport: the region lives in a memfd (shm_fd) at
+     * shm_offset, so same-host consumers can map it. shm false: not shareable. */
+    bool shm;
+    int shm_fd;
+    uint64_t shm_offset;
 } kvx_region;
+
+/** How a consumer moves bytes. The producer's agent serves every protocol it can. */
+typedef enum kvx_protocol {
+    KVX_PROTO_TCP = 0, /* several TCP connections per peer, scatter-gather */
+    KVX_PROTO_SHM = 1, /* same host: copy out of the producer's memfd mapping */
+    KVX_PROTO_UCX = 2, /* UCX get (RDMA where present; tcp/sm in tests); built with UCX */
+} kvx_protocol;
+
+/** "tcp", "shm", "ucx". */
+const char *kvx_protocol_name(kvx_protocol p);
+/** Whether this build (and, for shm, this OS) supports a protocol. */
+bool kvx_protocol_available(kvx_protocol p);
 
 /**
  * Compare two layouts. Returns 0 when equal, else TD_EPROTO with a message naming the
@@ -127,6 +144,9 @@ typedef struct kvx_agent_opts {
     int max_connections; /* 0 = 256 */
     kvx_release_fn release_cb;
     void *release_user;
+    /* Shared secret: when set (non-empty), every connection must pass the challenge-
+     * response before anything else; NULL or "" = no authentication. Copied. */
+    const char *auth_token;
 } kvx_agent_opts;
 
 typedef struct kvx_agent kvx_agent;
@@ -179,6 +199,8 @@ typedef struct kvx_client_opts {
     int qp_per_transfer;          /* connections per peer and pieces per transfer; 0 = 4 */
     uint32_t transfer_timeout_ms; /* default deadline; 0 = 30000 */
     bool verify_checksums;        /* default on */
+    kvx_protocol protocol;        /* default tcp */
+    const char *auth_token;       /* shared secret for the challenge-response; NULL = none */
 } kvx_client_opts;
 
 typedef struct kvx_client kvx_client;
