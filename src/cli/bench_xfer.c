@@ -288,10 +288,12 @@ int cli_bench_xfer(int argc, char **argv)
         memcpy(b.prod + i, &v, 8);
     }
     memset(b.cons, 1, b.seg_cons * (uint64_t)segments); /* fault the pages in */
-    b.prod_region = (kvx_region){b.prod, (uint32_t)segments, b.seg_prod, block_bytes,
-                                 (uint32_t)(b.seg_prod / block_bytes)};
-    b.cons_region = (kvx_region){b.cons, (uint32_t)segments, b.seg_cons, block_bytes,
-                                 (uint32_t)(b.seg_cons / block_bytes)};
+    b.prod_region = (kvx_region){.base = b.prod, .n_segments = (uint32_t)segments, .segment_stride = b.seg_prod,
+                                 .block_bytes = block_bytes,
+                                 .n_blocks = (uint32_t)(b.seg_prod / block_bytes)};
+    b.cons_region = (kvx_region){.base = b.cons, .n_segments = (uint32_t)segments, .segment_stride = b.seg_cons,
+                                 .block_bytes = block_bytes,
+                                 .n_blocks = (uint32_t)(b.seg_cons / block_bytes)};
 
     kvx_layout layout = {.model_fingerprint = 1, .n_layers = (uint32_t)segments};
     kvx_agent_opts ao;

@@ -44,7 +44,8 @@ static void pool_init(pool *p, uint64_t seed)
     } else {
         memset(p->mem, 0, (size_t)N_SEG * STRIDE);
     }
-    p->region = (kvx_region){p->mem, N_SEG, STRIDE, BLOCK_BYTES, N_BLOCKS};
+    p->region = (kvx_region){.base = p->mem, .n_segments = N_SEG, .segment_stride = STRIDE,
+                             .block_bytes = BLOCK_BYTES, .n_blocks = N_BLOCKS};
 }
 
 static uint8_t *blk(pool *p, int seg, int b)
@@ -513,11 +514,11 @@ static void test_odd_geometry(void **state)
     kvx_agent_opts ao;
     kvx_agent_opts_default(&ao);
     ao.layout = l;
-    ao.region = (kvx_region){pm, SEGS, STR, BB, NB};
+    ao.region = (kvx_region){.base = pm, .n_segments = SEGS, .segment_stride = STR, .block_bytes = BB, .n_blocks = NB};
     kvx_client_opts co;
     kvx_client_opts_default(&co);
     co.layout = l;
-    co.region = (kvx_region){cm, SEGS, STR, BB, NB};
+    co.region = (kvx_region){.base = cm, .n_segments = SEGS, .segment_stride = STR, .block_bytes = BB, .n_blocks = NB};
     co.qp_per_transfer = 3;
     kvx_agent *a;
     kvx_client *c;
