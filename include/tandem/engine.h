@@ -40,6 +40,8 @@ typedef struct td_engine_config {
     int max_num_batched_tokens;  /* tokens per step, prefill chunks + decodes (default 512) */
     int max_model_len;           /* context limit; 0 = the model's trained context */
     bool enable_prefix_caching;  /* default true */
+    bool kv_shareable;           /* put the KV pool in a memfd (td_kv_info.shm_fd) so that a
+                                    same-host transfer peer can map it */
 } td_engine_config;
 
 /** Fill defaults. */
@@ -87,7 +89,50 @@ void td_sampling_default(td_sampling *sp);
 int td_engine_add_request(td_engine *e, uint64_t *out_id, const int32_t *prompt, int n_prompt,
                           const td_sampling *sp, td_err *err);
 
-/** Abort a request; its final output (TD_FINISH_ABORT) appears at the next poll.
+/* ---- prefill/decode disaggregation ---------------------------------------------
+ * The engine moves no bytes itself. A producer (prefill) keeps a finished request's
+ * prompt KV for someone else to read; a consumer (decode) lets the caller copy a prompt's
+ * KV into blocks it allocated, then continues from the producer's first token. */
+
+typedef struct td_request_kv {
+    bool hold;           /* producer: at a normal end (stop or length) keep the prompt's KV
+                            blocks until td_engine_kv_release(id) */
+    bool remote;         /* consumer: the prompt's KV is loaded by the caller (kv_load) */
+    int32_t first_token; /* with remote: the token the producer sampled; it is appended as
+                            the first generated token, not sampled again */
+} td_request_kv;
+
+/** td_engine_add_request with a KV role; kv may be NULL (a plain request). */
+int td_engine_add_request_kv(td_engine *e, uint64_t *out_id, const int32_t *prompt, int n_prompt,
+                             const td_sampling *sp, const td_request_kv *kv, td_err *err);
+
+/**
+ * A remote request's copy ended. status 0: the KV is in place; the first token is emitted
+ * now and decoding continues. Otherwise, with recompute the request computes its prompt
+ * locally (still emitting the producer's first token), else it ends with TD_FINISH_ERROR
+ * and msg. An abort that arrived during the copy takes effect here. TD_ENOTFOUND if id is
+ * not loading.
+ */
+int td_engine_kv_loaded(td_engine *e, uint64_t id, int status, bool recompute, const char *msg);
+
+/** Give back the blocks that a held request kept. TD_ENOTFOUND if it holds none. */
+int td_engine_kv_release(td_engine *e, uint64_t id);
+
+/** What a transfer engine needs to know about the KV pool. */
+typedef struct td_kv_info {
+    uint64_t model_fingerprint;
+    int n_layers, n_kv_heads, head_dim, block_size;
+    int kv_dtype;              /* td_type of the elements */
+    const char *kv_dtype_name; /* "f16", ... */
+    void *base;                /* block b of layer l: base + l * layer_bytes + b * block_bytes */
+    size_t layer_bytes, block_bytes;
+    int n_blocks;
+    int shm_fd;                /* the memfd of the pool (kv_shareable), else -1 */
+} td_kv_info;
+void td_engine_kv_info(const td_engine *e, td_kv_info *out);
+
+/** Abort a request; its final output (TD_FINISH_ABORT) appears at the next poll (for a
+ *  remote request whose KV is being copied: after td_engine_kv_loaded).
  *  Returns TD_ENOTFOUND for an unknown or already finished id. */
 int td_engine_abort(td_engine *e, uint64_t id);
 
@@ -133,8 +178,21 @@ typedef struct td_output {
     const int32_t *top_ids;
     const float *top_logprobs;
     /* Timing (seconds, monotonic clock): when the request was added, first scheduled, and
-     * produced its first token; 0 when not yet. */
-    double t_arrival, t_first_scheduled, t_first_token;
+     * produced its first token; 0 when not yet. t_kv_loaded: when a remote request's KV
+     * arrived (td_engine_kv_loaded), 0 otherwise. */
+    double t_arrival, t_first_scheduled, t_first_token, t_kv_loaded;
+    /* Prefill/decode disaggregation (see td_request_kv):
+     *  - kv_load (token -1, finish NONE): a remote request has its blocks. Copy the prompt's
+     *    KV into kv_blocks[kv_skip .. n_kv_blocks) (the first kv_skip blocks are prefix-cache
+     *    hits that already hold it), then call td_engine_kv_loaded exactly once.
+     *  - the final output of a request added with hold: kv_blocks[0 .. n_kv_blocks) are the
+     *    blocks that hold its prompt's KV, in order, kept until td_engine_kv_release
+     *    (n_kv_blocks is 0 when nothing is held: the request ended by abort or error).
+     * kv_blocks stays valid until the next step (load) or the release (hold). */
+    bool kv_load;
+    const int32_t *kv_blocks;
+    int n_kv_blocks;
+    int kv_skip;
 } td_output;
 
 /** Next queued output; returns false when none is left. */
@@ -151,6 +209,13 @@ typedef struct td_engine_stats {
     uint64_t steps;
     uint64_t tokens_prefilled;
     uint64_t tokens_decoded;
+    int num_loading;         /* remote requests whose KV is being copied in */
+    int num_held;            /* finished requests whose KV is held for a consumer */
+    int num_blocks_held;     /* blocks those hold */
+    uint64_t kv_loads;       /* remote loads completed */
+    uint64_t kv_load_failures;
+    uint64_t kv_tokens_loaded;   /* prompt tokens whose KV was copied in */
+    uint64_t kv_tokens_skipped;  /* remote prompt tokens found in the local prefix cache */
 } td_engine_stats;
 
 void td_engine_get_stats(const td_engine *e, td_engine_stats *st);

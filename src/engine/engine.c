@@ -157,7 +157,8 @@ int td_engine_create(td_engine **out, const td_engine_config *cfg, td_err *err)
         goto fail;
     }
     if (n_blocks > INT32_MAX / 2) n_blocks = INT32_MAX / 2;
-    rc = kv_pool_init(&e->kv, s->n_layer, kvd, cfg->block_size, kv_type, (int)n_blocks, err);
+    rc = kv_pool_init(&e->kv, s->n_layer, kvd, cfg->block_size, kv_type, (int)n_blocks,
+                      cfg->kv_shareable, err);
     if (rc) goto fail;
     e->root_hash = td_hash64(&e->model->fingerprint, sizeof(uint64_t), (uint64_t)kv_type);
 
@@ -211,6 +212,8 @@ void td_engine_free(td_engine *e)
     for (int i = 0; i < e->n_running; i++) req__free(e->running[i]);
     free(e->waiting);
     free(e->running);
+    for (int i = 0; i < e->n_holds; i++) free(e->holds[i].blocks);
+    free(e->holds);
     fwd_free(&e->fwd);
     kv_pool_free(&e->kv);
     sampler_scratch_free(&e->samp);
@@ -261,7 +264,35 @@ void td_engine_describe(const td_engine *e, char *buf, size_t cap)
 
 bool td_engine_has_work(const td_engine *e)
 {
-    return e->n_waiting > 0 || e->n_running > 0;
+    return e->n_waiting > 0 || e->n_running > e->n_loading;
+}
+
+int td_engine_kv_loaded(td_engine *e, uint64_t id, int status, bool recompute, const char *msg)
+{
+    return sched__kv_loaded(e, id, status, recompute, msg);
+}
+
+int td_engine_kv_release(td_engine *e, uint64_t id)
+{
+    return sched__kv_release(e, id);
+}
+
+void td_engine_kv_info(const td_engine *e, td_kv_info *out)
+{
+    const td_model_shape *s = &e->model->shape;
+    memset(out, 0, sizeof(*out));
+    out->model_fingerprint = e->model->fingerprint;
+    out->n_layers = e->kv.n_layers;
+    out->n_kv_heads = s->n_head_kv;
+    out->head_dim = e->kv.kv_dim / (s->n_head_kv ? s->n_head_kv : 1);
+    out->block_size = e->kv.block_size;
+    out->kv_dtype = (int)e->kv.dtype;
+    out->kv_dtype_name = td_type_name(e->kv.dtype);
+    out->base = e->kv.base;
+    out->layer_bytes = e->kv.layer_bytes;
+    out->block_bytes = e->kv.block_bytes;
+    out->n_blocks = e->kv.n_blocks;
+    out->shm_fd = e->kv.fd;
 }
 
 int td_engine_num_running(const td_engine *e)
@@ -280,6 +311,7 @@ void td_engine_get_stats(const td_engine *e, td_engine_stats *st)
     st->num_blocks_total = e->kv.n_blocks;
     st->num_blocks_free = e->kv.n_free;
     st->num_blocks_cached = e->kv.n_cached;
+    st->num_loading = e->n_loading;
 }
 
 static char *xstrdup(const char *s)
@@ -314,7 +346,18 @@ static int reserve_lists(td_engine *e, int n)
 int td_engine_add_request(td_engine *e, uint64_t *out_id, const int32_t *prompt, int n_prompt,
                           const td_sampling *sp, td_err *err)
 {
+    return td_engine_add_request_kv(e, out_id, prompt, n_prompt, sp, NULL, err);
+}
+
+int td_engine_add_request_kv(td_engine *e, uint64_t *out_id, const int32_t *prompt, int n_prompt,
+                             const td_sampling *sp, const td_request_kv *kv, td_err *err)
+{
     const int n_vocab = e->model->shape.n_vocab;
+    if (kv && kv->hold && kv->remote)
+        return td_err_set(err, TD_EINVAL, "a request cannot both hold its KV and load it remotely");
+    if (kv && kv->remote && (kv->first_token < 0 || kv->first_token >= n_vocab))
+        return td_err_set(err, TD_EINVAL, "the remote first token %d is outside the vocabulary [0, %d)",
+                          kv->first_token, n_vocab);
     if (n_prompt < 1) return td_err_set(err, TD_EINVAL, "the prompt is empty");
     for (int i = 0; i < n_prompt; i++)
         if (prompt[i] < 0 || prompt[i] >= n_vocab)
@@ -380,6 +423,12 @@ int td_engine_add_request(td_engine *e, uint64_t *out_id, const int32_t *prompt,
     r->include_stop_str = sp->include_stop_str_in_output;
     r->skip_special = sp->skip_special_tokens;
     r->logprobs = sp->logprobs;
+    r->forced_token = -1;
+    if (kv) {
+        r->hold = kv->hold;
+        r->remote = kv->remote;
+        r->first_token = kv->first_token;
+    }
     r->t_arrival = td_now_s();
     td_rng_seed(&r->rng, sp->has_seed ? sp->seed : td_rng_next(&e->rng));
     tok_stream_init(&r->ts, e->tok, sp->skip_special_tokens);
@@ -412,6 +461,10 @@ int td_engine_abort(td_engine *e, uint64_t id)
     i = find_in(e->running, e->n_running, id);
     if (i >= 0) {
         req *r = e->running[i];
+        if (r->state == REQ_LOADING) { /* its blocks are being written: end it after the copy */
+            r->abort_pending = true;
+            return 0;
+        }
         memmove(&e->running[i], &e->running[i + 1], (size_t)(e->n_running - i - 1) * sizeof(req *));
         e->n_running--;
         sched__finish(e, r, TD_FINISH_ABORT, NULL);

@@ -13,7 +13,9 @@
 #include "model/tok.h"
 #include "tandem/engine.h"
 
-typedef enum req_state { REQ_WAITING = 0, REQ_RUNNING = 1 } req_state;
+/* LOADING: a remote request that has its blocks and waits for td_engine_kv_loaded; it
+ * is in the running list (it holds blocks) but is never scheduled or preempted. */
+typedef enum req_state { REQ_WAITING = 0, REQ_RUNNING = 1, REQ_LOADING = 2 } req_state;
 
 typedef struct req {
     uint64_t id;
@@ -46,8 +48,23 @@ typedef struct req {
     size_t emitted;     /* bytes of text already given to the caller */
     int n_generated;
     int logprobs;       /* top-N log-probabilities wanted per step (0 = none) */
-    double t_arrival, t_first_scheduled, t_first_token;
+    double t_arrival, t_first_scheduled, t_first_token, t_kv_loaded;
+
+    /* disaggregation (td_request_kv) */
+    bool hold;           /* producer: keep the prompt's blocks at a normal end */
+    bool remote;         /* consumer: KV comes from the caller, until loaded */
+    bool abort_pending;  /* aborted while LOADING: ends when the copy ends */
+    int32_t first_token; /* remote: the producer's token */
+    int32_t forced_token;/* recompute after a failed load: emit this instead of sampling */
+    int kv_skip;         /* remote: blocks found in the local prefix cache */
 } req;
+
+/* A finished request's prompt blocks kept for a consumer (td_request_kv.hold). */
+typedef struct kv_hold {
+    uint64_t id;
+    int32_t *blocks;
+    int n_blocks;
+} kv_hold;
 
 /* One queued output: text lives in the engine's output arena at text_off. */
 typedef struct out_rec {
@@ -89,6 +106,10 @@ struct td_engine {
     char *arena;
     size_t arena_len, arena_cap;
 
+    kv_hold *holds;
+    int n_holds, cap_holds;
+    int n_loading;       /* running requests in REQ_LOADING */
+
     td_engine_stats stats;
 };
 
@@ -96,6 +117,8 @@ struct td_engine {
 void sched__release_blocks(td_engine *e, req *r);
 void sched__finish(td_engine *e, req *r, td_finish why, const char *error);
 int sched__step(td_engine *e, td_err *err);
+int sched__kv_loaded(td_engine *e, uint64_t id, int status, bool recompute, const char *msg);
+int sched__kv_release(td_engine *e, uint64_t id);
 void req__free(req *r);
 
 #endif

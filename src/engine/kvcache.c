@@ -4,6 +4,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <errno.h>
+#include <unistd.h>
 
 #define TAB_EMPTY 0ull
 #define TAB_TOMB 1ull
@@ -42,7 +44,7 @@ static void queue_push_back(kv_pool *p, int b)
 }
 
 int kv_pool_init(kv_pool *p, int n_layers, int kv_dim, int block_size, td_type dtype,
-                 int n_blocks, td_err *err)
+                 int n_blocks, bool shareable, td_err *err)
 {
     memset(p, 0, sizeof(*p));
     if (n_blocks < 1 || block_size < 1 || n_layers < 1 || kv_dim < 1)
@@ -61,9 +63,30 @@ int kv_pool_init(kv_pool *p, int n_layers, int kv_dim, int block_size, td_type d
     p->layer_bytes = (size_t)n_blocks * p->block_bytes;
     p->total_bytes = (size_t)n_layers * p->layer_bytes;
     /* mmap gives page-aligned, lazily zeroed memory: a big pool costs nothing until used. */
-    void *m = mmap(NULL, p->total_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (m == MAP_FAILED)
+    p->fd = -1;
+    void *m;
+    if (shareable) {
+        /* A memfd is shmem: also lazily committed, and mappable by a peer process that
+         * receives the descriptor (the shm transport). */
+        p->fd = memfd_create("tandem-kv-pool", MFD_CLOEXEC);
+        if (p->fd < 0)
+            return td_err_set(err, TD_EIO, "kv cache: memfd_create: %s", strerror(errno));
+        if (ftruncate(p->fd, (off_t)p->total_bytes) != 0) {
+            int e = errno;
+            close(p->fd);
+            p->fd = -1;
+            return td_err_set(err, TD_ENOMEM, "kv cache: cannot size the shared pool to %zu bytes: %s",
+                              p->total_bytes, strerror(e));
+        }
+        m = mmap(NULL, p->total_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, p->fd, 0);
+    } else {
+        m = mmap(NULL, p->total_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    }
+    if (m == MAP_FAILED) {
+        if (p->fd >= 0) close(p->fd);
+        p->fd = -1;
         return td_err_set(err, TD_ENOMEM, "kv cache: cannot map %zu bytes", p->total_bytes);
+    }
     p->base = m;
     /* Transparent huge pages where the system allows them (advisory; failure is fine).
      * The pool stays lazy, in 2 MiB steps; attention walks many blocks of each layer,
@@ -92,7 +115,12 @@ int kv_pool_init(kv_pool *p, int n_layers, int kv_dim, int block_size, td_type d
 
 void kv_pool_free(kv_pool *p)
 {
-    if (p->base) munmap(p->base, p->total_bytes);
+    if (p->base) {
+        munmap(p->base, p->total_bytes);
+        if (p->fd >= 0) close(p->fd); /* only a mapped pool owns a descriptor */
+    }
+    p->base = NULL;
+    p->fd = -1;
     free(p->ref);
     free(p->hash);
     free(p->prev);

@@ -30,6 +30,7 @@ typedef struct kv_pool {
     size_t layer_bytes; /* n_blocks * block_bytes */
     uint8_t *base;      /* n_layers * layer_bytes, 64-byte aligned */
     size_t total_bytes;
+    int fd;             /* the memfd holding the pool when shareable, else -1 */
 
     int32_t *ref;       /* [n_blocks] */
     uint64_t *hash;     /* [n_blocks], 0 = not in the prefix index */
@@ -46,8 +47,12 @@ typedef struct kv_pool {
 /** Bytes that a pool of n_blocks needs (for memory planning). */
 size_t kv_pool_bytes(int n_layers, int kv_dim, int block_size, td_type dtype, int64_t n_blocks);
 
+/**
+ * shareable: put the pool in a memfd (p->fd) so that a same-host transfer peer can map
+ * it; otherwise it is private anonymous memory.
+ */
 int kv_pool_init(kv_pool *p, int n_layers, int kv_dim, int block_size, td_type dtype,
-                 int n_blocks, td_err *err);
+                 int n_blocks, bool shareable, td_err *err);
 void kv_pool_free(kv_pool *p);
 
 /** Take a free block (ref becomes 1), evicting its cached hash if it had one; -1 if none. */

@@ -63,6 +63,7 @@ static void out_push(td_engine *e, req *r, int32_t token, const char *text, size
     o->out.t_arrival = r->t_arrival;
     o->out.t_first_scheduled = r->t_first_scheduled;
     o->out.t_first_token = r->t_first_token;
+    o->out.t_kv_loaded = r->t_kv_loaded;
     if (error) snprintf(o->error, sizeof(o->error), "%s", error);
 }
 
@@ -129,6 +130,20 @@ static void lookup_prefix(td_engine *e, req *r)
     r->n_computed = r->n_blocks * bs;
     e->stats.prefix_queries_tokens += (uint64_t)r->n_tokens;
     e->stats.prefix_hits_tokens += (uint64_t)r->n_computed;
+}
+
+/* The newest running request that may be preempted (a LOADING one may not: its blocks
+ * are being written by the transfer engine). Removed from the running list. */
+static req *pop_victim(td_engine *e)
+{
+    for (int i = e->n_running - 1; i >= 0; i--) {
+        req *v = e->running[i];
+        if (v->state == REQ_LOADING) continue;
+        memmove(&e->running[i], &e->running[i + 1], (size_t)(e->n_running - i - 1) * sizeof(req *));
+        e->n_running--;
+        return v;
+    }
+    return NULL;
 }
 
 static void preempt(td_engine *e, req *r)
@@ -227,15 +242,55 @@ static size_t held_back(const req *r)
     return hold;
 }
 
-/* Account for a sampled token: stop checks, text, output. A request that ends here
- * releases its blocks and is marked finished; the step frees it. */
+/* Keep a finished producer request's prompt blocks for its consumer; the newest output
+ * (its final one) names them. Blocks past the prompt are released. */
+static void hold_blocks(td_engine *e, req *r)
+{
+    int keep = TD_MIN(r->n_blocks, (r->n_prompt + e->kv.block_size - 1) / e->kv.block_size);
+    int32_t *copy = keep > 0 ? malloc((size_t)keep * sizeof(int32_t)) : NULL;
+    bool room = true;
+    if (copy && e->n_holds == e->cap_holds) {
+        int cap = e->cap_holds ? e->cap_holds * 2 : 16;
+        kv_hold *g = realloc(e->holds, (size_t)cap * sizeof(*g));
+        if (g) {
+            e->holds = g;
+            e->cap_holds = cap;
+        } else {
+            room = false;
+        }
+    }
+    if (!copy || !room) { /* out of memory: nothing is held; the consumer recomputes */
+        free(copy);
+        sched__release_blocks(e, r);
+        return;
+    }
+    memcpy(copy, r->blocks, (size_t)keep * sizeof(int32_t));
+    for (int i = r->n_blocks - 1; i >= keep; i--) kv_release(&e->kv, r->blocks[i]);
+    r->n_blocks = 0; /* the references now belong to the hold */
+    r->n_hashed = 0;
+    r->n_computed = 0;
+    e->holds[e->n_holds++] = (kv_hold){r->id, copy, keep};
+    e->stats.num_held = e->n_holds;
+    e->stats.num_blocks_held += keep;
+    out_rec *o = &e->outs[e->n_outs - 1];
+    o->out.kv_blocks = copy;
+    o->out.n_kv_blocks = keep;
+}
+
+/* A request that ends here releases (or holds) its blocks and is marked finished; the
+ * step frees it. */
 static void end_request(td_engine *e, req *r, td_finish why, const char *error)
 {
-    sched__release_blocks(e, r);
     if (error) out_push(e, r, -1, "", 0, why, error);
+    if (r->hold && !error && (why == TD_FINISH_STOP || why == TD_FINISH_LENGTH))
+        hold_blocks(e, r);
+    else
+        sched__release_blocks(e, r);
     r->finished = true;
 }
 
+/* Account for a sampled token: stop checks, text, output. logits may be NULL (a token
+ * that came from a producer): then no log-probabilities. */
 static void accept_token(td_engine *e, req *r, int32_t tok, const float *logits)
 {
     if (!r->t_first_token) r->t_first_token = td_now_s();
@@ -275,7 +330,7 @@ static void accept_token(td_engine *e, req *r, int32_t tok, const float *logits)
     }
     r->emitted = emit_to;
     out_push(e, r, tok, r->text + emit_from, emit_to - emit_from, fin, NULL);
-    if (r->logprobs > 0) fill_logprobs(e, logits, tok, r->logprobs);
+    if (r->logprobs > 0 && logits) fill_logprobs(e, logits, tok, r->logprobs);
     if (fin != TD_FINISH_NONE) end_request(e, r, fin, NULL);
 }
 
@@ -297,15 +352,15 @@ int sched__step(td_engine *e, td_err *err)
     int n_sched = 0;
     bool preempted = false;
 
-    /* 1. Running requests, oldest first. */
+    /* 1. Running requests, oldest first (those whose KV is being copied in wait). */
     for (int i = 0; i < e->n_running && budget > 0; i++) {
         req *r = e->running[i];
+        if (r->state == REQ_LOADING) continue;
         int n = TD_MIN(r->n_tokens - r->n_computed, budget);
         TD_ASSERT(n > 0);
         bool self_preempted = false;
         while (!ensure_blocks(e, r, r->n_computed + n)) {
-            req *victim = e->running[e->n_running - 1];
-            e->n_running--;
+            req *victim = pop_victim(e); /* r itself at worst: never NULL */
             preempt(e, victim);
             preempted = true;
             if (victim == r) {
@@ -328,6 +383,29 @@ int sched__step(td_engine *e, td_err *err)
             r->n_cached_prompt = r->n_computed;
         } else {
             lookup_prefix(e, r); /* a preempted request may find its own blocks again */
+        }
+        if (r->remote) {
+            /* Blocks for the whole prompt now; the caller copies its KV in (no compute). */
+            if (!ensure_blocks(e, r, r->n_prompt)) {
+                sched__release_blocks(e, r);
+                break;
+            }
+            memmove(&e->waiting[0], &e->waiting[1], (size_t)(e->n_waiting - 1) * sizeof(req *));
+            e->n_waiting--;
+            TD_ASSERT(e->n_running < e->cap_running);
+            e->running[e->n_running++] = r;
+            r->state = REQ_LOADING;
+            e->n_loading++;
+            r->admitted_once = true;
+            r->kv_skip = r->n_computed / e->kv.block_size;
+            if (!r->t_first_scheduled) r->t_first_scheduled = td_now_s();
+            out_push(e, r, -1, "", 0, TD_FINISH_NONE, NULL);
+            out_rec *o = &e->outs[e->n_outs - 1];
+            o->out.kv_load = true;
+            o->out.kv_blocks = r->blocks;
+            o->out.n_kv_blocks = r->n_blocks;
+            o->out.kv_skip = r->kv_skip;
+            continue;
         }
         int n = TD_MIN(r->n_tokens - r->n_computed, budget);
         if (!ensure_blocks(e, r, r->n_computed + n)) {
@@ -380,6 +458,10 @@ int sched__step(td_engine *e, td_err *err)
         if (r->n_computed < r->n_tokens) continue; /* mid-prompt chunk: nothing to sample */
         const float *row = e->logits + (size_t)li * n_vocab;
         int32_t tok = sampler_sample(&r->sp, row, n_vocab, &r->rng, &e->samp);
+        if (r->forced_token >= 0) { /* a remote request recomputed after a failed load */
+            tok = r->forced_token;
+            r->forced_token = -1;
+        }
         li++;
         accept_token(e, r, tok, row);
     }
@@ -392,6 +474,81 @@ int sched__step(td_engine *e, td_err *err)
     }
     e->n_running = w;
     return T;
+}
+
+/* ---- disaggregation ---------------------------------------------------------- */
+
+static int find_running(const td_engine *e, uint64_t id)
+{
+    for (int i = 0; i < e->n_running; i++)
+        if (e->running[i]->id == id) return i;
+    return -1;
+}
+
+static void drop_running(td_engine *e, int i)
+{
+    memmove(&e->running[i], &e->running[i + 1], (size_t)(e->n_running - i - 1) * sizeof(req *));
+    e->n_running--;
+}
+
+int sched__kv_loaded(td_engine *e, uint64_t id, int status, bool recompute, const char *msg)
+{
+    int i = find_running(e, id);
+    if (i < 0 || e->running[i]->state != REQ_LOADING) return TD_ENOTFOUND;
+    req *r = e->running[i];
+    e->n_loading--;
+    r->remote = false;
+    r->t_kv_loaded = td_now_s();
+    if (r->abort_pending) {
+        drop_running(e, i);
+        sched__finish(e, r, TD_FINISH_ABORT, NULL);
+        return 0;
+    }
+    int bs = e->kv.block_size;
+    if (status == 0) {
+        e->stats.kv_loads++;
+        e->stats.kv_tokens_loaded += (uint64_t)(r->n_prompt - r->kv_skip * bs);
+        e->stats.kv_tokens_skipped += (uint64_t)(r->kv_skip * bs);
+        r->n_computed = r->n_prompt;
+        register_full_blocks(e, r);
+        r->state = REQ_RUNNING;
+        /* The producer sampled the first token; keep the RNG where it would be had we
+         * sampled it here, so seeded sampling continues exactly as in one engine. */
+        if (r->sp.temperature > 0.0f && r->sp.top_k != 1) (void)td_rng_float(&r->rng);
+        accept_token(e, r, r->first_token, NULL);
+        if (r->finished) {
+            drop_running(e, i);
+            req__free(r);
+        }
+        return 0;
+    }
+    e->stats.kv_load_failures++;
+    if (!recompute) {
+        drop_running(e, i);
+        sched__finish(e, r, TD_FINISH_ERROR, msg && msg[0] ? msg : "the KV transfer failed");
+        return 0;
+    }
+    /* Recompute from the prefix-cache hits: the rest of the blocks may hold anything, and
+     * the forward pass overwrites each position's K/V before attention reads it. */
+    r->n_computed = r->kv_skip * bs;
+    r->state = REQ_RUNNING;
+    r->forced_token = r->first_token;
+    return 0;
+}
+
+int sched__kv_release(td_engine *e, uint64_t id)
+{
+    for (int i = 0; i < e->n_holds; i++) {
+        if (e->holds[i].id != id) continue;
+        kv_hold h = e->holds[i];
+        e->holds[i] = e->holds[--e->n_holds];
+        for (int j = h.n_blocks - 1; j >= 0; j--) kv_release(&e->kv, h.blocks[j]);
+        free(h.blocks);
+        e->stats.num_held = e->n_holds;
+        e->stats.num_blocks_held -= h.n_blocks;
+        return 0;
+    }
+    return TD_ENOTFOUND;
 }
 
 int td_engine_step(td_engine *e, td_err *err)

@@ -13,7 +13,7 @@ static void test_layout_and_alloc(void **state)
     (void)state;
     kv_pool p;
     td_err err;
-    assert_int_equal(kv_pool_init(&p, 3, 64, 16, TD_TYPE_F16, 10, &err), 0);
+    assert_int_equal(kv_pool_init(&p, 3, 64, 16, TD_TYPE_F16, 10, false, &err), 0);
     assert_int_equal(p.token_bytes, 128);
     assert_int_equal(p.block_bytes, 2 * 16 * 128);
     assert_int_equal(p.n_free, 10);
@@ -41,7 +41,7 @@ static void test_prefix_index(void **state)
     (void)state;
     kv_pool p;
     td_err err;
-    assert_int_equal(kv_pool_init(&p, 1, 8, 4, TD_TYPE_F32, 4, &err), 0);
+    assert_int_equal(kv_pool_init(&p, 1, 8, 4, TD_TYPE_F32, 4, false, &err), 0);
     int32_t toks[8] = {1, 2, 3, 4, 5, 6, 7, 8};
     uint64_t h0 = kv_block_hash(99, toks, 4), h1 = kv_block_hash(h0, toks + 4, 4);
     assert_true(h0 != h1);
