@@ -36,9 +36,12 @@ int cli_serve(int argc, char **argv)
     flags[nf++] = CLI_FLAG("tp", CLI_FLAG_INT, &tp, "same as --tensor-parallel-size");
     flags[nf++] = CLI_FLAG("kv-transfer-config", CLI_FLAG_STR, &kv_json,
                            "JSON: kv_role (kv_producer|kv_consumer|kv_both, required), "
-                           "kv_connector, handshake_port, kv_ip, kv_port, kv_rank, "
-                           "kv_parallel_size, kv_buffer_device, kv_buffer_size, "
-                           "kv_connector_extra_config");
+                           "kv_connector (tandem|mooncake|moriio), protocol (tcp|shm|ucx), "
+                           "transfer_mode (read), handshake_port, kv_ip, num_worker_threads, "
+                           "qp_per_transfer, lease_ms, transfer_timeout_ms, "
+                           "kv_load_failure_policy (recompute|fail), verify_checksums, "
+                           "auth_token (or TANDEM_KV_TOKEN), proxy_ip, proxy_ping_port, "
+                           "http_port; see README");
     flags[nf++] = CLI_FLAG("chat-template", CLI_FLAG_STR, &chat,
                            "chatml | llama-2 | llama-3 | zephyr | mistral (default: detected "
                            "from the GGUF's tokenizer.chat_template)");
@@ -106,6 +109,9 @@ int cli_serve(int argc, char **argv)
         if (have_kv) srv_kv_config_free(&kv);
         return 2;
     }
+    /* A producer serving shm keeps its KV pool in a memfd that consumers map. */
+    cfg.kv_shareable = have_kv && kv.protocol == SRV_KV_SHM &&
+                       (kv.role == SRV_KV_PRODUCER || kv.role == SRV_KV_BOTH);
     td_err err = {0};
     td_engine *e = NULL;
     if (td_engine_create(&e, &cfg, &err)) {

@@ -56,7 +56,18 @@ typedef struct srv__req {
     struct evbuffer *pending; /* SSE bytes not yet written */
     struct event *watch;      /* notices the client closing while we have not replied */
     struct srv__req *prev, *next;
+
+    /* Prefill/decode (kv_transfer_params; one choice only). */
+    int kv_mode;                /* KV_* below */
+    pd_remote remote;           /* consumer: parsed, then moved to the engine thread */
+    char kv_reason[200];        /* consumer: why the remote KV is not used ("" if it is) */
+    double prod_queue_ms, prod_compute_ms; /* consumer: the producer's timing, if sent */
+    int32_t first_token;        /* the first generated token */
+    srv__out kv_res;            /* the final output's KV fields (kv_blocks owned here) */
+    double t_second;            /* when the second token arrived */
 } srv__req;
+
+enum { KV_NONE = 0, KV_PRODUCE = 1, KV_CONSUME = 2 };
 
 static const char *finish_name(td_finish f)
 {
@@ -86,6 +97,8 @@ static void req_free(srv__req *q)
     free(q->ch);
     if (q->pending) evbuffer_free(q->pending);
     srv_request_free(&q->r);
+    pd_remote_free(&q->remote);
+    free(q->kv_res.kv_blocks);
     free(q);
 }
 
@@ -241,6 +254,99 @@ static void logprobs_drain(srv__req *q, srv__choice *c, struct evbuffer *b)
     evbuffer_add(b, "}", 1);
 }
 
+/* ---- kv_transfer_params in responses ---- */
+
+static double ms(double a, double b)
+{
+    return a > 0 && b > 0 && b >= a ? (b - a) * 1e3 : 0.0;
+}
+
+/* The producer's answer: where the prompt's KV is and how to check it (ARCHITECTURE.md
+ * section 4), or do_remote_prefill false when nothing is held. */
+static cJSON *kv_producer_json(srv__req *q)
+{
+    srv_server *s = q->s;
+    const srv__out *o = &q->kv_res;
+    cJSON *k = cJSON_CreateObject();
+    cJSON_AddBoolToObject(k, "do_remote_decode", false);
+    if (!o->transfer_id[0]) {
+        cJSON_AddBoolToObject(k, "do_remote_prefill", false);
+        cJSON_AddStringToObject(k, "reason", "the prefill did not complete, so no KV is held");
+        return k;
+    }
+    cJSON_AddBoolToObject(k, "do_remote_prefill", true);
+    cJSON_AddStringToObject(k, "remote_engine_id", pd_engine_id(s->pd));
+    cJSON_AddStringToObject(k, "remote_host", pd_host(s->pd));
+    cJSON_AddNumberToObject(k, "remote_handshake_port", pd_port(s->pd));
+    cJSON_AddNumberToObject(k, "remote_port", pd_port(s->pd));
+    cJSON *ids = cJSON_AddArrayToObject(k, "remote_block_ids");
+    for (int i = 0; i < o->n_kv_blocks; i++)
+        cJSON_AddItemToArray(ids, cJSON_CreateNumber(o->kv_blocks[i]));
+    cJSON_AddStringToObject(k, "transfer_id", o->transfer_id);
+    cJSON_AddNumberToObject(k, "num_prompt_tokens", o->num_prompt_tokens);
+    cJSON_AddNumberToObject(k, "first_token_id", q->first_token);
+    cJSON_AddNumberToObject(k, "tp_size", s->cfg.tp_size > 0 ? s->cfg.tp_size : 1);
+    cJSON_AddNumberToObject(k, "dp_rank", 0);
+    cJSON_AddNumberToObject(k, "block_size", s->cfg.block_size);
+    cJSON_AddStringToObject(k, "kv_dtype", s->kv_dtype);
+    char fp[24];
+    snprintf(fp, sizeof(fp), "%016llx", (unsigned long long)s->model_fingerprint);
+    cJSON_AddStringToObject(k, "model_fingerprint", fp);
+    cJSON_AddNumberToObject(k, "lease_ms", pd_lease_ms(s->pd));
+    cJSON *t = cJSON_AddObjectToObject(k, "producer_timing");
+    cJSON_AddNumberToObject(t, "queue_ms", ms(o->t_arrival, o->t_first_scheduled));
+    cJSON_AddNumberToObject(t, "compute_ms", ms(o->t_first_scheduled, o->t_first_token));
+    return k;
+}
+
+/* The consumer's echo: do_remote_prefill true, how the KV arrived, and the timing. */
+static cJSON *kv_consumer_json(srv__req *q)
+{
+    const srv__out *o = &q->kv_res;
+    cJSON *k = cJSON_CreateObject();
+    cJSON_AddBoolToObject(k, "do_remote_prefill", true);
+    if (q->remote.engine_id[0]) cJSON_AddStringToObject(k, "remote_engine_id", q->remote.engine_id);
+    const char *how = q->kv_reason[0]                 ? "recomputed"
+                      : o->kv_state == SRV__KV_LOADED ? "transferred"
+                      : o->kv_state == SRV__KV_RECOMPUTED ? "recomputed"
+                      : o->kv_state == SRV__KV_FAILED     ? "failed"
+                                                          : "none";
+    cJSON_AddStringToObject(k, "kv_load", how);
+    if (q->kv_reason[0])
+        cJSON_AddStringToObject(k, "kv_load_error", q->kv_reason);
+    else if (o->kv_note[0])
+        cJSON_AddStringToObject(k, "kv_load_error", o->kv_note);
+    if (o->kv_state == SRV__KV_LOADED) {
+        cJSON_AddNumberToObject(k, "transferred_blocks", o->kv_info.n_blocks);
+        cJSON_AddNumberToObject(k, "cached_blocks", o->kv_blocks_cached);
+        cJSON_AddNumberToObject(k, "transferred_bytes", (double)o->kv_info.bytes);
+        cJSON_AddNumberToObject(k, "descriptors", o->kv_info.n_descriptors);
+    }
+    cJSON *t = cJSON_AddObjectToObject(k, "timing");
+    cJSON_AddNumberToObject(t, "producer_queue_ms", q->prod_queue_ms);
+    cJSON_AddNumberToObject(t, "producer_compute_ms", q->prod_compute_ms);
+    bool loaded = o->t_kv_loaded > 0;
+    cJSON_AddNumberToObject(t, "consumer_queue_ms", ms(o->t_arrival, o->t_first_scheduled));
+    cJSON_AddNumberToObject(t, "transfer_ms", loaded ? ms(o->t_first_scheduled, o->t_kv_loaded) : 0);
+    cJSON_AddNumberToObject(t, "transfer_wire_ms", o->kv_info.seconds * 1e3);
+    cJSON_AddNumberToObject(t, "first_decode_step_ms",
+                            loaded && q->t_second > 0 ? ms(o->t_kv_loaded, q->t_second) : 0);
+    return k;
+}
+
+/* Appends ,"kv_transfer_params":{...} when the request carried them. */
+static void kv_params_add(srv__req *q, struct evbuffer *b)
+{
+    if (!q->r.kv_transfer_params) return;
+    cJSON *k = q->kv_mode == KV_PRODUCE   ? kv_producer_json(q)
+               : q->kv_mode == KV_CONSUME ? kv_consumer_json(q)
+                                          : NULL;
+    char *text = cJSON_PrintUnformatted(k ? k : q->r.kv_transfer_params);
+    if (text) evbuffer_add_printf(b, ",\"kv_transfer_params\":%s", text);
+    free(text);
+    cJSON_Delete(k);
+}
+
 static void chunk_head(srv__req *q, struct evbuffer *b)
 {
     evbuffer_add_printf(
@@ -277,11 +383,7 @@ static void chunk(srv__req *q, int index, const char *text, size_t len, bool rol
         evbuffer_add(b, ",\"finish_reason\":null}]", 23);
     else
         evbuffer_add_printf(b, ",\"finish_reason\":\"%s\"}]", finish_name(fin));
-    if (fin != TD_FINISH_NONE && q->r.kv_transfer_params) {
-        char *kv = cJSON_PrintUnformatted(q->r.kv_transfer_params);
-        if (kv) evbuffer_add_printf(b, ",\"kv_transfer_params\":%s", kv);
-        free(kv);
-    }
+    if (fin != TD_FINISH_NONE) kv_params_add(q, b);
     evbuffer_add(b, "}\n\n", 3);
 }
 
@@ -345,11 +447,7 @@ static void send_complete(srv__req *q)
     }
     evbuffer_add(b, "],\"usage\":", 10);
     usage_json(q, b);
-    if (q->r.kv_transfer_params) {
-        char *kv = cJSON_PrintUnformatted(q->r.kv_transfer_params);
-        if (kv) evbuffer_add_printf(b, ",\"kv_transfer_params\":%s", kv);
-        free(kv);
-    }
+    kv_params_add(q, b);
     evbuffer_add(b, "}\n", 2);
     evhttp_add_header(evhttp_request_get_output_headers(q->req), "Content-Type",
                       "application/json");
@@ -426,9 +524,15 @@ static void flush(srv__req *q)
     }
 }
 
-static void choice_finished(srv_server *s, srv__req *q, srv__choice *c, const srv__out *o)
+static void choice_finished(srv_server *s, srv__req *q, srv__choice *c, srv__out *o)
 {
     c->done = true;
+    if (q->kv_mode != KV_NONE) { /* one choice: keep the final output's KV fields */
+        free(q->kv_res.kv_blocks);
+        q->kv_res = *o;
+        q->kv_res.text = q->kv_res.error = NULL;
+        o->kv_blocks = NULL; /* owned by q now */
+    }
     c->finish = o->finish;
     c->n_prompt = o->num_prompt_tokens;
     c->n_cached = o->num_cached_tokens;
@@ -470,7 +574,12 @@ void srv__handle_outputs(srv_server *s, srv__out *outs, int n)
         } else if (o->token >= 0) {
             double now = td_now_s();
             /* the engine's clock is the same monotonic clock as td_now_s */
-            if (c->n_gen == 0) c->t_first = o->t_first_token > 0 ? o->t_first_token : now;
+            if (c->n_gen == 0) {
+                c->t_first = o->t_first_token > 0 ? o->t_first_token : now;
+                q->first_token = o->token;
+            } else if (c->n_gen == 1) {
+                q->t_second = now;
+            }
             c->t_last = now;
             c->n_gen = o->num_generated > 0 ? o->num_generated : c->n_gen + 1;
             s->metrics.generation_tokens++;
@@ -614,6 +723,155 @@ fail:
     return TD_EINVAL;
 }
 
+/* ---- kv_transfer_params in requests ---- */
+
+static const cJSON *kv_get(const cJSON *o, const char *name)
+{
+    return cJSON_GetObjectItemCaseSensitive(o, name);
+}
+
+/* An integer field: 0, or TD_ENOTFOUND when absent, or TD_EINVAL when not an integer in
+ * [lo, hi]. */
+static int kv_int(const cJSON *o, const char *name, double lo, double hi, int64_t *out)
+{
+    const cJSON *v = kv_get(o, name);
+    if (!v) return TD_ENOTFOUND;
+    if (!cJSON_IsNumber(v) || v->valuedouble != floor(v->valuedouble) || v->valuedouble < lo ||
+        v->valuedouble > hi)
+        return TD_EINVAL;
+    *out = (int64_t)v->valuedouble;
+    return 0;
+}
+
+static bool kv_hex_id(const cJSON *o, const char *name, char out[KVX_ID_HEX])
+{
+    const cJSON *v = kv_get(o, name);
+    uint8_t id[KVX_ID_BYTES];
+    if (!cJSON_IsString(v) || strlen(v->valuestring) != KVX_ID_HEX - 1 ||
+        kvx_id_from_hex(v->valuestring, id) != 0)
+        return false;
+    memcpy(out, v->valuestring, KVX_ID_HEX);
+    return true;
+}
+
+/*
+ * Decide what kv_transfer_params ask of this request. do_remote_decode: this server is
+ * the producer (hold the prompt's KV). do_remote_prefill: this server is the consumer; the
+ * fields must be well-formed (a 400 otherwise: the router is broken), and must match this
+ * engine (block size, dtype, model, prompt length). A mismatch follows the failure
+ * policy: recompute (the request runs here from scratch, the response says why) or fail.
+ */
+static int kv_prepare(srv_server *s, srv__req *q, const prepared *p, int n_choices, srv_error *err)
+{
+    const cJSON *k = q->r.kv_transfer_params;
+    if (!k) return 0;
+    const char *P = "kv_transfer_params";
+    bool decode = cJSON_IsTrue(kv_get(k, "do_remote_decode"));
+    bool prefill = cJSON_IsTrue(kv_get(k, "do_remote_prefill"));
+    if (decode && prefill)
+        return srv_error_set(err, 400, "invalid_request_error", P,
+                             "do_remote_decode and do_remote_prefill cannot both be true");
+    if (!decode && !prefill) return 0; /* echoed as given */
+    if (n_choices != 1)
+        return srv_error_set(err, 400, "invalid_request_error", P,
+                             "a disaggregated request must have one prompt and n = 1 (it has "
+                             "%d choices)",
+                             n_choices);
+    if (decode) {
+        if (!s->kv_producer)
+            return srv_error_set(err, 400, "invalid_request_error", P,
+                                 "do_remote_decode: this server is not a KV producer (start it "
+                                 "with --kv-transfer-config '{\"kv_role\":\"kv_producer\"}')");
+        q->kv_mode = KV_PRODUCE;
+        return 0;
+    }
+    if (!s->kv_consumer)
+        return srv_error_set(err, 400, "invalid_request_error", P,
+                             "do_remote_prefill: this server is not a KV consumer (start it "
+                             "with --kv-transfer-config '{\"kv_role\":\"kv_consumer\"}')");
+    q->kv_mode = KV_CONSUME;
+    pd_remote *r = &q->remote;
+    const cJSON *host = kv_get(k, "remote_host");
+    int64_t port = 0, first = 0, n_prompt = 0, v = 0;
+    int prc = kv_int(k, "remote_handshake_port", 1, 65535, &port);
+    if (prc == TD_ENOTFOUND) prc = kv_int(k, "remote_port", 1, 65535, &port);
+    if (!cJSON_IsString(host) || !host->valuestring[0] || strlen(host->valuestring) >= sizeof(r->host))
+        return srv_error_set(err, 400, "invalid_request_error", P,
+                             "kv_transfer_params.remote_host must be a non-empty string");
+    if (prc)
+        return srv_error_set(err, 400, "invalid_request_error", P,
+                             "kv_transfer_params.remote_handshake_port (or remote_port) must be "
+                             "a port number");
+    if (!kv_hex_id(k, "remote_engine_id", r->engine_id) || !kv_hex_id(k, "transfer_id", r->transfer_id))
+        return srv_error_set(err, 400, "invalid_request_error", P,
+                             "kv_transfer_params.remote_engine_id and transfer_id must be 32 hex "
+                             "digits, as the producer returned them");
+    if (kv_int(k, "first_token_id", 0, s->n_vocab - 1, &first))
+        return srv_error_set(err, 400, "invalid_request_error", P,
+                             "kv_transfer_params.first_token_id must be a token id below %d",
+                             s->n_vocab);
+    if (kv_int(k, "num_prompt_tokens", 1, 1 << 30, &n_prompt))
+        return srv_error_set(err, 400, "invalid_request_error", P,
+                             "kv_transfer_params.num_prompt_tokens must be a positive integer");
+    const cJSON *ids = kv_get(k, "remote_block_ids");
+    int n_ids = cJSON_IsArray(ids) ? cJSON_GetArraySize(ids) : -1;
+    if (n_ids < 1 || n_ids > (1 << 20))
+        return srv_error_set(err, 400, "invalid_request_error", P,
+                             "kv_transfer_params.remote_block_ids must be a non-empty array");
+    r->blocks = malloc((size_t)n_ids * sizeof(int32_t));
+    if (!r->blocks) return srv_error_set(err, 500, "server_error", P, "out of memory");
+    const cJSON *it;
+    cJSON_ArrayForEach(it, ids)
+    {
+        if (!cJSON_IsNumber(it) || it->valuedouble != floor(it->valuedouble) || it->valuedouble < 0 ||
+            it->valuedouble > INT32_MAX)
+            return srv_error_set(err, 400, "invalid_request_error", P,
+                                 "kv_transfer_params.remote_block_ids must hold block numbers");
+        r->blocks[r->n_blocks++] = (int32_t)it->valuedouble;
+    }
+    snprintf(r->host, sizeof(r->host), "%s", host->valuestring);
+    r->port = (uint16_t)port;
+    q->first_token = (int32_t)first;
+    const cJSON *t = kv_get(k, "producer_timing");
+    if (cJSON_IsObject(t)) {
+        const cJSON *a = kv_get(t, "queue_ms"), *c = kv_get(t, "compute_ms");
+        if (cJSON_IsNumber(a)) q->prod_queue_ms = a->valuedouble;
+        if (cJSON_IsNumber(c)) q->prod_compute_ms = c->valuedouble;
+    }
+
+    /* Compatibility: a mismatch means the transferred KV would be wrong. */
+    int bs = s->cfg.block_size;
+    const cJSON *dt = kv_get(k, "kv_dtype"), *fp = kv_get(k, "model_fingerprint");
+    char ours[24];
+    snprintf(ours, sizeof(ours), "%016llx", (unsigned long long)s->model_fingerprint);
+    char *why = q->kv_reason;
+    size_t cap = sizeof(q->kv_reason);
+    if (n_prompt != p[0].n_ids)
+        snprintf(why, cap,
+                 "the producer's prompt had %lld tokens, this server tokenizes it to %d "
+                 "(different model or tokenizer?)",
+                 (long long)n_prompt, p[0].n_ids);
+    else if (kv_int(k, "block_size", 1, 1 << 20, &v) == 0 && v != bs)
+        snprintf(why, cap, "block_size differs: producer %lld, consumer %d", (long long)v, bs);
+    else if (cJSON_IsString(dt) && strcmp(dt->valuestring, s->kv_dtype))
+        snprintf(why, cap, "kv_dtype differs: producer %.20s, consumer %s", dt->valuestring,
+                 s->kv_dtype);
+    else if (cJSON_IsString(fp) && strcmp(fp->valuestring, ours))
+        snprintf(why, cap, "model_fingerprint differs: producer %.20s, consumer %s",
+                 fp->valuestring, ours);
+    else if (r->n_blocks != (p[0].n_ids + bs - 1) / bs)
+        snprintf(why, cap, "the producer sent %d block ids for %d prompt tokens (block size %d)",
+                 r->n_blocks, p[0].n_ids, bs);
+    if (!why[0]) return 0;
+    pd_release_remote(s->pd, r); /* the producer's blocks are of no use here */
+    if (!s->kv_recompute)
+        return srv_error_set(err, 400, "invalid_request_error", P,
+                             "cannot use the producer's KV: %s (kv_load_failure_policy is fail)",
+                             why);
+    TD_WARN("%s: recomputing the prompt: %s", q->id, why);
+    return 0;
+}
+
 static void fill_sampling(const srv_request *r, int sample_index, int max_tokens, td_sampling *sp)
 {
     td_sampling_default(sp);
@@ -677,6 +935,12 @@ void srv__handle_generate(srv_server *s, struct evhttp_request *req, srv_endpoin
     int n_prompts = 0;
     if (prepare(s, &q->r, &p, &n_prompts, &err)) goto reject;
     int n_choices = n_prompts * q->r.n;
+    snprintf(q->id, sizeof(q->id), "%s-%llx%06llx", ep == SRV_EP_CHAT ? "chatcmpl" : "cmpl",
+             (unsigned long long)time(NULL), (unsigned long long)++s->next_id);
+    if (kv_prepare(s, q, p, n_choices, &err)) {
+        prepared_free(p, n_prompts);
+        goto reject;
+    }
     if (s->outstanding + n_choices > s->max_num_seqs + s->cfg.max_queue) {
         prepared_free(p, n_prompts);
         s->metrics.rejected_queue_full++;
@@ -694,8 +958,6 @@ void srv__handle_generate(srv_server *s, struct evhttp_request *req, srv_endpoin
     q->pending = evbuffer_new();
     q->t_recv = td_now_s();
     q->created = (long)time(NULL);
-    snprintf(q->id, sizeof(q->id), "%s-%llx%06llx", ep == SRV_EP_CHAT ? "chatcmpl" : "cmpl",
-             (unsigned long long)q->created, (unsigned long long)++s->next_id);
     q->next = s->live;
     if (s->live) s->live->prev = q;
     s->live = q;
@@ -721,7 +983,22 @@ void srv__handle_generate(srv_server *s, struct evhttp_request *req, srv_endpoin
         for (int j = 0; j < q->r.n; j++) {
             td_sampling sp;
             fill_sampling(&q->r, j, p[pi].max_tokens, &sp);
-            if (srv__engine_add(&s->eng, q, pi * q->r.n + j, p[pi].ids, p[pi].n_ids, &sp) != 0)
+            td_request_kv kv = {.hold = q->kv_mode == KV_PRODUCE};
+            bool remote = q->kv_mode == KV_CONSUME && !q->kv_reason[0];
+            pd_remote moved = {0};
+            if (remote) {
+                kv.remote = true;
+                kv.first_token = q->first_token;
+                moved = q->remote; /* the engine thread owns the block list from here */
+                moved.blocks = malloc((size_t)q->remote.n_blocks * sizeof(int32_t));
+                if (moved.blocks)
+                    memcpy(moved.blocks, q->remote.blocks,
+                           (size_t)q->remote.n_blocks * sizeof(int32_t));
+                else
+                    moved.n_blocks = 0, kv.remote = false;
+            }
+            if (srv__engine_add(&s->eng, q, pi * q->r.n + j, p[pi].ids, p[pi].n_ids, &sp, &kv,
+                                kv.remote ? &moved : NULL) != 0)
                 goto posted_fail;
             posted++;
             q->outstanding++;
@@ -752,6 +1029,7 @@ posted_fail:
 
 reject:
     srv_request_free(&q->r);
+    pd_remote_free(&q->remote);
     free(q);
     srv__send_error(s, req, &err);
 }

@@ -19,7 +19,9 @@
 
 #include "server/server_impl.h"
 
-enum { CMD_ADD, CMD_ABORT };
+/* ADD and ABORT come from the I/O thread; KV_LOADED and KV_RELEASE from the transfer
+ * connector's threads. */
+enum { CMD_ADD, CMD_ABORT, CMD_KV_LOADED, CMD_KV_RELEASE };
 
 struct srv__cmd {
     int kind;
@@ -30,6 +32,13 @@ struct srv__cmd {
     td_sampling sp;
     char **stop; /* owned copies; sp.stop points here */
     int32_t *stop_ids;
+    td_request_kv kv;
+    pd_remote remote; /* owned; remote.blocks NULL when none */
+    /* KV_LOADED / KV_RELEASE */
+    uint64_t engine_id;
+    int status;
+    char msg[200];
+    pd_load_info info;
     srv__cmd *next;
 };
 
@@ -37,6 +46,13 @@ typedef struct srv__active {
     uint64_t engine_id;
     void *user;
     int choice;
+    pd_remote remote;  /* consumer: where the prompt's KV is (blocks NULL: none) */
+    bool load_started; /* consumer: pd_load ran, so pd releases the producer's lease */
+    int kv_state;      /* SRV__KV_* */
+    char kv_note[160];
+    double t_kv_loaded;
+    pd_load_info kv_info;
+    int kv_blocks_cached;
 } srv__active;
 
 static void cmd_free(srv__cmd *c)
@@ -46,6 +62,7 @@ static void cmd_free(srv__cmd *c)
     free(c->stop);
     free(c->stop_ids);
     free(c->ids);
+    pd_remote_free(&c->remote);
     free(c);
 }
 
@@ -53,6 +70,7 @@ void srv__out_free(srv__out *o)
 {
     free(o->text);
     free(o->error);
+    free(o->kv_blocks);
 }
 
 static char *dup_n(const char *s, size_t n)
@@ -96,7 +114,7 @@ static void push_reject(batch *b, void *user, int choice, const char *msg)
     o->text = dup_n("", 0);
 }
 
-static void active_add(srv__engine *x, uint64_t id, void *user, int choice)
+static srv__active *active_add(srv__engine *x, uint64_t id, void *user, int choice)
 {
     if (x->n_active == x->cap_active) {
         int cap = x->cap_active ? x->cap_active * 2 : 128;
@@ -105,7 +123,12 @@ static void active_add(srv__engine *x, uint64_t id, void *user, int choice)
         x->active = g;
         x->cap_active = cap;
     }
-    x->active[x->n_active++] = (srv__active){id, user, choice};
+    srv__active *a = &x->active[x->n_active++];
+    memset(a, 0, sizeof(*a));
+    a->engine_id = id;
+    a->user = user;
+    a->choice = choice;
+    return a;
 }
 
 static int active_find(const srv__engine *x, uint64_t id)
@@ -117,17 +140,84 @@ static int active_find(const srv__engine *x, uint64_t id)
 
 static void apply(srv__engine *x, srv__cmd *c, batch *b)
 {
-    if (c->kind == CMD_ADD) {
+    switch (c->kind) {
+    case CMD_ADD: {
         uint64_t id;
         td_err err = {0};
-        if (td_engine_add_request(x->engine, &id, c->ids, c->n_ids, &c->sp, &err))
+        if (td_engine_add_request_kv(x->engine, &id, c->ids, c->n_ids, &c->sp, &c->kv, &err)) {
             push_reject(b, c->user, c->choice, err.msg[0] ? err.msg : td_strerror(err.code));
-        else
-            active_add(x, id, c->user, c->choice);
-    } else {
+            if (c->remote.blocks && x->pd) pd_release_remote(x->pd, &c->remote);
+        } else {
+            srv__active *a = active_add(x, id, c->user, c->choice);
+            a->remote = c->remote; /* moved */
+            memset(&c->remote, 0, sizeof(c->remote));
+        }
+        break;
+    }
+    case CMD_ABORT:
         for (int i = 0; i < x->n_active; i++)
             if (x->active[i].user == c->user) td_engine_abort(x->engine, x->active[i].engine_id);
+        break;
+    case CMD_KV_LOADED: {
+        int k = active_find(x, c->engine_id);
+        if (k >= 0) {
+            srv__active *a = &x->active[k];
+            a->kv_info = c->info;
+            a->kv_state = c->status == 0      ? SRV__KV_LOADED
+                          : x->kv_recompute ? SRV__KV_RECOMPUTED
+                                            : SRV__KV_FAILED;
+            if (c->status) snprintf(a->kv_note, sizeof(a->kv_note), "%.150s", c->msg);
+        }
+        char msg[240];
+        snprintf(msg, sizeof(msg), "kv transfer failed: %s", c->msg);
+        td_engine_kv_loaded(x->engine, c->engine_id, c->status, x->kv_recompute, msg);
+        break;
     }
+    case CMD_KV_RELEASE:
+        td_engine_kv_release(x->engine, c->engine_id);
+        break;
+    }
+}
+
+/* A remote request has its blocks: start copying the prompt's KV into them. */
+static void start_load(srv__engine *x, srv__active *a, const td_output *o)
+{
+    a->kv_blocks_cached = o->kv_skip;
+    td_err err = {0};
+    int rc = x->pd && a->remote.blocks
+                 ? pd_load(x->pd, o->id, &a->remote, o->kv_blocks, o->n_kv_blocks, o->kv_skip, &err)
+                 : td_err_set(&err, TD_ESTATE, "no transfer connector");
+    if (rc == 0) {
+        a->load_started = true;
+        return;
+    }
+    if (x->pd && a->remote.blocks) pd_release_remote(x->pd, &a->remote);
+    a->kv_state = x->kv_recompute ? SRV__KV_RECOMPUTED : SRV__KV_FAILED;
+    snprintf(a->kv_note, sizeof(a->kv_note), "%.150s", err.msg);
+    char msg[240];
+    snprintf(msg, sizeof(msg), "kv transfer failed: %.200s", err.msg);
+    td_engine_kv_loaded(x->engine, o->id, rc, x->kv_recompute, msg);
+}
+
+/* A held request ended: hand its blocks to the transfer agent under a lease. */
+static void hold(srv__engine *x, srv__out *d, const td_output *o)
+{
+    td_err err = {0};
+    if (x->pd && pd_hold(x->pd, o->id, o->kv_blocks, o->n_kv_blocks, d->transfer_id, &err) == 0) {
+        d->kv_blocks = malloc((size_t)o->n_kv_blocks * sizeof(int32_t));
+        if (d->kv_blocks) {
+            memcpy(d->kv_blocks, o->kv_blocks, (size_t)o->n_kv_blocks * sizeof(int32_t));
+            d->n_kv_blocks = o->n_kv_blocks;
+            return;
+        }
+        /* cannot describe the blocks to the client: end the lease (its callback queues a
+         * release that finds nothing left) and give them back now */
+        pd_cancel(x->pd, d->transfer_id);
+    }
+    TD_WARN("cannot hand request %llu's KV to the transfer agent: %s; the consumer will "
+            "recompute", (unsigned long long)o->id, err.msg[0] ? err.msg : "out of memory");
+    d->transfer_id[0] = '\0';
+    td_engine_kv_release(x->engine, o->id);
 }
 
 static void drain_outputs(srv__engine *x, batch *b)
@@ -136,6 +226,11 @@ static void drain_outputs(srv__engine *x, batch *b)
     while (td_engine_poll(x->engine, &o)) {
         int k = active_find(x, o.id);
         if (k < 0) continue; /* cannot happen: every id we see was added here */
+        if (o.kv_load) {
+            start_load(x, &x->active[k], &o); /* may queue outputs: this loop polls them */
+            continue;
+        }
+        srv__active *a = &x->active[k];
         srv__out *d = batch_push(b);
         d->user = x->active[k].user;
         d->choice = x->active[k].choice;
@@ -156,7 +251,18 @@ static void drain_outputs(srv__engine *x, batch *b)
         d->t_arrival = o.t_arrival;
         d->t_first_scheduled = o.t_first_scheduled;
         d->t_first_token = o.t_first_token;
-        if (o.finish != TD_FINISH_NONE) x->active[k] = x->active[--x->n_active];
+        d->kv_state = a->kv_state;
+        snprintf(d->kv_note, sizeof(d->kv_note), "%s", a->kv_note);
+        d->t_kv_loaded = o.t_kv_loaded;
+        d->kv_info = a->kv_info;
+        d->kv_blocks_cached = a->kv_blocks_cached;
+        if (o.finish != TD_FINISH_NONE) {
+            if (o.n_kv_blocks > 0) hold(x, d, &o);
+            /* a remote request that never started its load: the producer may let go */
+            if (a->remote.blocks && !a->load_started && x->pd) pd_release_remote(x->pd, &a->remote);
+            pd_remote_free(&a->remote);
+            x->active[k] = x->active[--x->n_active];
+        }
     }
 }
 
@@ -192,10 +298,24 @@ static void *engine_main(void *arg)
 {
     srv__engine *x = arg;
     batch b = {0};
+    bool blocked = false; /* the last step could do nothing although work waits */
     for (;;) {
         pthread_mutex_lock(&x->mu);
         while (!x->inbox_head && !x->stop_requested && !td_engine_has_work(x->engine))
             pthread_cond_wait(&x->cv, &x->mu);
+        if (blocked && !x->inbox_head && !x->stop_requested) {
+            /* Waiting requests that cannot get blocks yet (held for consumers, or being
+             * loaded): what frees them arrives as a command. Wait for one, waking now and
+             * then so that /health sees a live loop. */
+            struct timespec ts;
+            clock_gettime(CLOCK_REALTIME, &ts);
+            ts.tv_nsec += 100 * 1000000L;
+            if (ts.tv_nsec >= 1000000000L) {
+                ts.tv_sec++;
+                ts.tv_nsec -= 1000000000L;
+            }
+            pthread_cond_timedwait(&x->cv, &x->mu, &ts);
+        }
         srv__cmd *cmds = x->inbox_head;
         x->inbox_head = x->inbox_tail = NULL;
         bool stop = x->stop_requested;
@@ -224,7 +344,9 @@ static void *engine_main(void *arg)
             did = td_engine_step(x->engine, &err);
             if (did < 0) TD_ERROR("engine step failed: %s", err.msg);
         }
+        int before = b.n;
         drain_outputs(x, &b);
+        blocked = did == 0 && b.n == before && td_engine_has_work(x->engine);
         atomic_store(&x->last_progress_ns, td_now_ns());
         publish(x, &b);
         if (did > 0 && x->step_delay_ms > 0) {
@@ -237,10 +359,13 @@ static void *engine_main(void *arg)
     return NULL;
 }
 
-int srv__engine_start(srv__engine *x, td_engine *e, int step_delay_ms, td_err *err)
+int srv__engine_start(srv__engine *x, td_engine *e, int step_delay_ms, pd_connector *pd,
+                      bool kv_recompute, td_err *err)
 {
     memset(x, 0, sizeof(*x));
     x->engine = e;
+    x->pd = pd;
+    x->kv_recompute = kv_recompute;
     x->step_delay_ms = step_delay_ms;
     x->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (x->wake_fd < 0) return td_err_set(err, TD_EIO, "eventfd: %s", strerror(errno));
@@ -303,11 +428,19 @@ static int post(srv__engine *x, srv__cmd *c)
 }
 
 int srv__engine_add(srv__engine *x, void *user, int choice, const int32_t *ids, int n_ids,
-                    const td_sampling *sp)
+                    const td_sampling *sp, const td_request_kv *kv, pd_remote *remote)
 {
     srv__cmd *c = calloc(1, sizeof(*c));
-    if (!c) return TD_ENOMEM;
+    if (!c) {
+        if (remote) pd_remote_free(remote);
+        return TD_ENOMEM;
+    }
     c->kind = CMD_ADD;
+    if (kv) c->kv = *kv;
+    if (remote) { /* moved */
+        c->remote = *remote;
+        memset(remote, 0, sizeof(*remote));
+    }
     c->user = user;
     c->choice = choice;
     c->sp = *sp;
@@ -343,6 +476,30 @@ int srv__engine_add(srv__engine *x, void *user, int choice, const int32_t *ids, 
     return rc;
 }
 
+void srv__engine_on_release(void *user, uint64_t req_id)
+{
+    srv__engine *x = user;
+    srv__cmd *c = calloc(1, sizeof(*c));
+    if (!c) return; /* the blocks stay held until shutdown: logged by the caller's metrics */
+    c->kind = CMD_KV_RELEASE;
+    c->engine_id = req_id;
+    if (post(x, c)) cmd_free(c);
+}
+
+void srv__engine_on_loaded(void *user, uint64_t req_id, int status, const char *msg,
+                           const pd_load_info *info)
+{
+    srv__engine *x = user;
+    srv__cmd *c = calloc(1, sizeof(*c));
+    TD_ASSERT(c); /* a load that cannot report its end would leave its request waiting */
+    c->kind = CMD_KV_LOADED;
+    c->engine_id = req_id;
+    c->status = status;
+    snprintf(c->msg, sizeof(c->msg), "%s", msg ? msg : "");
+    if (info) c->info = *info;
+    if (post(x, c)) cmd_free(c);
+}
+
 void srv__engine_abort(srv__engine *x, void *user)
 {
     srv__cmd *c = calloc(1, sizeof(*c));
@@ -373,6 +530,8 @@ void srv__engine_free(srv__engine *x)
     for (int i = 0; i < x->n_out; i++)
         srv__out_free(&x->outbox[i]);
     free(x->outbox);
+    for (int i = 0; i < x->n_active; i++)
+        pd_remote_free(&x->active[i].remote);
     free(x->active);
     if (x->wake_fd > 0) close(x->wake_fd);
     pthread_mutex_destroy(&x->mu);

@@ -195,6 +195,11 @@ static void handle_metrics(srv_server *s, struct evhttp_request *req)
     struct evbuffer *b = evbuffer_new();
     if (text) evbuffer_add(b, text, strlen(text));
     free(text);
+    if (s->pd) {
+        text = pd_metrics_render(s->pd);
+        if (text) evbuffer_add(b, text, strlen(text));
+        free(text);
+    }
     evhttp_add_header(evhttp_request_get_output_headers(req), "Content-Type",
                       "text/plain; version=0.0.4");
     count_status(s, 200);
@@ -233,10 +238,13 @@ static cJSON *discovery(srv_server *s)
     cJSON_AddNumberToObject(root, "max_model_len", s->max_model_len);
     const srv_kv_config *kv = s->cfg.kv;
     cJSON_AddStringToObject(root, "kv_role", kv ? srv_kv_role_name(kv->role) : "none");
-    if (kv && kv->handshake_port > 0)
-        cJSON_AddNumberToObject(root, "handshake_port", kv->handshake_port);
-    else
+    if (s->pd && s->kv_producer) {
+        cJSON_AddNumberToObject(root, "handshake_port", pd_port(s->pd));
+        cJSON_AddStringToObject(root, "kv_host", pd_host(s->pd));
+        cJSON_AddStringToObject(root, "engine_id", pd_engine_id(s->pd));
+    } else {
         cJSON_AddNullToObject(root, "handshake_port");
+    }
     return root;
 }
 
@@ -385,6 +393,50 @@ static void detect_chat_template(srv_server *s, td_engine *e)
         TD_INFO("chat template: %s (detected from the GGUF)", srv_chat_family_name(s->chat));
 }
 
+/* The transfer connector for --kv-transfer-config. The agent (producer) binds to kv_ip,
+ * else to the server's own address unless that is every interface, else 127.0.0.1: KV
+ * blocks hold users' prompts, so they are never served on all interfaces by default. */
+static int start_pd(srv_server *s, td_engine *e, const srv_kv_config *kv, td_err *err)
+{
+    static const kvx_protocol protos[] = {KVX_PROTO_TCP, KVX_PROTO_SHM, KVX_PROTO_UCX,
+                                          KVX_PROTO_TCP};
+    pd_config pc = {
+        .producer = kv->role == SRV_KV_PRODUCER || kv->role == SRV_KV_BOTH,
+        .consumer = kv->role == SRV_KV_CONSUMER || kv->role == SRV_KV_BOTH,
+        .protocol = protos[kv->protocol],
+        .handshake_port = kv->handshake_port > 0 ? kv->handshake_port : 0,
+        .num_worker_threads = kv->num_worker_threads,
+        .qp_per_transfer = kv->qp_per_transfer,
+        .lease_ms = (uint32_t)kv->lease_ms,
+        .transfer_timeout_ms = (uint32_t)kv->transfer_timeout_ms,
+        .verify_checksums = kv->verify_checksums,
+        .tp_rank = kv->rank,
+        .tp_size = s->cfg.tp_size > 0 ? s->cfg.tp_size : 1,
+    };
+    const char *host = s->cfg.host;
+    if (kv->ip[0])
+        host = kv->ip;
+    else if (!host || !strcmp(host, "0.0.0.0") || !strcmp(host, "::") || !host[0])
+        host = "127.0.0.1";
+    pc.host = host;
+    const char *env = getenv("TANDEM_KV_TOKEN");
+    pc.auth_token = kv->auth_token[0] ? kv->auth_token : env && env[0] ? env : NULL;
+    if (kv->notes[0]) TD_INFO("kv transfer config: %s", kv->notes);
+    td_kv_info ki;
+    td_engine_kv_info(e, &ki);
+    int rc = pd_create(&s->pd, &pc, &ki, srv__engine_on_release, srv__engine_on_loaded, &s->eng,
+                       err);
+    if (rc) return rc;
+    s->kv_producer = pc.producer;
+    s->kv_consumer = pc.consumer;
+    s->kv_recompute = kv->recompute;
+    if (pc.producer)
+        fprintf(stderr, "kv transfer agent on %s:%d (engine %s, %s)\n", pd_host(s->pd),
+                pd_port(s->pd), pd_engine_id(s->pd),
+                pc.auth_token ? "authentication on" : "no authentication");
+    return 0;
+}
+
 int srv_server_create(srv_server **out, td_engine *e, const srv_config *cfg, td_err *err)
 {
     srv_server *s = calloc(1, sizeof(*s));
@@ -442,7 +494,13 @@ int srv_server_create(srv_server **out, td_engine *e, const srv_config *cfg, td_
     if (getsockname(evhttp_bound_socket_get_fd(bound), (struct sockaddr *)&ss, &sl) == 0)
         s->port = ntohs(((struct sockaddr_in *)&ss)->sin_port);
 
-    if (srv__engine_start(&s->eng, e, cfg->debug_step_delay_ms, err)) {
+    if (cfg->kv && start_pd(s, e, cfg->kv, err)) {
+        srv_server_free(s); /* the engine stays the caller's: it has no thread yet */
+        return err->code;
+    }
+    if (srv__engine_start(&s->eng, e, cfg->debug_step_delay_ms, s->pd, s->kv_recompute, err)) {
+        pd_destroy(s->pd);
+        s->pd = NULL;
         srv_server_free(s);
         return err->code;
     }
@@ -486,6 +544,10 @@ void srv_server_free(srv_server *s)
         free(outs);
     }
     srv__free_all_requests(s);
+    /* After the engine loop (which starts loads) and before the engine (whose pool the
+     * transfers read and write); its callbacks now find a closed inbox. */
+    pd_destroy(s->pd);
+    s->pd = NULL;
     if (s->wake_ev) event_free(s->wake_ev);
     if (s->sigint_ev) event_free(s->sigint_ev);
     if (s->sigterm_ev) event_free(s->sigterm_ev);

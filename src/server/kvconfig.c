@@ -1,10 +1,12 @@
 /*
- * server/kvconfig.c - --kv-transfer-config, validated at start-up. The engine does not
- * use it yet (the transfer engine is a later issue), but a typo in a recipe must fail
- * now rather than be silently ignored, so unknown keys and bad values are errors and
- * kv_role has no default.
+ * server/kvconfig.c - --kv-transfer-config, validated at start-up. A typo in a recipe
+ * must fail now rather than be silently ignored, so unknown keys, wrong types, bad values
+ * and impossible combinations are errors, and kv_role has no default. Keys that the seed
+ * recipes carry for another system (MORI-IO's RDMA tuning) are accepted, and the parser
+ * says in `notes` that they have no effect on the chosen transport.
  */
 #include <math.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,6 +28,17 @@ const char *srv_kv_role_name(srv_kv_role r)
         break;
     }
     return "none";
+}
+
+const char *srv_kv_protocol_name(srv_kv_protocol p)
+{
+    switch (p) {
+    case SRV_KV_TCP: return "tcp";
+    case SRV_KV_SHM: return "shm";
+    case SRV_KV_UCX: return "ucx";
+    case SRV_KV_CUDA_IPC: return "cuda_ipc";
+    }
+    return "?";
 }
 
 static int fail(char *err, size_t cap, const char *msg, const char *key)
@@ -54,12 +67,64 @@ static int str_val(const cJSON *v, char *dst, size_t cap)
     return 0;
 }
 
+static int bool_val(const cJSON *v, bool *out)
+{
+    if (!cJSON_IsBool(v)) return TD_EINVAL;
+    *out = cJSON_IsTrue(v);
+    return 0;
+}
+
+#define KNOWN_KEYS                                                                              \
+    "kv_role, kv_connector, protocol, transfer_mode, handshake_port, kv_ip, kv_port, "          \
+    "kv_rank, kv_parallel_size, kv_buffer_device, kv_buffer_size, num_worker_threads, "         \
+    "qp_per_transfer, lease_ms, transfer_timeout_ms, kv_load_failure_policy, "                  \
+    "verify_checksums, proxy_ip, proxy_ping_port, http_port, auth_token, post_batch_size, "     \
+    "max_send_wr, max_cqe_num, max_msg_sge, enable_notification, kv_connector_extra_config"
+
+/* Integer keys: name, range, where to store, and the message for a bad value. */
+typedef struct int_key {
+    const char *name;
+    int64_t lo, hi;
+    size_t off;
+    const char *msg;
+} int_key;
+
+#define OFF(f) offsetof(srv_kv_config, f)
+static const int_key INT_KEYS[] = {
+    {"handshake_port", 1, 65535, OFF(handshake_port), " must be an integer port in [1, 65535]"},
+    {"kv_port", 1, 65535, OFF(port), " must be an integer port in [1, 65535]"},
+    {"kv_rank", 0, 1 << 20, OFF(rank), " must be an integer >= 0"},
+    {"kv_parallel_size", 1, 1 << 20, OFF(parallel_size), " must be an integer >= 1"},
+    {"num_worker_threads", 1, 256, OFF(num_worker_threads), " must be an integer in [1, 256]"},
+    {"qp_per_transfer", 1, 64, OFF(qp_per_transfer), " must be an integer in [1, 64]"},
+    {"lease_ms", 100, 3600000, OFF(lease_ms), " must be an integer in [100, 3600000] (ms)"},
+    {"transfer_timeout_ms", 10, 3600000, OFF(transfer_timeout_ms),
+     " must be an integer in [10, 3600000] (ms)"},
+    {"proxy_ping_port", 1, 65535, OFF(proxy_ping_port), " must be an integer port in [1, 65535]"},
+    {"http_port", 1, 65535, OFF(http_port), " must be an integer port in [1, 65535]"},
+    {"post_batch_size", -1, 1 << 20, OFF(post_batch_size), " must be an integer >= -1"},
+    {"max_send_wr", 0, 1 << 24, OFF(max_send_wr), " must be an integer >= 0"},
+    {"max_cqe_num", 0, 1 << 24, OFF(max_cqe_num), " must be an integer >= 0"},
+    {"max_msg_sge", 0, 1 << 16, OFF(max_msg_sge), " must be an integer >= 0"},
+};
+
 int srv_kv_config_parse(srv_kv_config *c, const char *json, char *err, size_t cap)
 {
     memset(c, 0, sizeof(*c));
     c->handshake_port = -1;
     c->port = -1;
     c->parallel_size = 1;
+    c->num_worker_threads = 4;
+    c->qp_per_transfer = 4;
+    c->lease_ms = 30000;
+    c->transfer_timeout_ms = 30000;
+    c->recompute = true;
+    c->verify_checksums = true;
+    c->proxy_ping_port = c->http_port = -1;
+    c->post_batch_size = c->max_send_wr = c->max_cqe_num = c->max_msg_sge = -1;
+    c->enable_notification = -1;
+    snprintf(c->connector, sizeof(c->connector), "tandem");
+    bool mode_set = false;
     cJSON *root = cJSON_Parse(json);
     if (!root) return fail(err, cap, "is not valid JSON", NULL);
     int rc = 0;
@@ -72,7 +137,16 @@ int srv_kv_config_parse(srv_kv_config *c, const char *json, char *err, size_t ca
     {
         const char *k = v->string;
         int64_t i;
-        if (!strcmp(k, "kv_role")) {
+        const int_key *ik = NULL;
+        for (size_t j = 0; j < sizeof(INT_KEYS) / sizeof(INT_KEYS[0]); j++)
+            if (!strcmp(k, INT_KEYS[j].name)) ik = &INT_KEYS[j];
+        if (ik) {
+            if (int_val(v, ik->lo, ik->hi, &i)) {
+                rc = fail(err, cap, ik->msg, k);
+                goto out;
+            }
+            *(int *)((char *)c + ik->off) = (int)i;
+        } else if (!strcmp(k, "kv_role")) {
             const char *s = cJSON_IsString(v) ? v->valuestring : "";
             if (!strcmp(s, "kv_producer"))
                 c->role = SRV_KV_PRODUCER;
@@ -85,36 +159,67 @@ int srv_kv_config_parse(srv_kv_config *c, const char *json, char *err, size_t ca
                 goto out;
             }
         } else if (!strcmp(k, "kv_connector")) {
-            if (str_val(v, c->connector, sizeof(c->connector))) {
-                rc = fail(err, cap, " must be a non-empty string", k);
+            if (str_val(v, c->connector, sizeof(c->connector)) ||
+                (strcmp(c->connector, "tandem") && strcmp(c->connector, "mooncake") &&
+                 strcmp(c->connector, "moriio"))) {
+                rc = fail(err, cap,
+                          " must be \"tandem\", or one of the aliases \"mooncake\" (push) and "
+                          "\"moriio\" (pull)",
+                          k);
                 goto out;
             }
-        } else if (!strcmp(k, "handshake_port") || !strcmp(k, "kv_port")) {
-            if (int_val(v, 1, 65535, &i)) {
-                rc = fail(err, cap, " must be an integer port in [1, 65535]", k);
+        } else if (!strcmp(k, "protocol")) {
+            const char *s = cJSON_IsString(v) ? v->valuestring : "";
+            if (!strcmp(s, "tcp"))
+                c->protocol = SRV_KV_TCP;
+            else if (!strcmp(s, "shm"))
+                c->protocol = SRV_KV_SHM;
+            else if (!strcmp(s, "ucx"))
+                c->protocol = SRV_KV_UCX;
+            else if (!strcmp(s, "cuda_ipc"))
+                c->protocol = SRV_KV_CUDA_IPC;
+            else {
+                rc = fail(err, cap, " must be \"tcp\", \"shm\", \"ucx\" or \"cuda_ipc\"", k);
                 goto out;
             }
-            if (!strcmp(k, "kv_port"))
-                c->port = (int)i;
-            else
-                c->handshake_port = (int)i;
-        } else if (!strcmp(k, "kv_ip")) {
-            if (str_val(v, c->ip, sizeof(c->ip))) {
+        } else if (!strcmp(k, "transfer_mode")) {
+            const char *s = cJSON_IsString(v) ? v->valuestring : "";
+            if (strcmp(s, "read") && strcmp(s, "write")) {
+                rc = fail(err, cap, " must be \"read\" (pull) or \"write\" (push)", k);
+                goto out;
+            }
+            c->write_mode = !strcmp(s, "write");
+            mode_set = true;
+        } else if (!strcmp(k, "kv_load_failure_policy")) {
+            const char *s = cJSON_IsString(v) ? v->valuestring : "";
+            if (strcmp(s, "recompute") && strcmp(s, "fail")) {
+                rc = fail(err, cap, " must be \"recompute\" or \"fail\"", k);
+                goto out;
+            }
+            c->recompute = !strcmp(s, "recompute");
+        } else if (!strcmp(k, "verify_checksums")) {
+            if (bool_val(v, &c->verify_checksums)) {
+                rc = fail(err, cap, " must be true or false", k);
+                goto out;
+            }
+        } else if (!strcmp(k, "enable_notification")) {
+            bool b;
+            if (bool_val(v, &b)) {
+                rc = fail(err, cap, " must be true or false", k);
+                goto out;
+            }
+            c->enable_notification = b;
+        } else if (!strcmp(k, "kv_ip") || !strcmp(k, "proxy_ip")) {
+            char *dst = !strcmp(k, "kv_ip") ? c->ip : c->proxy_ip;
+            if (str_val(v, dst, sizeof(c->ip))) {
                 rc = fail(err, cap, " must be a non-empty string (a host or address)", k);
                 goto out;
             }
-        } else if (!strcmp(k, "kv_rank")) {
-            if (int_val(v, 0, 1 << 20, &i)) {
-                rc = fail(err, cap, " must be an integer >= 0", k);
+        } else if (!strcmp(k, "auth_token")) {
+            if (str_val(v, c->auth_token, sizeof(c->auth_token))) {
+                rc = fail(err, cap, " must be a non-empty string of at most 255 bytes", k);
                 goto out;
             }
-            c->rank = (int)i;
-        } else if (!strcmp(k, "kv_parallel_size")) {
-            if (int_val(v, 1, 1 << 20, &i)) {
-                rc = fail(err, cap, " must be an integer >= 1", k);
-                goto out;
-            }
-            c->parallel_size = (int)i;
         } else if (!strcmp(k, "kv_buffer_device")) {
             if (str_val(v, c->buffer_device, sizeof(c->buffer_device)) ||
                 (strcmp(c->buffer_device, "cpu") && strcmp(c->buffer_device, "cuda"))) {
@@ -135,18 +240,41 @@ int srv_kv_config_parse(srv_kv_config *c, const char *json, char *err, size_t ca
             cJSON_Delete(c->extra);
             c->extra = cJSON_Duplicate(v, 1);
         } else {
-            rc = fail(err, cap,
-                      " is not a known key (kv_role, kv_connector, handshake_port, "
-                      "kv_ip, kv_port, kv_rank, kv_parallel_size, kv_buffer_device, "
-                      "kv_buffer_size, kv_connector_extra_config)",
-                      k);
+            rc = fail(err, cap, " is not a known key (" KNOWN_KEYS ")", k);
             goto out;
         }
     }
-    if (c->role == SRV_KV_NONE)
+    if (c->role == SRV_KV_NONE) {
         rc = fail(err, cap, "'kv_role' is required", NULL);
-    else if (c->rank >= c->parallel_size)
+    } else if (c->rank >= c->parallel_size) {
         rc = fail(err, cap, " must be less than kv_parallel_size", "kv_rank");
+    } else if (c->protocol == SRV_KV_CUDA_IPC) {
+        rc = fail(err, cap,
+                  "'protocol' cuda_ipc moves device memory and needs the GPU backend, which "
+                  "this engine does not have yet; use tcp, shm or ucx",
+                  NULL);
+    } else if (!strcmp(c->buffer_device, "cuda")) {
+        rc = fail(err, cap, "'kv_buffer_device' cuda needs the GPU backend; use cpu", NULL);
+    } else if (mode_set && c->write_mode) {
+        rc = fail(err, cap,
+                  "'transfer_mode' write (push) is not built yet; use read (the default)", NULL);
+    } else if (!mode_set && !strcmp(c->connector, "mooncake")) {
+        /* mooncake means push semantics; until push exists the alias pulls, and says so */
+        snprintf(c->notes, sizeof(c->notes),
+                 "kv_connector mooncake (push) runs in read mode: push is not built yet");
+    }
+    if (!rc) {
+        /* MORI-IO's RDMA queue settings have no counterpart in tcp or shm (nor in ucx,
+         * which sizes its own queues): accepted, and the start-up log says so. */
+        static const char *const mori[] = {"post_batch_size", "max_send_wr", "max_cqe_num",
+                                           "max_msg_sge", "enable_notification"};
+        for (int j = 0; j < 5; j++) {
+            if (cJSON_GetObjectItemCaseSensitive(root, mori[j]) == NULL) continue;
+            size_t n = strlen(c->notes);
+            snprintf(c->notes + n, sizeof(c->notes) - n, "%s%s is ignored for protocol %s",
+                     n ? "; " : "", mori[j], srv_kv_protocol_name(c->protocol));
+        }
+    }
 out:
     cJSON_Delete(root);
     if (rc) srv_kv_config_free(c);
@@ -157,4 +285,5 @@ void srv_kv_config_free(srv_kv_config *c)
 {
     cJSON_Delete(c->extra);
     c->extra = NULL;
+    explicit_bzero(c->auth_token, sizeof(c->auth_token));
 }

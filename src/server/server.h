@@ -107,15 +107,37 @@ typedef enum srv_kv_role {
     SRV_KV_BOTH,
 } srv_kv_role;
 
+typedef enum srv_kv_protocol {
+    SRV_KV_TCP = 0,
+    SRV_KV_SHM,
+    SRV_KV_UCX,
+    SRV_KV_CUDA_IPC,
+} srv_kv_protocol;
+
 typedef struct srv_kv_config {
     srv_kv_role role;
-    char connector[64];
-    int handshake_port; /* -1 when not set */
-    char ip[64];
-    int port; /* -1 when not set */
+    char connector[64];     /* tandem (default), mooncake, moriio */
+    srv_kv_protocol protocol; /* default tcp */
+    bool write_mode;        /* transfer_mode: write (push); default read (pull) */
+    int handshake_port;     /* -1 when not set */
+    char ip[64];            /* kv_ip: the address the transfer agent binds and advertises */
+    int port;               /* kv_port, -1 when not set */
     int rank, parallel_size;
     char buffer_device[32];
     uint64_t buffer_size;
+    int num_worker_threads; /* default 4 */
+    int qp_per_transfer;    /* default 4 */
+    int lease_ms;           /* default 30000 */
+    int transfer_timeout_ms;/* default 30000 */
+    bool recompute;         /* kv_load_failure_policy: recompute (default) or fail */
+    bool verify_checksums;  /* default true */
+    char proxy_ip[64];      /* router registration (used by the router issue) */
+    int proxy_ping_port, http_port; /* -1 when not set */
+    char auth_token[256];   /* "" = none (TANDEM_KV_TOKEN is read by the caller) */
+    /* MORI-IO tuning keys, accepted for the seed recipes; -1 when not set */
+    int post_batch_size, max_send_wr, max_cqe_num, max_msg_sge;
+    int enable_notification; /* -1 unset, 0, 1 */
+    char notes[320];        /* what the parser accepted but will not use, for the startup log */
     void *extra; /* kv_connector_extra_config (cJSON object, owned) or NULL */
 } srv_kv_config;
 
@@ -126,6 +148,7 @@ typedef struct srv_kv_config {
 int srv_kv_config_parse(srv_kv_config *out, const char *json, char *err, size_t err_cap);
 void srv_kv_config_free(srv_kv_config *c);
 const char *srv_kv_role_name(srv_kv_role r);
+const char *srv_kv_protocol_name(srv_kv_protocol p);
 
 /* ---- chat templates (chat.c) ---- */
 

@@ -8,6 +8,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 
+#include "pd/pd.h"
 #include "server/server.h"
 
 /* ---- engine thread (engine_thread.c) ---- */
@@ -28,7 +29,20 @@ typedef struct srv__out {
     int32_t top_ids[TD_MAX_LOGPROBS];
     float top_logprobs[TD_MAX_LOGPROBS];
     double t_arrival, t_first_scheduled, t_first_token;
+    /* Producer (final output of a held request): the transfer id ("" when nothing is
+     * held) and the held blocks (malloc'd). */
+    char transfer_id[KVX_ID_HEX];
+    int32_t *kv_blocks;
+    int n_kv_blocks;
+    /* Consumer: how the prompt's KV arrived (SRV__KV_*), with the load's figures. */
+    int kv_state;
+    char kv_note[160];
+    double t_kv_loaded;
+    pd_load_info kv_info;
+    int kv_blocks_cached;
 } srv__out;
+
+enum { SRV__KV_NONE = 0, SRV__KV_LOADED = 1, SRV__KV_RECOMPUTED = 2, SRV__KV_FAILED = 3 };
 
 /** A snapshot of engine counters, published once per loop iteration. */
 typedef struct srv__snapshot {
@@ -60,20 +74,30 @@ typedef struct srv__engine {
     /* engine-thread private: engine id -> (user, choice) */
     struct srv__active *active;
     int n_active, cap_active;
+    pd_connector *pd;     /* NULL without --kv-transfer-config */
+    bool kv_recompute;    /* kv_load_failure_policy */
 } srv__engine;
 
-int srv__engine_start(srv__engine *x, td_engine *e, int step_delay_ms, td_err *err);
+/** pd: the transfer connector (NULL without a KV role), created with this srv__engine as
+ *  the user of its callbacks. */
+int srv__engine_start(srv__engine *x, td_engine *e, int step_delay_ms, pd_connector *pd,
+                      bool kv_recompute, td_err *err);
+/** pd callbacks (user = the srv__engine): they post to the engine thread's inbox. */
+void srv__engine_on_release(void *user, uint64_t req_id);
+void srv__engine_on_loaded(void *user, uint64_t req_id, int status, const char *msg,
+                           const pd_load_info *info);
 /** Stop the loop (aborting everything in flight) and join; the engine stays alive. */
 void srv__engine_stop(srv__engine *x, const char *reason);
 /** Ask the loop to stop without waiting (for the debug hook). */
 void srv__engine_request_stop(srv__engine *x, const char *reason);
 void srv__engine_free(srv__engine *x);
 /**
- * Queue a request (the ids and stop strings are copied). Returns TD_ESTATE when the
+ * Queue a request (the ids and stop strings are copied; kv may be NULL; remote, when not
+ * NULL, is moved into the command and emptied). Returns TD_ESTATE when the
  * loop has stopped. The result, accepted or not, arrives as outputs for (user, choice).
  */
 int srv__engine_add(srv__engine *x, void *user, int choice, const int32_t *ids, int n_ids,
-                    const td_sampling *sp);
+                    const td_sampling *sp, const td_request_kv *kv, pd_remote *remote);
 /** Abort every request of `user`. */
 void srv__engine_abort(srv__engine *x, void *user);
 /** Take the outbox (the caller frees each output with srv__out_free, then the array). */
@@ -129,6 +153,8 @@ struct srv_server {
     srv_chat_family chat;
     srv__metrics metrics;
     srv__snapshot snap; /* the latest one taken from the engine thread */
+    pd_connector *pd;   /* the KV transfer connector, or NULL */
+    bool kv_producer, kv_consumer, kv_recompute;
     int outstanding;    /* I/O side: engine requests posted and not finished */
     uint64_t next_id;
     long started_at;       /* unix seconds */

@@ -205,7 +205,7 @@ static void test_kv_config(void **state)
     srv_kv_config c;
     char msg[320];
     assert_int_equal(srv_kv_config_parse(&c,
-                                         "{\"kv_role\":\"kv_consumer\",\"kv_connector\":\"x\","
+                                         "{\"kv_role\":\"kv_consumer\",\"kv_connector\":\"moriio\","
                                          "\"handshake_port\":5600,\"kv_ip\":\"10.0.0.1\","
                                          "\"kv_port\":14579,\"kv_rank\":1,\"kv_parallel_size\":2,"
                                          "\"kv_buffer_device\":\"cpu\",\"kv_buffer_size\":1e9,"
@@ -217,6 +217,48 @@ static void test_kv_config(void **state)
     assert_int_equal(c.port, 14579);
     assert_string_equal(c.ip, "10.0.0.1");
     assert_non_null(c.extra);
+    assert_string_equal(c.connector, "moriio");
+    assert_int_equal(c.protocol, SRV_KV_TCP);
+    assert_false(c.write_mode);
+    assert_int_equal(c.qp_per_transfer, 4);
+    assert_int_equal(c.num_worker_threads, 4);
+    assert_true(c.recompute);
+    assert_true(c.verify_checksums);
+    srv_kv_config_free(&c);
+    /* Every key of the issue, and the seed recipes' MORI-IO keys (noted as ignored). */
+    assert_int_equal(
+        srv_kv_config_parse(&c,
+                            "{\"kv_role\":\"kv_producer\",\"kv_connector\":\"tandem\","
+                            "\"protocol\":\"shm\",\"transfer_mode\":\"read\",\"handshake_port\":6301,"
+                            "\"num_worker_threads\":8,\"qp_per_transfer\":2,\"lease_ms\":5000,"
+                            "\"transfer_timeout_ms\":2000,\"kv_load_failure_policy\":\"fail\","
+                            "\"verify_checksums\":false,\"proxy_ip\":\"127.0.0.1\","
+                            "\"proxy_ping_port\":36367,\"http_port\":8003,\"auth_token\":\"s3cret\","
+                            "\"post_batch_size\":-1,\"max_send_wr\":0,\"max_cqe_num\":0,"
+                            "\"max_msg_sge\":0,\"enable_notification\":false}",
+                            msg, sizeof(msg)),
+        0);
+    assert_int_equal(c.role, SRV_KV_PRODUCER);
+    assert_int_equal(c.protocol, SRV_KV_SHM);
+    assert_int_equal(c.num_worker_threads, 8);
+    assert_int_equal(c.qp_per_transfer, 2);
+    assert_int_equal(c.lease_ms, 5000);
+    assert_int_equal(c.transfer_timeout_ms, 2000);
+    assert_false(c.recompute);
+    assert_false(c.verify_checksums);
+    assert_string_equal(c.proxy_ip, "127.0.0.1");
+    assert_int_equal(c.proxy_ping_port, 36367);
+    assert_int_equal(c.http_port, 8003);
+    assert_string_equal(c.auth_token, "s3cret");
+    assert_non_null(strstr(c.notes, "max_send_wr is ignored for protocol shm"));
+    srv_kv_config_free(&c);
+    /* The seed recipe's mooncake alias runs (in read mode until push exists). */
+    assert_int_equal(srv_kv_config_parse(&c,
+                                         "{\"kv_role\":\"kv_consumer\",\"kv_connector\":"
+                                         "\"mooncake\",\"handshake_port\":6301}",
+                                         msg, sizeof(msg)),
+                     0);
+    assert_non_null(strstr(c.notes, "read mode"));
     srv_kv_config_free(&c);
     static const char *const bad[] = {
         "{}",
@@ -228,6 +270,19 @@ static void test_kv_config(void **state)
         "{\"kv_role\":\"kv_both\",\"kv_rank\":2,\"kv_parallel_size\":2}",
         "{\"kv_role\":\"kv_both\",\"kv_buffer_device\":\"tpu\"}",
         "{\"kv_role\":\"kv_both\",\"kv_connector_extra_config\":\"s\"}",
+        "{\"kv_role\":\"kv_both\",\"kv_connector\":\"nixl\"}",
+        "{\"kv_role\":\"kv_both\",\"protocol\":\"hip\"}",
+        "{\"kv_role\":\"kv_both\",\"protocol\":\"cuda_ipc\"}",
+        "{\"kv_role\":\"kv_both\",\"transfer_mode\":\"pull\"}",
+        "{\"kv_role\":\"kv_both\",\"kv_load_failure_policy\":\"retry\"}",
+        "{\"kv_role\":\"kv_both\",\"verify_checksums\":1}",
+        "{\"kv_role\":\"kv_both\",\"qp_per_transfer\":0}",
+        "{\"kv_role\":\"kv_both\",\"num_worker_threads\":2.5}",
+        "{\"kv_role\":\"kv_both\",\"lease_ms\":5}",
+        "{\"kv_role\":\"kv_both\",\"auth_token\":\"\"}",
+        "{\"kv_role\":\"kv_both\",\"max_send_wr\":-3}",
+        "{\"kv_role\":\"kv_both\",\"enable_notification\":\"yes\"}",
+        "{\"kv_role\":\"kv_both\",\"qp_per_transfers\":4}",
     };
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
         msg[0] = '\0';

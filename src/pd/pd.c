@@ -1,0 +1,475 @@
+/*
+ * pd/pd.c - the prefill/decode connector (see pd.h).
+ *
+ * Threads: kvx runs the transfers and calls back on its own threads. Releasing a
+ * producer's lease is a round trip that may wait on a dead peer until the deadline, so
+ * it never runs on a kvx worker or the engine thread: a small release thread takes them
+ * from a queue.
+ */
+#include "pd/pd.h"
+
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "util/td.h"
+
+enum { FAIL_TIMEOUT, FAIL_CONN, FAIL_CHECKSUM, FAIL_PROTOCOL, FAIL_NOT_FOUND, FAIL_CANCELED,
+       FAIL_OTHER, FAIL_N };
+static const char *const FAIL_NAMES[FAIL_N] = {"timeout",   "connection", "checksum", "protocol",
+                                               "not_found", "canceled",   "other"};
+
+#define N_BUCKETS 12
+static const double BUCKETS[N_BUCKETS] = {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
+                                          0.05,   0.1,   0.25,   0.5,   1.0,  5.0};
+
+typedef struct rel_item {
+    char host[256];
+    uint16_t port;
+    char engine_id[KVX_ID_HEX], transfer_id[KVX_ID_HEX];
+    struct rel_item *next;
+} rel_item;
+
+struct pd_connector {
+    pd_config cfg;
+    char host[256];
+    char token[256];
+    td_kv_info kv;
+    kvx_agent *agent;
+    kvx_client *client;
+    pd_release_fn release_cb;
+    pd_loaded_fn loaded_cb;
+    void *user;
+
+    pthread_t rel_thread;
+    bool rel_started;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    rel_item *rel_head, *rel_tail;
+    bool stopping;
+
+    /* metrics, under mu */
+    uint64_t loads_ok, failures[FAIL_N], bytes, descriptors, blocks, holds;
+    uint64_t hist[N_BUCKETS + 1];
+    double hist_sum;
+};
+
+typedef struct load_ctx {
+    pd_connector *pd;
+    uint64_t req_id;
+    rel_item rel;
+    uint32_t n_blocks;
+} load_ctx;
+
+void pd_remote_free(pd_remote *r)
+{
+    free(r->blocks);
+    r->blocks = NULL;
+    r->n_blocks = 0;
+}
+
+/* ---- the release thread ---- */
+
+static void *rel_main(void *arg)
+{
+    pd_connector *pd = arg;
+    pthread_mutex_lock(&pd->mu);
+    for (;;) {
+        while (!pd->rel_head && !pd->stopping) pthread_cond_wait(&pd->cv, &pd->mu);
+        rel_item *it = pd->rel_head;
+        if (!it) break; /* stopping and nothing left */
+        pd->rel_head = it->next;
+        if (!pd->rel_head) pd->rel_tail = NULL;
+        pthread_mutex_unlock(&pd->mu);
+        td_err err = {0};
+        int rc = kvx_release(pd->client, it->host, it->port, it->engine_id, it->transfer_id, &err);
+        if (rc && rc != TD_ENOTFOUND)
+            TD_DEBUG("kv release of %.8s at %s:%u: %s", it->transfer_id, it->host, it->port,
+                     err.msg);
+        free(it);
+        pthread_mutex_lock(&pd->mu);
+    }
+    pthread_mutex_unlock(&pd->mu);
+    return NULL;
+}
+
+static void rel_push(pd_connector *pd, const rel_item *src)
+{
+    rel_item *it = malloc(sizeof(*it));
+    if (!it) return; /* the producer's lease expires instead */
+    *it = *src;
+    it->next = NULL;
+    pthread_mutex_lock(&pd->mu);
+    if (pd->stopping) {
+        pthread_mutex_unlock(&pd->mu);
+        free(it);
+        return;
+    }
+    if (pd->rel_tail)
+        pd->rel_tail->next = it;
+    else
+        pd->rel_head = it;
+    pd->rel_tail = it;
+    pthread_cond_signal(&pd->cv);
+    pthread_mutex_unlock(&pd->mu);
+}
+
+/* ---- producer ---- */
+
+static void on_lease_end(void *user, const char *transfer_id, const int32_t *blocks, int n_blocks,
+                         kvx_release_reason reason, void *transfer_user)
+{
+    (void)blocks;
+    (void)n_blocks;
+    pd_connector *pd = user;
+    TD_DEBUG("kv lease %.8s ended (%s)", transfer_id,
+             reason == KVX_RELEASED_BY_CONSUMER ? "released"
+             : reason == KVX_RELEASED_EXPIRED  ? "expired"
+                                               : "canceled");
+    pd->release_cb(pd->user, (uint64_t)(uintptr_t)transfer_user);
+}
+
+int pd_hold(pd_connector *pd, uint64_t req_id, const int32_t *blocks, int n_blocks,
+            char transfer_id[KVX_ID_HEX], td_err *err)
+{
+    if (!pd->agent) return td_err_set(err, TD_ESTATE, "this engine is not a KV producer");
+    int rc = kvx_agent_register(pd->agent, blocks, n_blocks, 0, (void *)(uintptr_t)req_id,
+                                transfer_id, err);
+    if (rc == 0) {
+        pthread_mutex_lock(&pd->mu);
+        pd->holds++;
+        pthread_mutex_unlock(&pd->mu);
+    }
+    return rc;
+}
+
+void pd_cancel(pd_connector *pd, const char *transfer_id)
+{
+    if (pd->agent) (void)kvx_agent_cancel(pd->agent, transfer_id);
+}
+
+const char *pd_engine_id(const pd_connector *pd)
+{
+    return pd->agent ? kvx_agent_engine_id(pd->agent) : "";
+}
+
+const char *pd_host(const pd_connector *pd)
+{
+    return pd->host;
+}
+
+int pd_port(const pd_connector *pd)
+{
+    return pd->agent ? kvx_agent_port(pd->agent) : 0;
+}
+
+uint32_t pd_lease_ms(const pd_connector *pd)
+{
+    return pd->cfg.lease_ms;
+}
+
+/* ---- consumer ---- */
+
+static int fail_reason(int code, const char *msg)
+{
+    switch (code) {
+    case TD_ETIMEDOUT: return FAIL_TIMEOUT;
+    case TD_ECONN: return FAIL_CONN;
+    case TD_ENOTFOUND: return FAIL_NOT_FOUND;
+    case TD_ECANCELED: return FAIL_CANCELED;
+    case TD_EPROTO:
+    case TD_EFORMAT: return msg && strstr(msg, "checksum") ? FAIL_CHECKSUM : FAIL_PROTOCOL;
+    default: return FAIL_OTHER;
+    }
+}
+
+static void on_load_done(void *user, kvx_xfer *x, const td_err *result)
+{
+    load_ctx *lc = user;
+    pd_connector *pd = lc->pd;
+    kvx_xfer_info xi;
+    kvx_xfer_get_info(x, &xi);
+    pd_load_info info = {xi.bytes, xi.n_descriptors, lc->n_blocks, xi.seconds};
+    int code = result ? result->code : 0;
+    pthread_mutex_lock(&pd->mu);
+    if (code == 0) {
+        pd->loads_ok++;
+        pd->bytes += xi.bytes;
+        pd->descriptors += xi.n_descriptors;
+        pd->blocks += lc->n_blocks;
+        int b = 0;
+        while (b < N_BUCKETS && xi.seconds > BUCKETS[b]) b++;
+        pd->hist[b]++;
+        pd->hist_sum += xi.seconds;
+    } else {
+        pd->failures[fail_reason(code, result->msg)]++;
+    }
+    pthread_mutex_unlock(&pd->mu);
+    /* Done or not, the producer may let the blocks go (a dead one does not answer). */
+    rel_push(pd, &lc->rel);
+    pd->loaded_cb(pd->user, lc->req_id, code, code ? result->msg : NULL, &info);
+    kvx_xfer_free(x);
+    free(lc);
+}
+
+int pd_load(pd_connector *pd, uint64_t req_id, const pd_remote *src, const int32_t *dst, int n_dst,
+            int skip, td_err *err)
+{
+    if (!pd->client) return td_err_set(err, TD_ESTATE, "this engine is not a KV consumer");
+    if (src->n_blocks != n_dst || skip < 0 || skip >= n_dst)
+        return td_err_set(err, TD_EINVAL,
+                          "the producer sent %d block ids; this prompt needs %d (%d cached here)",
+                          src->n_blocks, n_dst, skip);
+    load_ctx *lc = calloc(1, sizeof(*lc));
+    if (!lc) return td_err_set(err, TD_ENOMEM, "out of memory");
+    lc->pd = pd;
+    lc->req_id = req_id;
+    lc->n_blocks = (uint32_t)(n_dst - skip);
+    snprintf(lc->rel.host, sizeof(lc->rel.host), "%s", src->host);
+    lc->rel.port = src->port;
+    memcpy(lc->rel.engine_id, src->engine_id, KVX_ID_HEX);
+    memcpy(lc->rel.transfer_id, src->transfer_id, KVX_ID_HEX);
+    kvx_read_req rq = {
+        .host = src->host,
+        .port = src->port,
+        .engine_id = src->engine_id,
+        .transfer_id = src->transfer_id,
+        .src_blocks = src->blocks + skip,
+        .dst_blocks = dst + skip,
+        .n_blocks = n_dst - skip,
+        .done = on_load_done,
+        .user = lc,
+    };
+    kvx_xfer *x = NULL;
+    int rc = kvx_read_start(pd->client, &rq, &x, err);
+    if (rc) free(lc);
+    return rc;
+}
+
+void pd_release_remote(pd_connector *pd, const pd_remote *src)
+{
+    if (!pd->client) return;
+    rel_item it = {.port = src->port};
+    snprintf(it.host, sizeof(it.host), "%s", src->host);
+    memcpy(it.engine_id, src->engine_id, KVX_ID_HEX);
+    memcpy(it.transfer_id, src->transfer_id, KVX_ID_HEX);
+    rel_push(pd, &it);
+}
+
+/* ---- lifecycle ---- */
+
+int pd_create(pd_connector **out, const pd_config *cfg, const td_kv_info *kv,
+              pd_release_fn release_cb, pd_loaded_fn loaded_cb, void *user, td_err *err)
+{
+    *out = NULL;
+    if (cfg->consumer && !kvx_protocol_available(cfg->protocol))
+        return td_err_set(err, TD_EUNSUPPORTED,
+                          "kv transfer protocol %s is not available in this build",
+                          kvx_protocol_name(cfg->protocol));
+    pd_connector *pd = calloc(1, sizeof(*pd));
+    if (!pd) return td_err_set(err, TD_ENOMEM, "out of memory");
+    pd->cfg = *cfg;
+    snprintf(pd->host, sizeof(pd->host), "%s", cfg->host && cfg->host[0] ? cfg->host : "127.0.0.1");
+    pd->cfg.host = pd->host;
+    snprintf(pd->token, sizeof(pd->token), "%s", cfg->auth_token ? cfg->auth_token : "");
+    pd->cfg.auth_token = pd->token;
+    pd->kv = *kv;
+    pd->release_cb = release_cb;
+    pd->loaded_cb = loaded_cb;
+    pd->user = user;
+    pthread_mutex_init(&pd->mu, NULL);
+    pthread_cond_init(&pd->cv, NULL);
+
+    kvx_layout layout = {
+        .model_fingerprint = kv->model_fingerprint,
+        .n_layers = (uint32_t)kv->n_layers,
+        .n_kv_heads = (uint32_t)kv->n_kv_heads,
+        .head_dim = (uint32_t)kv->head_dim,
+        .block_size = (uint32_t)kv->block_size,
+        .kv_dtype = (uint32_t)kv->kv_dtype,
+        .tp_rank = (uint32_t)cfg->tp_rank,
+        .tp_size = (uint32_t)(cfg->tp_size > 0 ? cfg->tp_size : 1),
+    };
+    kvx_region region = {
+        .base = kv->base,
+        .n_segments = (uint32_t)kv->n_layers,
+        .segment_stride = kv->layer_bytes,
+        .block_bytes = kv->block_bytes,
+        .n_blocks = (uint32_t)kv->n_blocks,
+        .shm = kv->shm_fd >= 0,
+        .shm_fd = kv->shm_fd,
+        .shm_offset = 0,
+    };
+    int rc = 0;
+    if (cfg->producer) {
+        kvx_agent_opts ao;
+        kvx_agent_opts_default(&ao);
+        ao.host = pd->host;
+        ao.port = (uint16_t)cfg->handshake_port;
+        ao.layout = layout;
+        ao.region = region;
+        ao.lease_ms = cfg->lease_ms;
+        ao.release_cb = on_lease_end;
+        ao.release_user = pd;
+        ao.auth_token = pd->token[0] ? pd->token : NULL;
+        rc = kvx_agent_create(&pd->agent, &ao, err);
+        if (rc) goto fail;
+    }
+    if (cfg->consumer) {
+        kvx_client_opts co;
+        kvx_client_opts_default(&co);
+        co.layout = layout;
+        co.region = region;
+        co.num_worker_threads = cfg->num_worker_threads;
+        co.qp_per_transfer = cfg->qp_per_transfer;
+        co.transfer_timeout_ms = cfg->transfer_timeout_ms;
+        co.verify_checksums = cfg->verify_checksums;
+        co.protocol = cfg->protocol;
+        co.auth_token = pd->token[0] ? pd->token : NULL;
+        rc = kvx_client_create(&pd->client, &co, err);
+        if (rc) goto fail;
+        if (pthread_create(&pd->rel_thread, NULL, rel_main, pd) != 0) {
+            rc = td_err_set(err, TD_EIO, "cannot start the kv release thread");
+            goto fail;
+        }
+        pd->rel_started = true;
+    }
+    *out = pd;
+    return 0;
+fail:
+    pd_destroy(pd);
+    return rc;
+}
+
+void pd_destroy(pd_connector *pd)
+{
+    if (!pd) return;
+    /* Loads first (their callbacks queue releases), then the release thread drains what
+     * it can before the client goes, then the agent gives every lease back. */
+    if (pd->rel_started) {
+        pthread_mutex_lock(&pd->mu);
+        pd->stopping = true;
+        pthread_cond_signal(&pd->cv);
+        pthread_mutex_unlock(&pd->mu);
+        pthread_join(pd->rel_thread, NULL);
+    }
+    if (pd->client) kvx_client_destroy(pd->client);
+    for (rel_item *it = pd->rel_head, *next; it; it = next) {
+        next = it->next;
+        free(it);
+    }
+    if (pd->agent) kvx_agent_destroy(pd->agent);
+    explicit_bzero(pd->token, sizeof(pd->token));
+    pthread_mutex_destroy(&pd->mu);
+    pthread_cond_destroy(&pd->cv);
+    free(pd);
+}
+
+/* ---- metrics ---- */
+
+typedef struct sbuf {
+    char *p;
+    size_t n, cap;
+} sbuf;
+
+static void sb_add(sbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void sb_add(sbuf *b, const char *fmt, ...)
+{
+    for (;;) {
+        va_list ap;
+        va_start(ap, fmt);
+        int k = vsnprintf(b->p ? b->p + b->n : NULL, b->p ? b->cap - b->n : 0, fmt, ap);
+        va_end(ap);
+        if (k < 0) return;
+        if (b->p && b->n + (size_t)k < b->cap) {
+            b->n += (size_t)k;
+            return;
+        }
+        size_t cap = TD_MAX(b->cap * 2, b->n + (size_t)k + 1024);
+        char *g = realloc(b->p, cap);
+        if (!g) return;
+        b->p = g;
+        b->cap = cap;
+    }
+}
+
+char *pd_metrics_render(pd_connector *pd)
+{
+    sbuf b = {0};
+    pthread_mutex_lock(&pd->mu);
+    uint64_t ok = pd->loads_ok, fails[FAIL_N], hist[N_BUCKETS + 1];
+    memcpy(fails, pd->failures, sizeof(fails));
+    memcpy(hist, pd->hist, sizeof(hist));
+    uint64_t bytes = pd->bytes, desc = pd->descriptors, blocks = pd->blocks, holds = pd->holds;
+    double sum = pd->hist_sum;
+    pthread_mutex_unlock(&pd->mu);
+    if (pd->client) {
+        sb_add(&b, "# HELP tandem_kv_transfers_total KV transfers into this engine that "
+                   "completed.\n# TYPE tandem_kv_transfers_total counter\n"
+                   "tandem_kv_transfers_total %llu\n",
+               (unsigned long long)ok);
+        sb_add(&b, "# HELP tandem_kv_transfer_failures_total KV transfers into this engine that "
+                   "failed, by reason.\n# TYPE tandem_kv_transfer_failures_total counter\n");
+        for (int i = 0; i < FAIL_N; i++)
+            sb_add(&b, "tandem_kv_transfer_failures_total{reason=\"%s\"} %llu\n", FAIL_NAMES[i],
+                   (unsigned long long)fails[i]);
+        sb_add(&b, "# HELP tandem_kv_transfer_bytes_total KV bytes received.\n"
+                   "# TYPE tandem_kv_transfer_bytes_total counter\n"
+                   "tandem_kv_transfer_bytes_total %llu\n"
+                   "# HELP tandem_kv_transfer_blocks_total KV blocks received.\n"
+                   "# TYPE tandem_kv_transfer_blocks_total counter\n"
+                   "tandem_kv_transfer_blocks_total %llu\n"
+                   "# HELP tandem_kv_transfer_descriptors_total Byte ranges moved (coalesced "
+                   "runs x layers).\n# TYPE tandem_kv_transfer_descriptors_total counter\n"
+                   "tandem_kv_transfer_descriptors_total %llu\n",
+               (unsigned long long)bytes, (unsigned long long)blocks, (unsigned long long)desc);
+        sb_add(&b, "# HELP tandem_kv_transfer_duration_seconds Time of a completed KV "
+                   "transfer.\n# TYPE tandem_kv_transfer_duration_seconds histogram\n");
+        uint64_t cum = 0;
+        for (int i = 0; i < N_BUCKETS; i++) {
+            cum += hist[i];
+            sb_add(&b, "tandem_kv_transfer_duration_seconds_bucket{le=\"%g\"} %llu\n", BUCKETS[i],
+                   (unsigned long long)cum);
+        }
+        cum += hist[N_BUCKETS];
+        sb_add(&b,
+               "tandem_kv_transfer_duration_seconds_bucket{le=\"+Inf\"} %llu\n"
+               "tandem_kv_transfer_duration_seconds_sum %.6f\n"
+               "tandem_kv_transfer_duration_seconds_count %llu\n",
+               (unsigned long long)cum, sum, (unsigned long long)cum);
+    }
+    if (pd->agent) {
+        kvx_agent_stats st;
+        kvx_agent_get_stats(pd->agent, &st);
+        sb_add(&b,
+               "# HELP tandem_kv_leases_total Prompt KV handed to consumers under a lease.\n"
+               "# TYPE tandem_kv_leases_total counter\ntandem_kv_leases_total %llu\n"
+               "# HELP tandem_kv_leases_active Leases held now.\n"
+               "# TYPE tandem_kv_leases_active gauge\ntandem_kv_leases_active %d\n"
+               "# HELP tandem_kv_leases_expired_total Leases that ended without a release "
+               "(consumer gone).\n# TYPE tandem_kv_leases_expired_total counter\n"
+               "tandem_kv_leases_expired_total %llu\n"
+               "# HELP tandem_kv_leases_released_total Leases released by their consumer.\n"
+               "# TYPE tandem_kv_leases_released_total counter\n"
+               "tandem_kv_leases_released_total %llu\n"
+               "# HELP tandem_kv_sent_bytes_total KV bytes served to consumers.\n"
+               "# TYPE tandem_kv_sent_bytes_total counter\ntandem_kv_sent_bytes_total %llu\n"
+               "# HELP tandem_kv_reads_total Read requests served.\n"
+               "# TYPE tandem_kv_reads_total counter\ntandem_kv_reads_total %llu\n"
+               "# HELP tandem_kv_handshakes_refused_total Sessions refused (layout, identity or "
+               "authentication).\n# TYPE tandem_kv_handshakes_refused_total counter\n"
+               "tandem_kv_handshakes_refused_total %llu\n"
+               "# HELP tandem_kv_unknown_transfer_total Requests naming a transfer id this "
+               "producer does not hold.\n# TYPE tandem_kv_unknown_transfer_total counter\n"
+               "tandem_kv_unknown_transfer_total %llu\n",
+               (unsigned long long)holds, kvx_agent_n_leases(pd->agent),
+               (unsigned long long)st.leases_expired, (unsigned long long)st.leases_released,
+               (unsigned long long)st.bytes_sent, (unsigned long long)st.reads,
+               (unsigned long long)st.handshakes_refused,
+               (unsigned long long)st.unknown_transfer);
+    }
+    if (!b.p) sb_add(&b, "%s", "");
+    return b.p;
+}
