@@ -12,6 +12,7 @@
 
 #include "cli/cli.h"
 #include "cli/engine_opts.h"
+#include "kvx/kvx.h"
 #include "server/server.h"
 
 int cli_serve(int argc, char **argv)
@@ -22,7 +23,8 @@ int cli_serve(int argc, char **argv)
     srv_config sc;
     srv_config_default(&sc);
     const char *served = NULL, *host = sc.host, *kv_json = NULL, *chat = NULL;
-    int64_t port = sc.port, tp = 1, max_queue = sc.max_queue, step_delay = 0;
+    int64_t port = sc.port, tp = 1, max_queue = sc.max_queue, step_delay = 0, kv_delay = 0,
+            kv_corrupt = 0;
     uint64_t max_body = sc.max_body_size;
     double stall = sc.health_stall_s;
     bool debug = false;
@@ -54,6 +56,12 @@ int cli_serve(int argc, char **argv)
                            "answers 503 (60)");
     flags[nf++] = CLI_FLAG("enable-debug-endpoints", CLI_FLAG_BOOL, &debug,
                            "enable POST /debug/stop_engine (for tests)");
+    flags[nf++] = CLI_FLAG("debug-kv-send-delay-ms", CLI_FLAG_INT, &kv_delay,
+                           "test hook (needs --enable-debug-endpoints): the KV agent sleeps "
+                           "this long before sending each transfer's bytes");
+    flags[nf++] = CLI_FLAG("debug-kv-corrupt", CLI_FLAG_INT, &kv_corrupt,
+                           "test hook (needs --enable-debug-endpoints): flip a byte in each of "
+                           "the next N KV transfers this consumer receives");
     flags[nf++] = CLI_FLAG("debug-step-delay-ms", CLI_FLAG_INT, &step_delay,
                            "sleep after each engine step (tests; needs --enable-debug-endpoints)");
     int rc = cli_flags_parse(flags, nf, argc, argv, "tandem serve --model M [options]");
@@ -83,6 +91,17 @@ int cli_serve(int argc, char **argv)
         fprintf(stderr, "error: --debug-step-delay-ms needs --enable-debug-endpoints\n");
         return 2;
     }
+    if ((kv_delay || kv_corrupt) && !debug) {
+        fprintf(stderr, "error: --debug-kv-send-delay-ms and --debug-kv-corrupt need "
+                        "--enable-debug-endpoints\n");
+        return 2;
+    }
+    if (kv_delay < 0 || kv_delay > 60000 || kv_corrupt < 0 || kv_corrupt > 1000000) {
+        fprintf(stderr, "error: --debug-kv-send-delay-ms must be in [0, 60000] and "
+                        "--debug-kv-corrupt in [0, 1000000]\n");
+        return 2;
+    }
+    kvx_debug_hooks((int)kv_delay, (int)kv_corrupt);
     if (step_delay < 0 || step_delay > 10000) {
         fprintf(stderr, "error: --debug-step-delay-ms must be in [0, 10000]\n");
         return 2;

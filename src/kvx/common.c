@@ -488,3 +488,9 @@ bool kvx_protocol_available(kvx_protocol p)
     }
     return false;
 }
+
+void kvx_debug_hooks(int send_delay_ms, int corrupt_pieces)
+{
+    atomic_store(&kvx__test_send_delay_ms, send_delay_ms);
+    atomic_store(&kvx__test_corrupt_pieces, corrupt_pieces);
+}

@@ -271,6 +271,13 @@ int kvx_heartbeat(kvx_client *c, const char *host, uint16_t port, const char *en
 int kvx_session_check(kvx_client *c, const char *host, uint16_t port, const char *engine_id,
                       td_err *err);
 
+/**
+ * Fault injection for tests of the processes above kvx (tandem serve's debug flags):
+ * the producer sleeps send_delay_ms between a DATA header and its bytes, and the consumer
+ * flips one received byte of the next corrupt_pieces pieces. Process-wide; 0 = off.
+ */
+void kvx_debug_hooks(int send_delay_ms, int corrupt_pieces);
+
 /** Sessions currently cached (for tests). */
 int kvx_client_n_sessions(kvx_client *c);
 

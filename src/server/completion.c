@@ -524,15 +524,20 @@ static void flush(srv__req *q)
     }
 }
 
+/* A disaggregated request (one choice) keeps its final output's KV fields for the
+ * response's kv_transfer_params; before the final chunk is written. */
+static void kv_capture(srv__req *q, srv__out *o)
+{
+    if (q->kv_mode == KV_NONE) return;
+    free(q->kv_res.kv_blocks);
+    q->kv_res = *o;
+    q->kv_res.text = q->kv_res.error = NULL;
+    o->kv_blocks = NULL; /* owned by q now */
+}
+
 static void choice_finished(srv_server *s, srv__req *q, srv__choice *c, srv__out *o)
 {
     c->done = true;
-    if (q->kv_mode != KV_NONE) { /* one choice: keep the final output's KV fields */
-        free(q->kv_res.kv_blocks);
-        q->kv_res = *o;
-        q->kv_res.text = q->kv_res.error = NULL;
-        o->kv_blocks = NULL; /* owned by q now */
-    }
     c->finish = o->finish;
     c->n_prompt = o->num_prompt_tokens;
     c->n_cached = o->num_cached_tokens;
@@ -586,6 +591,7 @@ void srv__handle_outputs(srv_server *s, srv__out *outs, int n)
             if (q->r.logprobs >= 0) logprobs_record(q, c, o);
             c->text_offset += (size_t)o->text_len;
         }
+        if (o->finish != TD_FINISH_NONE) kv_capture(q, o);
         if (!q->failed) {
             if (q->r.stream) {
                 /* one chunk per token, even when its text is still incomplete UTF-8,

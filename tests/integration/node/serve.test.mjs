@@ -186,8 +186,10 @@ test('logprobs: tokens and top alternatives in OpenAI shape', async () => {
   assert.equal(c.json.choices[0].logprobs.content.length, 3);
 });
 
+// Parameters that ask for no disaggregation are echoed as given (do_remote_decode and
+// do_remote_prefill are tested with real producers and consumers in pd.test.mjs).
 test('kv_transfer_params is kept with the request and echoed back', async () => {
-  const kv = { do_remote_decode: true, do_remote_prefill: false, nested: { x: [1, 2] } };
+  const kv = { do_remote_decode: false, do_remote_prefill: false, nested: { x: [1, 2] } };
   const r = await complete({ prompt: [1, 306], max_tokens: 1, kv_transfer_params: kv,
     some_unknown_field: { ignored: true } });
   assert.equal(r.status, 200, r.text);

@@ -1,0 +1,402 @@
+// Prefill/decode disaggregation with real processes: `tandem serve` as kv_producer and
+// kv_consumer, talking kvx over loopback, driven the way a router drives them (prefill
+// with do_remote_decode and max_tokens 1, then decode with the producer's
+// kv_transfer_params). Started by tests/integration/test_pd.sh with TD_BIN and TD_MODEL.
+//
+// The core invariant: greedy output through producer -> consumer equals one aggregated
+// engine's, token for token. Then every failure: producer killed mid-transfer, consumer
+// gone after the producer answered, connection cut, corrupted bytes, mismatched layouts,
+// a wrong auth token, a guessed transfer id. Each request ends (recomputed, or a clear
+// error under kv_load_failure_policy fail) and no KV block leaks on either side.
+// No test asserts on timing: deadlines only bound waits for state that must arrive.
+import { test, after } from 'node:test';
+import assert from 'node:assert/strict';
+import { spawn } from 'node:child_process';
+import net from 'node:net';
+import crypto from 'node:crypto';
+
+const BIN = process.env.TD_BIN;
+const MODEL = process.env.TD_MODEL;
+assert.ok(BIN && MODEL, 'TD_BIN and TD_MODEL must be set');
+
+const procs = new Set();
+after(() => { for (const p of procs) p.kill('SIGKILL'); });
+
+// Start `tandem serve`; resolves to {url, port, agentPort, proc, stderr()}.
+function serve(args, env = {}) {
+  return new Promise((resolve, reject) => {
+    const p = spawn(BIN, ['serve', '--model', MODEL, '--threads', '1', '--host', '127.0.0.1',
+      '--server-port', '0', ...args], { env: { ...process.env, ...env }, stdio: ['ignore', 'ignore', 'pipe'] });
+    procs.add(p);
+    let err = '';
+    let agentPort = null;
+    p.stderr.on('data', (d) => {
+      err += d;
+      const a = err.match(/kv transfer agent on [^:]+:(\d+)/);
+      if (a) agentPort = Number(a[1]);
+      const m = err.match(/listening on [^\n]*:(\d+)\n/);
+      if (m && !p.started) {
+        p.started = true;
+        resolve({ url: `http://127.0.0.1:${m[1]}`, agentPort, proc: p, stderr: () => err });
+      }
+    });
+    p.on('exit', (code) => { procs.delete(p); if (!p.started) reject(new Error(`serve exited ${code}: ${err}`)); });
+  });
+}
+
+async function post(base, body) {
+  const res = await fetch(base + '/v1/completions', {
+    method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body),
+  });
+  const text = await res.text();
+  let json = null;
+  try { json = JSON.parse(text); } catch { /* not JSON */ }
+  return { status: res.status, json, text };
+}
+
+async function metrics(base) {
+  const text = await (await fetch(base + '/metrics')).text();
+  const m = {};
+  for (const line of text.split('\n')) {
+    const r = line.match(/^([a-z_]+(?:\{[^}]*\})?) (\S+)$/);
+    if (r) m[r[1].replace(/\{model_name="[^"]*"\}/, '')] = Number(r[2]);
+  }
+  return m;
+}
+
+// Wait until f() is true (a deadline bounds the wait, it is not the assertion).
+async function until(f, what, ms = 20000) {
+  const end = Date.now() + ms;
+  for (;;) {
+    if (await f()) return;
+    if (Date.now() > end) assert.fail(`timed out waiting for ${what}`);
+    await new Promise((r) => setTimeout(r, 25));
+  }
+}
+
+async function noLeaks(base, what) {
+  await until(async () => {
+    const m = await metrics(base);
+    return m.tandem_kv_blocks_used === 0 && !(m.tandem_kv_leases_active > 0);
+  }, `${what}: KV blocks back to baseline`);
+}
+
+const GEN = { max_tokens: 12, temperature: 0, ignore_eos: true };
+
+// Prompts as token ids (BOS first): 1 token, multiples of the block size (16), and
+// lengths past several blocks; stories260K's context is 128 tokens.
+function prompts() {
+  const lens = [1, 2, 3, 15, 16, 17, 31, 32, 33, 48, 64, 80, 96, 100, 110];
+  const out = [];
+  for (let i = 0; i < 40; i++) {
+    const n = lens[i % lens.length];
+    const ids = [1];
+    let s = 1000 + i * 7919;
+    for (let k = 1; k < n; k++) { s = (s * 1103515245 + 12345) % 2147483648; ids.push(3 + (s % 500)); }
+    out.push(ids);
+  }
+  return out;
+}
+
+async function prefill(prod, prompt) {
+  const r = await post(prod, { prompt, max_tokens: 1, temperature: 0, stream: false,
+    kv_transfer_params: { do_remote_decode: true, do_remote_prefill: false } });
+  assert.equal(r.status, 200, r.text);
+  const kv = r.json.kv_transfer_params;
+  assert.equal(kv.do_remote_prefill, true, r.text);
+  return kv;
+}
+
+async function decode(cons, prompt, kv, extra = {}) {
+  return post(cons, { prompt, ...GEN, ...extra, kv_transfer_params: kv });
+}
+
+async function pool(items, width, fn) {
+  const res = new Array(items.length);
+  let next = 0;
+  await Promise.all(Array.from({ length: width }, async () => {
+    while (next < items.length) { const i = next++; res[i] = await fn(items[i], i); }
+  }));
+  return res;
+}
+
+let AGG, PROD, CONS, CONS_FAIL;
+const want = new Map();
+async function expected(prompt) {
+  const key = prompt.join(',');
+  if (!want.has(key)) {
+    const r = await post(AGG.url, { prompt, ...GEN });
+    assert.equal(r.status, 200, r.text);
+    want.set(key, r.json.choices[0].text);
+  }
+  return want.get(key);
+}
+
+test('start the servers', async () => {
+  [AGG, PROD, CONS, CONS_FAIL] = await Promise.all([
+    serve([]),
+    serve(['--kv-transfer-config', '{"kv_role":"kv_producer","kv_connector":"moriio"}']),
+    serve(['--kv-transfer-config', '{"kv_role":"kv_consumer","transfer_timeout_ms":5000}']),
+    serve(['--kv-transfer-config', '{"kv_role":"kv_consumer","kv_load_failure_policy":"fail","transfer_timeout_ms":5000}']),
+  ]);
+  assert.ok(PROD.agentPort > 0);
+});
+
+test('equivalence: 40 prompts through producer -> consumer, 16 at a time', async () => {
+  const ps = prompts();
+  for (const p of ps) await expected(p);
+  const before = await metrics(CONS.url);
+  const res = await pool(ps, 16, async (p) => {
+    const kv = await prefill(PROD.url, p);
+    assert.equal(kv.num_prompt_tokens, p.length);
+    assert.equal(kv.remote_block_ids.length, Math.ceil(p.length / 16));
+    const r = await decode(CONS.url, p, kv);
+    assert.equal(r.status, 200, r.text);
+    return r.json;
+  });
+  let transferred = 0;
+  for (let i = 0; i < ps.length; i++) {
+    assert.equal(res[i].choices[0].text, await expected(ps[i]), `prompt ${i} (${ps[i].length} tokens)`);
+    const kv = res[i].kv_transfer_params;
+    assert.equal(kv.do_remote_prefill, true);
+    assert.equal(kv.kv_load, 'transferred', JSON.stringify(kv));
+    for (const f of ['producer_queue_ms', 'producer_compute_ms', 'transfer_ms', 'consumer_queue_ms', 'first_decode_step_ms'])
+      assert.equal(typeof kv.timing[f], 'number', f);
+    transferred += kv.transferred_blocks;
+  }
+  const m = await metrics(CONS.url);
+  assert.equal(m.tandem_kv_transfers_total - before.tandem_kv_transfers_total, 40);
+  assert.equal(m.tandem_kv_transfer_blocks_total - before.tandem_kv_transfer_blocks_total, transferred);
+  await noLeaks(PROD.url, 'producer');
+  await noLeaks(CONS.url, 'consumer');
+  const pm = await metrics(PROD.url);
+  assert.equal(pm.tandem_kv_leases_expired_total, 0);
+});
+
+test('a consumer prefix-cache hit transfers only the tail', async () => {
+  const p = prompts()[11]; // 80 tokens = 5 blocks
+  assert.equal(p.length, 80);
+  const extra = [...p.slice(0, 64), 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22];
+  // Warm the consumer's prefix cache with a request sharing the first 4 blocks.
+  const r0 = await decode(CONS.url, extra, await prefill(PROD.url, extra));
+  assert.equal(r0.status, 200, r0.text);
+  const before = await metrics(CONS.url);
+  const r = await decode(CONS.url, p, await prefill(PROD.url, p));
+  assert.equal(r.status, 200, r.text);
+  assert.equal(r.json.choices[0].text, await expected(p));
+  const kv = r.json.kv_transfer_params;
+  assert.equal(kv.cached_blocks, 4, JSON.stringify(kv));
+  assert.equal(kv.transferred_blocks, 1);
+  const m = await metrics(CONS.url);
+  assert.equal(m.tandem_kv_transfer_blocks_total - before.tandem_kv_transfer_blocks_total, 1);
+  assert.equal(r.json.usage.prompt_tokens_details.cached_tokens, 64);
+});
+
+test('streaming decode ends with kv_transfer_params', async () => {
+  const p = prompts()[5];
+  const kv = await prefill(PROD.url, p);
+  const res = await fetch(CONS.url + '/v1/completions', { method: 'POST', headers: { 'content-type': 'application/json' },
+    body: JSON.stringify({ prompt: p, ...GEN, stream: true, kv_transfer_params: kv }) });
+  const raw = await res.text();
+  const events = raw.split('\n\n').filter((e) => e.startsWith('data: {')).map((e) => JSON.parse(e.slice(6)));
+  const text = events.map((e) => e.choices?.[0]?.text ?? '').join('');
+  assert.equal(text, await expected(p));
+  const last = events.filter((e) => e.choices?.[0]?.finish_reason).pop();
+  assert.equal(last.kv_transfer_params.kv_load, 'transferred');
+});
+
+test('bad kv_transfer_params are a 400 that names the problem', async () => {
+  const p = prompts()[4];
+  const kv = await prefill(PROD.url, p);
+  const cases = [
+    [CONS.url, { do_remote_decode: true }, 'not a KV producer'],
+    [PROD.url, { ...kv }, 'not a KV consumer'],
+    [CONS.url, { ...kv, remote_engine_id: 'xyz' }, 'remote_engine_id'],
+    [CONS.url, { ...kv, remote_block_ids: 'a' }, 'remote_block_ids'],
+    [CONS.url, { ...kv, remote_block_ids: [-1] }, 'remote_block_ids'],
+    [CONS.url, { ...kv, first_token_id: 1e9 }, 'first_token_id'],
+    [CONS.url, { ...kv, remote_host: 7 }, 'remote_host'],
+    [CONS.url, { ...kv, remote_handshake_port: 70000, remote_port: 70000 }, 'port'],
+    [CONS.url, { do_remote_decode: true, do_remote_prefill: true }, 'both'],
+  ];
+  for (const [url, params, msg] of cases) {
+    const r = await post(url, { prompt: p, ...GEN, kv_transfer_params: params });
+    assert.equal(r.status, 400, `${msg}: ${r.text}`);
+    assert.match(r.json.error.message, new RegExp(msg), r.text);
+  }
+  const r = await post(PROD.url, { prompt: [p, p], max_tokens: 1, kv_transfer_params: { do_remote_decode: true } });
+  assert.equal(r.status, 400);
+  assert.match(r.json.error.message, /one prompt/);
+  // The consumer's lease was never used: release it so the producer is idle again.
+  const ok = await decode(CONS.url, p, kv);
+  assert.equal(ok.status, 200, ok.text);
+  await noLeaks(PROD.url, 'producer after bad params');
+});
+
+test('a prompt that tokenizes differently is recomputed (or refused under fail)', async () => {
+  const p = prompts()[7];
+  let kv = await prefill(PROD.url, p);
+  const r = await decode(CONS.url, p, { ...kv, num_prompt_tokens: p.length + 1 });
+  assert.equal(r.status, 200, r.text);
+  assert.equal(r.json.choices[0].text, await expected(p));
+  assert.equal(r.json.kv_transfer_params.kv_load, 'recomputed');
+  assert.match(r.json.kv_transfer_params.kv_load_error, /tokens/);
+  kv = await prefill(PROD.url, p);
+  const f = await decode(CONS_FAIL.url, p, { ...kv, block_size: 32 });
+  assert.equal(f.status, 400, f.text);
+  assert.match(f.json.error.message, /block_size differs: producer 32, consumer 16/);
+  // Both leases were released by the consumers although they did not read them.
+  await noLeaks(PROD.url, 'producer after mismatches');
+});
+
+test('a guessed transfer_id reads nothing; the real lease stays', async () => {
+  const p = prompts()[8];
+  const kv = await prefill(PROD.url, p);
+  const guess = { ...kv, transfer_id: crypto.randomBytes(16).toString('hex') };
+  const before = await metrics(PROD.url);
+  const r = await decode(CONS.url, p, guess);
+  assert.equal(r.status, 200, r.text);
+  assert.equal(r.json.kv_transfer_params.kv_load, 'recomputed');
+  assert.match(r.json.kv_transfer_params.kv_load_error, /not|unknown/i);
+  assert.equal(r.json.choices[0].text, await expected(p));
+  const m = await metrics(PROD.url);
+  assert.equal(m.tandem_kv_sent_bytes_total, before.tandem_kv_sent_bytes_total, 'nothing was sent');
+  assert.ok(m.tandem_kv_unknown_transfer_total > before.tandem_kv_unknown_transfer_total);
+  assert.equal(m.tandem_kv_leases_active, 1, 'the real transfer is still held');
+  const ok = await decode(CONS.url, p, kv);
+  assert.equal(ok.json.kv_transfer_params.kv_load, 'transferred');
+  await noLeaks(PROD.url, 'producer after the guess');
+});
+
+test('corrupted bytes fail the checksum: recompute, or a clear error under fail', async () => {
+  const [prod, cons, consFail] = await Promise.all([
+    serve(['--kv-transfer-config', '{"kv_role":"kv_producer"}']),
+    serve(['--enable-debug-endpoints', '--debug-kv-corrupt', '1', '--kv-transfer-config', '{"kv_role":"kv_consumer"}']),
+    serve(['--enable-debug-endpoints', '--debug-kv-corrupt', '1', '--kv-transfer-config', '{"kv_role":"kv_consumer","kv_load_failure_policy":"fail"}']),
+  ]);
+  const p = prompts()[12];
+  const r = await decode(cons.url, p, await prefill(prod.url, p));
+  assert.equal(r.status, 200, r.text);
+  assert.equal(r.json.kv_transfer_params.kv_load, 'recomputed');
+  assert.match(r.json.kv_transfer_params.kv_load_error, /checksum/);
+  assert.equal(r.json.choices[0].text, await expected(p));
+  const f = await decode(consFail.url, p, await prefill(prod.url, p));
+  assert.equal(f.status, 500, f.text);
+  assert.match(f.json.error.message, /kv transfer failed: .*checksum/);
+  const m = await metrics(cons.url);
+  assert.equal(m['tandem_kv_transfer_failures_total{reason="checksum"}'], 1);
+  for (const s of [prod, cons, consFail]) { await noLeaks(s.url, 'corruption'); s.proc.kill('SIGKILL'); }
+});
+
+test('the producer killed mid-transfer: the decode request still ends', async () => {
+  for (const policy of ['recompute', 'fail']) {
+    const prod = await serve(['--enable-debug-endpoints', '--debug-kv-send-delay-ms', '5000',
+      '--kv-transfer-config', '{"kv_role":"kv_producer"}']);
+    const cons = policy === 'fail' ? CONS_FAIL : CONS;
+    const p = prompts()[13];
+    const kv = await prefill(prod.url, p);
+    const pending = decode(cons.url, p, kv);
+    // The producer holds each read for 5 s before sending its bytes; the read starts
+    // within milliseconds of the decode request, so after 500 ms it is in flight.
+    await new Promise((r) => setTimeout(r, 500));
+    prod.proc.kill('SIGKILL');
+    const r = await pending;
+    if (policy === 'recompute') {
+      assert.equal(r.status, 200, r.text);
+      assert.equal(r.json.kv_transfer_params.kv_load, 'recomputed');
+      assert.equal(r.json.choices[0].text, await expected(p));
+    } else {
+      assert.equal(r.status, 500, r.text);
+      assert.match(r.json.error.message, /kv transfer failed/);
+    }
+    await noLeaks(cons.url, `consumer (${policy}) after the producer died`);
+  }
+  // And a producer that is gone before the decode starts: nothing listens any more.
+  const prod = await serve(['--kv-transfer-config', '{"kv_role":"kv_producer"}']);
+  const p = prompts()[3];
+  const kv = await prefill(prod.url, p);
+  prod.proc.kill('SIGKILL');
+  await new Promise((r) => prod.proc.on('exit', r));
+  const r = await decode(CONS.url, p, kv);
+  assert.equal(r.status, 200, r.text);
+  assert.equal(r.json.kv_transfer_params.kv_load, 'recomputed');
+  assert.equal(r.json.choices[0].text, await expected(p));
+});
+
+test('the consumer gone after the producer answered: the lease expires, the blocks return', async () => {
+  const prod = await serve(['--kv-transfer-config', '{"kv_role":"kv_producer","lease_ms":300}']);
+  const cons = await serve(['--kv-transfer-config', '{"kv_role":"kv_consumer"}']);
+  const p = prompts()[10];
+  await prefill(prod.url, p); // the consumer would read this next...
+  cons.proc.kill('SIGKILL');  // ...but dies first
+  let m = await metrics(prod.url);
+  assert.ok(m.tandem_kv_blocks_used > 0, 'the blocks are held for the consumer');
+  await noLeaks(prod.url, 'producer after its consumer died');
+  m = await metrics(prod.url);
+  assert.equal(m.tandem_kv_leases_expired_total, 1);
+  prod.proc.kill('SIGKILL');
+});
+
+// A TCP proxy between consumer and producer agent that cuts every connection after
+// `cut` bytes from the producer.
+function cuttingProxy(target, cut) {
+  return new Promise((resolve) => {
+    const server = net.createServer((c) => {
+      const up = net.connect(target, '127.0.0.1');
+      let n = 0;
+      c.on('data', (d) => up.write(d));
+      up.on('data', (d) => {
+        n += d.length;
+        if (n > cut) { c.destroy(); up.destroy(); return; }
+        c.write(d);
+      });
+      c.on('error', () => up.destroy());
+      up.on('error', () => c.destroy());
+      c.on('close', () => up.destroy());
+    });
+    server.listen(0, '127.0.0.1', () => resolve(server));
+  });
+}
+
+test('a connection cut mid-transfer: recomputed', async () => {
+  const p = prompts()[14]; // 110 tokens: 7 blocks, several KiB per layer
+  const kv = await prefill(PROD.url, p);
+  const proxy = await cuttingProxy(PROD.agentPort, 2000);
+  const port = proxy.address().port;
+  const r = await decode(CONS.url, p, { ...kv, remote_handshake_port: port, remote_port: port });
+  proxy.close();
+  assert.equal(r.status, 200, r.text);
+  assert.equal(r.json.kv_transfer_params.kv_load, 'recomputed', JSON.stringify(r.json.kv_transfer_params));
+  assert.equal(r.json.choices[0].text, await expected(p));
+  await noLeaks(CONS.url, 'consumer after the cut');
+  await noLeaks(PROD.url, 'producer after the cut'); // released by the consumer or expired
+});
+
+test('mismatched layouts are refused at the handshake, on both sides', async () => {
+  // A router that forwards only the transfer fields: the kvx handshake must catch it.
+  const strip = ({ block_size, kv_dtype, model_fingerprint, ...rest }) => rest;
+  const cases = [
+    [['--kv-cache-dtype', 'f32'], /kv_dtype/, prompts()[4]],
+    [['--block-size', '32'], /block_size/, prompts()[3]], // 15 tokens: one block either way
+  ];
+  for (const [args, field, p] of cases) {
+    // A consumer that cannot even handshake cannot release the lease: it expires.
+    const prod = await serve([...args, '--kv-transfer-config', '{"kv_role":"kv_producer","lease_ms":400}']);
+    const r = await decode(CONS.url, p, strip(await prefill(prod.url, p)));
+    assert.equal(r.status, 200, r.text);
+    assert.equal(r.json.kv_transfer_params.kv_load, 'recomputed');
+    assert.match(r.json.kv_transfer_params.kv_load_error, field);
+    assert.equal(r.json.choices[0].text, await expected(p));
+    const m = await metrics(prod.url);
+    assert.ok(m.tandem_kv_handshakes_refused_total >= 1);
+    await noLeaks(prod.url, 'producer after a refused handshake');
+    prod.proc.kill('SIGKILL');
+  }
+});
+
+test('every server is idle and healthy at the end', async () => {
+  for (const s of [PROD, CONS, CONS_FAIL]) {
+    await noLeaks(s.url, 'final');
+    assert.equal((await fetch(s.url + '/health')).status, 200);
+  }
+});
