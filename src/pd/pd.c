@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "util/td.h"
 
@@ -32,6 +33,14 @@ typedef struct rel_item {
     struct rel_item *next;
 } rel_item;
 
+/* A remote lease kept alive while its request waits here. */
+typedef struct watch_item {
+    uint64_t req_id;
+    rel_item where;
+    uint64_t period_ns, next_ns;
+    struct watch_item *next;
+} watch_item;
+
 struct pd_connector {
     pd_config cfg;
     char host[256];
@@ -48,10 +57,12 @@ struct pd_connector {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     rel_item *rel_head, *rel_tail;
+    watch_item *watches;
     bool stopping;
 
     /* metrics, under mu */
-    uint64_t loads_ok, failures[FAIL_N], bytes, descriptors, blocks, holds;
+    uint64_t loads_ok, failures[FAIL_N], bytes, descriptors, blocks, holds, heartbeats,
+        heartbeat_failures;
     uint64_t hist[N_BUCKETS + 1];
     double hist_sum;
 };
@@ -72,12 +83,54 @@ void pd_remote_free(pd_remote *r)
 
 /* ---- the release thread ---- */
 
+/* Send the heartbeats that are due (mu held on entry and exit). Returns when the next
+ * one is due (0: none watched). */
+static uint64_t beat_due(pd_connector *pd)
+{
+    uint64_t now = td_now_ns(), next = 0;
+    for (watch_item *w = pd->watches; w; w = w->next) {
+        if (w->next_ns <= now) {
+            rel_item where = w->where;
+            uint64_t id = w->req_id;
+            w->next_ns = now + w->period_ns;
+            pthread_mutex_unlock(&pd->mu);
+            td_err err = {0};
+            int rc = kvx_heartbeat(pd->client, where.host, where.port, where.engine_id,
+                                   where.transfer_id, &err);
+            pthread_mutex_lock(&pd->mu);
+            pd->heartbeats++;
+            if (rc) {
+                pd->heartbeat_failures++;
+                TD_DEBUG("kv heartbeat for request %llu: %s", (unsigned long long)id, err.msg);
+            }
+            return beat_due(pd); /* the list may have changed while unlocked */
+        }
+        if (!next || w->next_ns < next) next = w->next_ns;
+    }
+    return next;
+}
+
 static void *rel_main(void *arg)
 {
     pd_connector *pd = arg;
     pthread_mutex_lock(&pd->mu);
     for (;;) {
-        while (!pd->rel_head && !pd->stopping) pthread_cond_wait(&pd->cv, &pd->mu);
+        while (!pd->rel_head && !pd->stopping) {
+            uint64_t next = beat_due(pd);
+            if (pd->rel_head || pd->stopping) break;
+            if (!next) {
+                pthread_cond_wait(&pd->cv, &pd->mu);
+            } else {
+                /* the condition variable uses CLOCK_REALTIME; heartbeats are not exact */
+                uint64_t wait = next > td_now_ns() ? next - td_now_ns() : 0;
+                struct timespec ts;
+                clock_gettime(CLOCK_REALTIME, &ts);
+                uint64_t t = (uint64_t)ts.tv_nsec + wait;
+                ts.tv_sec += (time_t)(t / 1000000000ull);
+                ts.tv_nsec = (long)(t % 1000000000ull);
+                pthread_cond_timedwait(&pd->cv, &pd->mu, &ts);
+            }
+        }
         rel_item *it = pd->rel_head;
         if (!it) break; /* stopping and nothing left */
         pd->rel_head = it->next;
@@ -248,6 +301,39 @@ int pd_load(pd_connector *pd, uint64_t req_id, const pd_remote *src, const int32
     return rc;
 }
 
+void pd_watch(pd_connector *pd, uint64_t req_id, const pd_remote *src)
+{
+    if (!pd->client) return;
+    watch_item *w = calloc(1, sizeof(*w));
+    if (!w) return; /* the lease may then expire: the request recomputes */
+    w->req_id = req_id;
+    snprintf(w->where.host, sizeof(w->where.host), "%s", src->host);
+    w->where.port = src->port;
+    memcpy(w->where.engine_id, src->engine_id, KVX_ID_HEX);
+    memcpy(w->where.transfer_id, src->transfer_id, KVX_ID_HEX);
+    uint32_t lease = src->lease_ms ? src->lease_ms : 30000;
+    w->period_ns = TD_MAX((uint64_t)lease * 1000000ull / 3, 20000000ull);
+    pthread_mutex_lock(&pd->mu);
+    w->next_ns = td_now_ns() + w->period_ns;
+    w->next = pd->watches;
+    pd->watches = w;
+    pthread_cond_signal(&pd->cv);
+    pthread_mutex_unlock(&pd->mu);
+}
+
+void pd_unwatch(pd_connector *pd, uint64_t req_id)
+{
+    pthread_mutex_lock(&pd->mu);
+    for (watch_item **p = &pd->watches; *p; p = &(*p)->next) {
+        if ((*p)->req_id != req_id) continue;
+        watch_item *w = *p;
+        *p = w->next;
+        free(w);
+        break;
+    }
+    pthread_mutex_unlock(&pd->mu);
+}
+
 void pd_release_remote(pd_connector *pd, const pd_remote *src)
 {
     if (!pd->client) return;
@@ -360,6 +446,10 @@ void pd_destroy(pd_connector *pd)
         next = it->next;
         free(it);
     }
+    for (watch_item *w = pd->watches, *next; w; w = next) {
+        next = w->next;
+        free(w);
+    }
     if (pd->agent) kvx_agent_destroy(pd->agent);
     explicit_bzero(pd->token, sizeof(pd->token));
     pthread_mutex_destroy(&pd->mu);
@@ -403,6 +493,7 @@ char *pd_metrics_render(pd_connector *pd)
     memcpy(fails, pd->failures, sizeof(fails));
     memcpy(hist, pd->hist, sizeof(hist));
     uint64_t bytes = pd->bytes, desc = pd->descriptors, blocks = pd->blocks, holds = pd->holds;
+    uint64_t beats = pd->heartbeats, beat_fails = pd->heartbeat_failures;
     double sum = pd->hist_sum;
     pthread_mutex_unlock(&pd->mu);
     if (pd->client) {
@@ -425,6 +516,12 @@ char *pd_metrics_render(pd_connector *pd)
                    "runs x layers).\n# TYPE tandem_kv_transfer_descriptors_total counter\n"
                    "tandem_kv_transfer_descriptors_total %llu\n",
                (unsigned long long)bytes, (unsigned long long)blocks, (unsigned long long)desc);
+        sb_add(&b, "# HELP tandem_kv_heartbeats_total Lease heartbeats sent for requests waiting "
+                   "here.\n# TYPE tandem_kv_heartbeats_total counter\ntandem_kv_heartbeats_total "
+                   "%llu\n# HELP tandem_kv_heartbeat_failures_total Heartbeats that failed.\n"
+                   "# TYPE tandem_kv_heartbeat_failures_total counter\n"
+                   "tandem_kv_heartbeat_failures_total %llu\n",
+               (unsigned long long)beats, (unsigned long long)beat_fails);
         sb_add(&b, "# HELP tandem_kv_transfer_duration_seconds Time of a completed KV "
                    "transfer.\n# TYPE tandem_kv_transfer_duration_seconds histogram\n");
         uint64_t cum = 0;

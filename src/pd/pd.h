@@ -43,6 +43,7 @@ typedef struct pd_remote {
     char transfer_id[KVX_ID_HEX];
     int32_t *blocks; /* producer block ids (malloc'd; pd_remote_free) */
     int n_blocks;
+    uint32_t lease_ms; /* the producer's lease (kv_transfer_params.lease_ms), 0 = unknown */
 } pd_remote;
 
 void pd_remote_free(pd_remote *r);
@@ -88,6 +89,15 @@ uint32_t pd_lease_ms(const pd_connector *pd);
  */
 int pd_load(pd_connector *pd, uint64_t req_id, const pd_remote *src, const int32_t *dst, int n_dst,
             int skip, td_err *err);
+/**
+ * Keep a producer's lease alive while req_id waits for blocks here: a heartbeat every
+ * third of the lease, from the connector's own thread, until pd_unwatch (at the start of
+ * the load, or when the request ends). A waiting queue longer than the lease then costs
+ * no recompute.
+ */
+void pd_watch(pd_connector *pd, uint64_t req_id, const pd_remote *src);
+void pd_unwatch(pd_connector *pd, uint64_t req_id);
+
 /** Tell a producer (in the background) that a transfer it holds is not needed. */
 void pd_release_remote(pd_connector *pd, const pd_remote *src);
 

@@ -837,6 +837,7 @@ static int kv_prepare(srv_server *s, srv__req *q, const prepared *p, int n_choic
     }
     snprintf(r->host, sizeof(r->host), "%s", host->valuestring);
     r->port = (uint16_t)port;
+    if (kv_int(k, "lease_ms", 1, 1e9, &v) == 0) r->lease_ms = (uint32_t)v;
     q->first_token = (int32_t)first;
     const cJSON *t = kv_get(k, "producer_timing");
     if (cJSON_IsObject(t)) {

@@ -151,6 +151,7 @@ static void apply(srv__engine *x, srv__cmd *c, batch *b)
             srv__active *a = active_add(x, id, c->user, c->choice);
             a->remote = c->remote; /* moved */
             memset(&c->remote, 0, sizeof(c->remote));
+            if (a->remote.blocks && x->pd) pd_watch(x->pd, id, &a->remote);
         }
         break;
     }
@@ -183,6 +184,7 @@ static void apply(srv__engine *x, srv__cmd *c, batch *b)
 static void start_load(srv__engine *x, srv__active *a, const td_output *o)
 {
     a->kv_blocks_cached = o->kv_skip;
+    if (x->pd) pd_unwatch(x->pd, o->id); /* the read itself renews the lease */
     td_err err = {0};
     int rc = x->pd && a->remote.blocks
                  ? pd_load(x->pd, o->id, &a->remote, o->kv_blocks, o->n_kv_blocks, o->kv_skip, &err)
@@ -259,7 +261,10 @@ static void drain_outputs(srv__engine *x, batch *b)
         if (o.finish != TD_FINISH_NONE) {
             if (o.n_kv_blocks > 0) hold(x, d, &o);
             /* a remote request that never started its load: the producer may let go */
-            if (a->remote.blocks && !a->load_started && x->pd) pd_release_remote(x->pd, &a->remote);
+            if (a->remote.blocks && !a->load_started && x->pd) {
+                pd_unwatch(x->pd, o.id);
+                pd_release_remote(x->pd, &a->remote);
+            }
             pd_remote_free(&a->remote);
             x->active[k] = x->active[--x->n_active];
         }

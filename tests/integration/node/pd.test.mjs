@@ -337,6 +337,24 @@ test('the consumer gone after the producer answered: the lease expires, the bloc
   prod.proc.kill('SIGKILL');
 });
 
+test('a request queued longer than the lease keeps it alive with heartbeats', async () => {
+  const prod = await serve(['--kv-transfer-config', '{"kv_role":"kv_producer","lease_ms":300}']);
+  // One sequence at a time, 40 ms per step: the second request waits about 1.2 s.
+  const cons = await serve(['--max-num-seqs', '1', '--enable-debug-endpoints', '--debug-step-delay-ms', '40',
+    '--kv-transfer-config', '{"kv_role":"kv_consumer"}']);
+  const busy = post(cons.url, { prompt: [1, 2, 3], max_tokens: 30, ignore_eos: true });
+  const p = prompts()[9];
+  const r = await decode(cons.url, p, await prefill(prod.url, p));
+  assert.equal((await busy).status, 200);
+  assert.equal(r.status, 200, r.text);
+  assert.equal(r.json.kv_transfer_params.kv_load, 'transferred', JSON.stringify(r.json.kv_transfer_params));
+  assert.equal(r.json.choices[0].text, await expected(p));
+  const pm = await metrics(prod.url), cm = await metrics(cons.url);
+  assert.equal(pm.tandem_kv_leases_expired_total, 0);
+  assert.ok(cm.tandem_kv_heartbeats_total >= 2, `heartbeats: ${cm.tandem_kv_heartbeats_total}`);
+  for (const s of [prod, cons]) { await noLeaks(s.url, 'heartbeats'); s.proc.kill('SIGKILL'); }
+});
+
 // A TCP proxy between consumer and producer agent that cuts every connection after
 // `cut` bytes from the producer.
 function cuttingProxy(target, cut) {
