@@ -9,5 +9,6 @@ int cli_bench_engine(int argc, char **argv);
 int cli_serve(int argc, char **argv);
 int cli_bench_serve(int argc, char **argv);
 int cli_bench_xfer(int argc, char **argv);
+int cli_bench_pd(int argc, char **argv);
 
 #endif

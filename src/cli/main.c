@@ -14,6 +14,7 @@ static const struct {
     {"bench-engine", cli_bench_engine, "measure prefill and decode speed of the engine"},
     {"serve", cli_serve, "the OpenAI-compatible engine server"},
     {"bench-serve", cli_bench_serve, "the server's overhead: HTTP streams vs the C API"},
+    {"bench-pd", cli_bench_pd, "KV transfer between a prefill and a decode server under concurrency"},
     {"bench-xfer", cli_bench_xfer, "KV transfer throughput (kvx tcp) against the machine's limits"},
 };
 
