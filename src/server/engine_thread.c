@@ -306,9 +306,12 @@ static void *engine_main(void *arg)
     bool blocked = false; /* the last step could do nothing although work waits */
     for (;;) {
         pthread_mutex_lock(&x->mu);
-        while (!x->inbox_head && !x->stop_requested && !td_engine_has_work(x->engine))
+        /* Requests in flight but nothing to step (their KV is being copied in): wait with
+         * a timeout below, so that the loop still shows progress to /health. */
+        while (!x->inbox_head && !x->stop_requested && !td_engine_has_work(x->engine) &&
+               x->n_active == 0)
             pthread_cond_wait(&x->cv, &x->mu);
-        if (blocked && !x->inbox_head && !x->stop_requested) {
+        if ((blocked || !td_engine_has_work(x->engine)) && !x->inbox_head && !x->stop_requested) {
             /* Waiting requests that cannot get blocks yet (held for consumers, or being
              * loaded): what frees them arrives as a command. Wait for one, waking now and
              * then so that /health sees a live loop. */
