@@ -731,152 +731,89 @@ fail:
 
 /* ---- kv_transfer_params in requests ---- */
 
-static const cJSON *kv_get(const cJSON *o, const char *name)
-{
-    return cJSON_GetObjectItemCaseSensitive(o, name);
-}
-
-/* An integer field: 0, or TD_ENOTFOUND when absent, or TD_EINVAL when not an integer in
- * [lo, hi]. */
-static int kv_int(const cJSON *o, const char *name, double lo, double hi, int64_t *out)
-{
-    const cJSON *v = kv_get(o, name);
-    if (!v) return TD_ENOTFOUND;
-    if (!cJSON_IsNumber(v) || v->valuedouble != floor(v->valuedouble) || v->valuedouble < lo ||
-        v->valuedouble > hi)
-        return TD_EINVAL;
-    *out = (int64_t)v->valuedouble;
-    return 0;
-}
-
-static bool kv_hex_id(const cJSON *o, const char *name, char out[KVX_ID_HEX])
-{
-    const cJSON *v = kv_get(o, name);
-    uint8_t id[KVX_ID_BYTES];
-    if (!cJSON_IsString(v) || strlen(v->valuestring) != KVX_ID_HEX - 1 ||
-        kvx_id_from_hex(v->valuestring, id) != 0)
-        return false;
-    memcpy(out, v->valuestring, KVX_ID_HEX);
-    return true;
-}
-
 /*
- * Decide what kv_transfer_params ask of this request. do_remote_decode: this server is
- * the producer (hold the prompt's KV). do_remote_prefill: this server is the consumer; the
- * fields must be well-formed (a 400 otherwise: the router is broken), and must match this
- * engine (block size, dtype, model, prompt length). A mismatch follows the failure
+ * Decide what kv_transfer_params ask of this request (parsed by srv_kv_params_parse:
+ * malformed fields are a 400). do_remote_decode: this server is the producer (hold the
+ * prompt's KV). do_remote_prefill: this server is the consumer, and the producer's
+ * layout and prompt length must match this engine's; a mismatch follows the failure
  * policy: recompute (the request runs here from scratch, the response says why) or fail.
  */
 static int kv_prepare(srv_server *s, srv__req *q, const prepared *p, int n_choices, srv_error *err)
 {
-    const cJSON *k = q->r.kv_transfer_params;
-    if (!k) return 0;
+    if (!q->r.kv_transfer_params) return 0;
     const char *P = "kv_transfer_params";
-    bool decode = cJSON_IsTrue(kv_get(k, "do_remote_decode"));
-    bool prefill = cJSON_IsTrue(kv_get(k, "do_remote_prefill"));
-    if (decode && prefill)
-        return srv_error_set(err, 400, "invalid_request_error", P,
-                             "do_remote_decode and do_remote_prefill cannot both be true");
-    if (!decode && !prefill) return 0; /* echoed as given */
-    if (n_choices != 1)
-        return srv_error_set(err, 400, "invalid_request_error", P,
-                             "a disaggregated request must have one prompt and n = 1 (it has "
-                             "%d choices)",
-                             n_choices);
-    if (decode) {
-        if (!s->kv_producer)
-            return srv_error_set(err, 400, "invalid_request_error", P,
-                                 "do_remote_decode: this server is not a KV producer (start it "
-                                 "with --kv-transfer-config '{\"kv_role\":\"kv_producer\"}')");
-        q->kv_mode = KV_PRODUCE;
-        return 0;
+    srv_kv_params kp;
+    if (srv_kv_params_parse(&kp, q->r.kv_transfer_params, s->n_vocab, err)) return TD_EINVAL;
+    int rc = 0;
+    if (!kp.decode && !kp.prefill) goto out; /* echoed as given */
+    if (n_choices != 1) {
+        rc = srv_error_set(err, 400, "invalid_request_error", P,
+                           "a disaggregated request must have one prompt and n = 1 (it has "
+                           "%d choices)",
+                           n_choices);
+        goto out;
     }
-    if (!s->kv_consumer)
-        return srv_error_set(err, 400, "invalid_request_error", P,
-                             "do_remote_prefill: this server is not a KV consumer (start it "
-                             "with --kv-transfer-config '{\"kv_role\":\"kv_consumer\"}')");
+    if (kp.decode) {
+        if (!s->kv_producer)
+            rc = srv_error_set(err, 400, "invalid_request_error", P,
+                               "do_remote_decode: this server is not a KV producer (start it "
+                               "with --kv-transfer-config '{\"kv_role\":\"kv_producer\"}')");
+        else
+            q->kv_mode = KV_PRODUCE;
+        goto out;
+    }
+    if (!s->kv_consumer) {
+        rc = srv_error_set(err, 400, "invalid_request_error", P,
+                           "do_remote_prefill: this server is not a KV consumer (start it "
+                           "with --kv-transfer-config '{\"kv_role\":\"kv_consumer\"}')");
+        goto out;
+    }
     q->kv_mode = KV_CONSUME;
     pd_remote *r = &q->remote;
-    const cJSON *host = kv_get(k, "remote_host");
-    int64_t port = 0, first = 0, n_prompt = 0, v = 0;
-    int prc = kv_int(k, "remote_handshake_port", 1, 65535, &port);
-    if (prc == TD_ENOTFOUND) prc = kv_int(k, "remote_port", 1, 65535, &port);
-    if (!cJSON_IsString(host) || !host->valuestring[0] || strlen(host->valuestring) >= sizeof(r->host))
-        return srv_error_set(err, 400, "invalid_request_error", P,
-                             "kv_transfer_params.remote_host must be a non-empty string");
-    if (prc)
-        return srv_error_set(err, 400, "invalid_request_error", P,
-                             "kv_transfer_params.remote_handshake_port (or remote_port) must be "
-                             "a port number");
-    if (!kv_hex_id(k, "remote_engine_id", r->engine_id) || !kv_hex_id(k, "transfer_id", r->transfer_id))
-        return srv_error_set(err, 400, "invalid_request_error", P,
-                             "kv_transfer_params.remote_engine_id and transfer_id must be 32 hex "
-                             "digits, as the producer returned them");
-    if (kv_int(k, "first_token_id", 0, s->n_vocab - 1, &first))
-        return srv_error_set(err, 400, "invalid_request_error", P,
-                             "kv_transfer_params.first_token_id must be a token id below %d",
-                             s->n_vocab);
-    if (kv_int(k, "num_prompt_tokens", 1, 1 << 30, &n_prompt))
-        return srv_error_set(err, 400, "invalid_request_error", P,
-                             "kv_transfer_params.num_prompt_tokens must be a positive integer");
-    const cJSON *ids = kv_get(k, "remote_block_ids");
-    int n_ids = cJSON_IsArray(ids) ? cJSON_GetArraySize(ids) : -1;
-    if (n_ids < 1 || n_ids > (1 << 20))
-        return srv_error_set(err, 400, "invalid_request_error", P,
-                             "kv_transfer_params.remote_block_ids must be a non-empty array");
-    r->blocks = malloc((size_t)n_ids * sizeof(int32_t));
-    if (!r->blocks) return srv_error_set(err, 500, "server_error", P, "out of memory");
-    const cJSON *it;
-    cJSON_ArrayForEach(it, ids)
-    {
-        if (!cJSON_IsNumber(it) || it->valuedouble != floor(it->valuedouble) || it->valuedouble < 0 ||
-            it->valuedouble > INT32_MAX)
-            return srv_error_set(err, 400, "invalid_request_error", P,
-                                 "kv_transfer_params.remote_block_ids must hold block numbers");
-        r->blocks[r->n_blocks++] = (int32_t)it->valuedouble;
-    }
-    snprintf(r->host, sizeof(r->host), "%s", host->valuestring);
-    r->port = (uint16_t)port;
-    if (kv_int(k, "lease_ms", 1, 1e9, &v) == 0) r->lease_ms = (uint32_t)v;
-    q->first_token = (int32_t)first;
-    const cJSON *t = kv_get(k, "producer_timing");
-    if (cJSON_IsObject(t)) {
-        const cJSON *a = kv_get(t, "queue_ms"), *c = kv_get(t, "compute_ms");
-        if (cJSON_IsNumber(a)) q->prod_queue_ms = a->valuedouble;
-        if (cJSON_IsNumber(c)) q->prod_compute_ms = c->valuedouble;
-    }
+    snprintf(r->host, sizeof(r->host), "%s", kp.host);
+    r->port = (uint16_t)kp.port;
+    memcpy(r->engine_id, kp.engine_id, KVX_ID_HEX);
+    memcpy(r->transfer_id, kp.transfer_id, KVX_ID_HEX);
+    r->blocks = kp.blocks; /* moved */
+    r->n_blocks = kp.n_blocks;
+    kp.blocks = NULL;
+    r->lease_ms = kp.lease_ms > 0 ? (uint32_t)kp.lease_ms : 0;
+    q->first_token = kp.first_token;
+    q->prod_queue_ms = kp.prod_queue_ms;
+    q->prod_compute_ms = kp.prod_compute_ms;
 
     /* Compatibility: a mismatch means the transferred KV would be wrong. */
     int bs = s->cfg.block_size;
-    const cJSON *dt = kv_get(k, "kv_dtype"), *fp = kv_get(k, "model_fingerprint");
     char ours[24];
     snprintf(ours, sizeof(ours), "%016llx", (unsigned long long)s->model_fingerprint);
     char *why = q->kv_reason;
     size_t cap = sizeof(q->kv_reason);
-    if (n_prompt != p[0].n_ids)
+    if (kp.num_prompt_tokens != p[0].n_ids)
         snprintf(why, cap,
-                 "the producer's prompt had %lld tokens, this server tokenizes it to %d "
+                 "the producer's prompt had %d tokens, this server tokenizes it to %d "
                  "(different model or tokenizer?)",
-                 (long long)n_prompt, p[0].n_ids);
-    else if (kv_int(k, "block_size", 1, 1 << 20, &v) == 0 && v != bs)
-        snprintf(why, cap, "block_size differs: producer %lld, consumer %d", (long long)v, bs);
-    else if (cJSON_IsString(dt) && strcmp(dt->valuestring, s->kv_dtype))
-        snprintf(why, cap, "kv_dtype differs: producer %.20s, consumer %s", dt->valuestring,
-                 s->kv_dtype);
-    else if (cJSON_IsString(fp) && strcmp(fp->valuestring, ours))
-        snprintf(why, cap, "model_fingerprint differs: producer %.20s, consumer %s",
-                 fp->valuestring, ours);
+                 kp.num_prompt_tokens, p[0].n_ids);
+    else if (kp.block_size > 0 && kp.block_size != bs)
+        snprintf(why, cap, "block_size differs: producer %d, consumer %d", kp.block_size, bs);
+    else if (kp.kv_dtype[0] && strcmp(kp.kv_dtype, s->kv_dtype))
+        snprintf(why, cap, "kv_dtype differs: producer %s, consumer %s", kp.kv_dtype, s->kv_dtype);
+    else if (kp.fingerprint[0] && strcmp(kp.fingerprint, ours))
+        snprintf(why, cap, "model_fingerprint differs: producer %s, consumer %s", kp.fingerprint,
+                 ours);
     else if (r->n_blocks != (p[0].n_ids + bs - 1) / bs)
         snprintf(why, cap, "the producer sent %d block ids for %d prompt tokens (block size %d)",
                  r->n_blocks, p[0].n_ids, bs);
-    if (!why[0]) return 0;
+    if (!why[0]) goto out;
     pd_release_remote(s->pd, r); /* the producer's blocks are of no use here */
     if (!s->kv_recompute)
-        return srv_error_set(err, 400, "invalid_request_error", P,
-                             "cannot use the producer's KV: %s (kv_load_failure_policy is fail)",
-                             why);
-    TD_WARN("%s: recomputing the prompt: %s", q->id, why);
-    return 0;
+        rc = srv_error_set(err, 400, "invalid_request_error", P,
+                           "cannot use the producer's KV: %s (kv_load_failure_policy is fail)",
+                           why);
+    else
+        TD_WARN("%s: recomputing the prompt: %s", q->id, why);
+out:
+    srv_kv_params_free(&kp);
+    return rc;
 }
 
 static void fill_sampling(const srv_request *r, int sample_index, int max_tokens, td_sampling *sp)

@@ -416,3 +416,137 @@ void srv_request_free(srv_request *r)
     cJSON_Delete(r->kv_transfer_params);
     memset(r, 0, sizeof(*r));
 }
+
+/* ---- kv_transfer_params ---- */
+
+static const cJSON *kvp_get(const cJSON *o, const char *name)
+{
+    return cJSON_GetObjectItemCaseSensitive(o, name);
+}
+
+/* 0, TD_ENOTFOUND when absent, TD_EINVAL when not an integer in [lo, hi]. */
+static int kvp_int(const cJSON *o, const char *name, double lo, double hi, int64_t *out)
+{
+    const cJSON *v = kvp_get(o, name);
+    if (!v) return TD_ENOTFOUND;
+    if (!cJSON_IsNumber(v) || !isfinite(v->valuedouble) || v->valuedouble != floor(v->valuedouble) ||
+        v->valuedouble < lo || v->valuedouble > hi)
+        return TD_EINVAL;
+    *out = (int64_t)v->valuedouble;
+    return 0;
+}
+
+static bool kvp_hex_id(const cJSON *o, const char *name, char out[33])
+{
+    const cJSON *v = kvp_get(o, name);
+    if (!cJSON_IsString(v) || strlen(v->valuestring) != 32) return false;
+    for (int i = 0; i < 32; i++) {
+        char c = v->valuestring[i];
+        if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) return false;
+    }
+    memcpy(out, v->valuestring, 33);
+    return true;
+}
+
+static bool kvp_str(const cJSON *o, const char *name, char *out, size_t cap)
+{
+    const cJSON *v = kvp_get(o, name);
+    if (!v) return true; /* optional */
+    if (!cJSON_IsString(v) || strlen(v->valuestring) >= cap) return false;
+    snprintf(out, cap, "%s", v->valuestring);
+    return true;
+}
+
+void srv_kv_params_free(srv_kv_params *p)
+{
+    free(p->blocks);
+    p->blocks = NULL;
+    p->n_blocks = 0;
+}
+
+int srv_kv_params_parse(srv_kv_params *p, const void *kv_transfer_params, int n_vocab,
+                        srv_error *err)
+{
+    const cJSON *k = kv_transfer_params;
+    const char *P = "kv_transfer_params";
+    memset(p, 0, sizeof(*p));
+    p->block_size = p->lease_ms = p->first_token = p->num_prompt_tokens = -1;
+    if (!cJSON_IsObject(k))
+        return srv_error_set(err, 400, "invalid_request_error", P,
+                             "'kv_transfer_params' must be an object");
+    p->decode = cJSON_IsTrue(kvp_get(k, "do_remote_decode"));
+    p->prefill = cJSON_IsTrue(kvp_get(k, "do_remote_prefill"));
+    if (p->decode && p->prefill)
+        return srv_error_set(err, 400, "invalid_request_error", P,
+                             "do_remote_decode and do_remote_prefill cannot both be true");
+    if (!p->prefill) return 0;
+
+    const cJSON *host = kvp_get(k, "remote_host");
+    int64_t v = 0;
+    int rc = kvp_int(k, "remote_handshake_port", 1, 65535, &v);
+    if (rc == TD_ENOTFOUND) rc = kvp_int(k, "remote_port", 1, 65535, &v);
+    if (!cJSON_IsString(host) || !host->valuestring[0] || strlen(host->valuestring) >= sizeof(p->host))
+        return srv_error_set(err, 400, "invalid_request_error", P,
+                             "kv_transfer_params.remote_host must be a non-empty string");
+    snprintf(p->host, sizeof(p->host), "%s", host->valuestring);
+    if (rc)
+        return srv_error_set(err, 400, "invalid_request_error", P,
+                             "kv_transfer_params.remote_handshake_port (or remote_port) must be "
+                             "a port number");
+    p->port = (int)v;
+    if (!kvp_hex_id(k, "remote_engine_id", p->engine_id) || !kvp_hex_id(k, "transfer_id", p->transfer_id))
+        return srv_error_set(err, 400, "invalid_request_error", P,
+                             "kv_transfer_params.remote_engine_id and transfer_id must be 32 "
+                             "lowercase hex digits, as the producer returned them");
+    if (kvp_int(k, "first_token_id", 0, n_vocab - 1, &v))
+        return srv_error_set(err, 400, "invalid_request_error", P,
+                             "kv_transfer_params.first_token_id must be a token id below %d",
+                             n_vocab);
+    p->first_token = (int)v;
+    if (kvp_int(k, "num_prompt_tokens", 1, 1 << 30, &v))
+        return srv_error_set(err, 400, "invalid_request_error", P,
+                             "kv_transfer_params.num_prompt_tokens must be a positive integer");
+    p->num_prompt_tokens = (int)v;
+    const cJSON *ids = kvp_get(k, "remote_block_ids");
+    int n_ids = cJSON_IsArray(ids) ? cJSON_GetArraySize(ids) : -1;
+    if (n_ids < 1 || n_ids > (1 << 20))
+        return srv_error_set(err, 400, "invalid_request_error", P,
+                             "kv_transfer_params.remote_block_ids must be a non-empty array");
+    p->blocks = malloc((size_t)n_ids * sizeof(int32_t));
+    if (!p->blocks) return srv_error_set(err, 500, "server_error", P, "out of memory");
+    const cJSON *it;
+    cJSON_ArrayForEach(it, ids)
+    {
+        if (!cJSON_IsNumber(it) || !isfinite(it->valuedouble) ||
+            it->valuedouble != floor(it->valuedouble) || it->valuedouble < 0 ||
+            it->valuedouble > INT32_MAX) {
+            srv_kv_params_free(p);
+            return srv_error_set(err, 400, "invalid_request_error", P,
+                                 "kv_transfer_params.remote_block_ids must hold block numbers");
+        }
+        p->blocks[p->n_blocks++] = (int32_t)it->valuedouble;
+    }
+    /* Optional layout fields (compared by the caller) and the producer's timing. */
+    bool ok = true;
+    rc = kvp_int(k, "block_size", 1, 1 << 20, &v);
+    if (rc == 0) p->block_size = (int)v;
+    ok &= rc != TD_EINVAL;
+    rc = kvp_int(k, "lease_ms", 1, 1e9, &v);
+    if (rc == 0) p->lease_ms = (int)v;
+    ok &= rc != TD_EINVAL;
+    ok &= kvp_str(k, "kv_dtype", p->kv_dtype, sizeof(p->kv_dtype));
+    ok &= kvp_str(k, "model_fingerprint", p->fingerprint, sizeof(p->fingerprint));
+    if (!ok) {
+        srv_kv_params_free(p);
+        return srv_error_set(err, 400, "invalid_request_error", P,
+                             "kv_transfer_params: block_size and lease_ms must be positive "
+                             "integers, kv_dtype and model_fingerprint short strings");
+    }
+    const cJSON *t = kvp_get(k, "producer_timing");
+    if (cJSON_IsObject(t)) {
+        const cJSON *a = kvp_get(t, "queue_ms"), *c = kvp_get(t, "compute_ms");
+        if (cJSON_IsNumber(a) && isfinite(a->valuedouble)) p->prod_queue_ms = a->valuedouble;
+        if (cJSON_IsNumber(c) && isfinite(c->valuedouble)) p->prod_compute_ms = c->valuedouble;
+    }
+    return 0;
+}

@@ -94,6 +94,38 @@ int srv_request_parse(srv_request *out, srv_endpoint ep, const char *body, size_
                       srv_error *err);
 void srv_request_free(srv_request *r);
 
+/**
+ * kv_transfer_params of a request, as the PD contract (docs/ARCHITECTURE.md) defines
+ * them. decode: do_remote_decode (this server is the producer); prefill:
+ * do_remote_prefill (this server is the consumer; the remaining fields are then
+ * required and checked). Optional fields are -1 or "" when absent.
+ */
+typedef struct srv_kv_params {
+    bool decode, prefill;
+    char host[256];
+    int port;
+    char engine_id[33], transfer_id[33];
+    int32_t *blocks; /* malloc'd (srv_kv_params_free) */
+    int n_blocks;
+    int first_token;
+    int num_prompt_tokens;
+    int block_size;      /* -1 when absent */
+    char kv_dtype[24];   /* "" when absent */
+    char fingerprint[24];/* "" when absent */
+    int lease_ms;        /* -1 when absent */
+    double prod_queue_ms, prod_compute_ms; /* producer_timing, 0 when absent */
+} srv_kv_params;
+
+/**
+ * Parse kv_transfer_params (a cJSON object from srv_request). Pure. Returns 0, or a
+ * negative code with err filled (400, naming the field) for malformed fields. n_vocab
+ * bounds first_token_id. Parameters asking for neither role parse to decode = prefill =
+ * false.
+ */
+int srv_kv_params_parse(srv_kv_params *out, const void *kv_transfer_params, int n_vocab,
+                        srv_error *err);
+void srv_kv_params_free(srv_kv_params *p);
+
 /** Fill an error record; returns TD_EINVAL. */
 int srv_error_set(srv_error *err, int status, const char *type, const char *param, const char *fmt,
                   ...) __attribute__((format(printf, 5, 6)));

@@ -3,7 +3,8 @@
  * /v1/completions or /v1/chat/completions (the first byte picks which). The parser
  * must return a request or an error with a status and message, never crash, and a
  * parsed request must respect the documented limits. The same bytes also go through
- * the --kv-transfer-config parser and, as chat messages, through every template.
+ * the --kv-transfer-config parser, its kv_transfer_params through the PD contract's
+ * parser, and, as chat messages, through every template.
  *
  *   build-fuzz/fuzz_request -max_total_time=60 tests/fuzz/corpus_request
  */
@@ -63,6 +64,26 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             char *text = srv_chat_render((srv_chat_family)f, r.messages, r.n_messages, &err);
             check(text != NULL, "render");
             free(text);
+        }
+    }
+    if (r.kv_transfer_params) {
+        /* The PD contract's parser: fields in range, or a 400 that names them. */
+        srv_kv_params kp;
+        srv_error kerr;
+        memset(&kerr, 0, sizeof(kerr));
+        if (srv_kv_params_parse(&kp, r.kv_transfer_params, 32000, &kerr) == 0) {
+            check(!(kp.decode && kp.prefill), "one role");
+            if (kp.prefill) {
+                check(kp.port >= 1 && kp.port <= 65535, "port");
+                check(kp.n_blocks >= 1 && kp.blocks != NULL, "blocks");
+                for (int i = 0; i < kp.n_blocks; i++) check(kp.blocks[i] >= 0, "block ids");
+                check(kp.first_token >= 0 && kp.first_token < 32000, "first token");
+                check(strlen(kp.engine_id) == 32 && strlen(kp.transfer_id) == 32, "ids");
+            }
+            srv_kv_params_free(&kp);
+        } else {
+            check(kerr.status == 400 || kerr.status == 500, "kv params error status");
+            check(kerr.message[0] != '\0', "kv params error message");
         }
     }
     srv_request_free(&r);

@@ -7,6 +7,8 @@
 #include <string.h>
 #include <cmocka.h>
 
+#include <cjson/cJSON.h>
+
 #include "server/server.h"
 
 static int parse(srv_request *r, srv_endpoint ep, const char *body, srv_error *err)
@@ -291,6 +293,78 @@ static void test_kv_config(void **state)
     }
 }
 
+static void test_kv_params(void **state)
+{
+    (void)state;
+    srv_error err;
+    srv_kv_params kp;
+    const char *good =
+        "{\"do_remote_prefill\":true,\"remote_host\":\"10.0.0.2\",\"remote_port\":6301,"
+        "\"remote_engine_id\":\"0123456789abcdef0123456789abcdef\","
+        "\"transfer_id\":\"fedcba9876543210fedcba9876543210\",\"remote_block_ids\":[4,5,6],"
+        "\"first_token_id\":42,\"num_prompt_tokens\":40,\"block_size\":16,\"kv_dtype\":\"f16\","
+        "\"model_fingerprint\":\"87eb12a93d3fd764\",\"lease_ms\":5000,"
+        "\"producer_timing\":{\"queue_ms\":1.5,\"compute_ms\":20}}";
+    cJSON *j = cJSON_Parse(good);
+    assert_int_equal(srv_kv_params_parse(&kp, j, 512, &err), 0);
+    assert_true(kp.prefill);
+    assert_false(kp.decode);
+    assert_string_equal(kp.host, "10.0.0.2");
+    assert_int_equal(kp.port, 6301);
+    assert_int_equal(kp.n_blocks, 3);
+    assert_int_equal(kp.blocks[2], 6);
+    assert_int_equal(kp.first_token, 42);
+    assert_int_equal(kp.num_prompt_tokens, 40);
+    assert_int_equal(kp.block_size, 16);
+    assert_string_equal(kp.kv_dtype, "f16");
+    assert_int_equal(kp.lease_ms, 5000);
+    assert_true(kp.prod_compute_ms == 20.0);
+    srv_kv_params_free(&kp);
+    /* Each field broken in turn: a 400 naming it. */
+    static const char *const bad[][2] = {
+        {"remote_host", "7"},
+        {"remote_port", "0"},
+        {"remote_engine_id", "\"0123\""},
+        {"remote_engine_id", "\"0123456789ABCDEF0123456789ABCDEF\""},
+        {"transfer_id", "null"},
+        {"remote_block_ids", "[]"},
+        {"remote_block_ids", "[1,-2]"},
+        {"remote_block_ids", "[1.5]"},
+        {"first_token_id", "512"},
+        {"num_prompt_tokens", "0"},
+        {"block_size", "\"16\""},
+        {"lease_ms", "-1"},
+        {"kv_dtype", "3"},
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        cJSON *b = cJSON_Duplicate(j, 1);
+        cJSON_ReplaceItemInObject(b, bad[i][0], cJSON_Parse(bad[i][1]));
+        memset(&err, 0, sizeof(err));
+        if (srv_kv_params_parse(&kp, b, 512, &err) == 0) fail_msg("accepted %s = %s", bad[i][0], bad[i][1]);
+        assert_int_equal(err.status, 400);
+        assert_string_equal(err.param, "kv_transfer_params");
+        cJSON_Delete(b);
+    }
+    /* remote_port is also read as remote_handshake_port; both roles at once are refused;
+     * neither role parses to nothing. */
+    cJSON *b = cJSON_Duplicate(j, 1);
+    cJSON_DeleteItemFromObject(b, "remote_port");
+    cJSON_AddNumberToObject(b, "remote_handshake_port", 7000);
+    assert_int_equal(srv_kv_params_parse(&kp, b, 512, &err), 0);
+    assert_int_equal(kp.port, 7000);
+    srv_kv_params_free(&kp);
+    cJSON_AddTrueToObject(b, "do_remote_decode");
+    assert_int_not_equal(srv_kv_params_parse(&kp, b, 512, &err), 0);
+    assert_non_null(strstr(err.message, "both"));
+    cJSON_Delete(b);
+    b = cJSON_Parse("{\"do_remote_decode\":false,\"x\":[1]}");
+    assert_int_equal(srv_kv_params_parse(&kp, b, 512, &err), 0);
+    assert_false(kp.decode || kp.prefill);
+    srv_kv_params_free(&kp);
+    cJSON_Delete(b);
+    cJSON_Delete(j);
+}
+
 /* Real templates from the shared folder: the families render, look-alikes are refused. */
 static void test_detect_shared(void **state)
 {
@@ -334,6 +408,7 @@ int main(void)
         cmocka_unit_test(test_detect),
         cmocka_unit_test(test_bad),
         cmocka_unit_test(test_kv_config),
+        cmocka_unit_test(test_kv_params),
         cmocka_unit_test(test_detect_shared),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
