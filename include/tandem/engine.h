@@ -42,6 +42,8 @@ typedef struct td_engine_config {
     bool enable_prefix_caching;  /* default true */
     bool kv_shareable;           /* put the KV pool in a memfd (td_kv_info.shm_fd) so that a
                                     same-host transfer peer can map it */
+    bool kv_prefault;            /* commit the whole KV pool at start-up (KV transfer roles:
+                                    copies into fresh blocks then pay no page faults) */
 } td_engine_config;
 
 /** Fill defaults. */

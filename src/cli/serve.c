@@ -131,6 +131,9 @@ int cli_serve(int argc, char **argv)
     /* A producer serving shm keeps its KV pool in a memfd that consumers map. */
     cfg.kv_shareable = have_kv && kv.protocol == SRV_KV_SHM &&
                        (kv.role == SRV_KV_PRODUCER || kv.role == SRV_KV_BOTH);
+    /* A KV role commits its pool up front: blocks filled by a transfer would otherwise
+     * take their page faults during the copy (about 3x its time, BENCHMARKS.md). */
+    cfg.kv_prefault = have_kv;
     td_err err = {0};
     td_engine *e = NULL;
     if (td_engine_create(&e, &cfg, &err)) {

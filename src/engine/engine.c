@@ -160,6 +160,7 @@ int td_engine_create(td_engine **out, const td_engine_config *cfg, td_err *err)
     rc = kv_pool_init(&e->kv, s->n_layer, kvd, cfg->block_size, kv_type, (int)n_blocks,
                       cfg->kv_shareable, err);
     if (rc) goto fail;
+    if (cfg->kv_prefault) kv_pool_prefault(&e->kv);
     e->root_hash = td_hash64(&e->model->fingerprint, sizeof(uint64_t), (uint64_t)kv_type);
 
     rc = sampler_scratch_init(&e->samp, s->n_vocab);

@@ -113,14 +113,25 @@ int kv_pool_init(kv_pool *p, int n_layers, int kv_dim, int block_size, td_type d
     return 0;
 }
 
+void kv_pool_prefault(kv_pool *p)
+{
+    if (!p->base) return;
+#ifdef MADV_POPULATE_WRITE
+    if (madvise(p->base, p->total_bytes, MADV_POPULATE_WRITE) == 0) return;
+#endif
+    /* Older kernels: touch one byte per page. Only at start-up, before any block is used,
+     * so the writes race with nothing. */
+    long page = sysconf(_SC_PAGESIZE);
+    for (size_t off = 0; off < p->total_bytes; off += (size_t)(page > 0 ? page : 4096))
+        ((volatile uint8_t *)p->base)[off] = 0;
+}
+
 void kv_pool_free(kv_pool *p)
 {
     if (p->base) {
         munmap(p->base, p->total_bytes);
         if (p->fd >= 0) close(p->fd); /* only a mapped pool owns a descriptor */
     }
-    p->base = NULL;
-    p->fd = -1;
     free(p->ref);
     free(p->hash);
     free(p->prev);
@@ -128,6 +139,7 @@ void kv_pool_free(kv_pool *p)
     free(p->tab_key);
     free(p->tab_val);
     memset(p, 0, sizeof(*p));
+    p->fd = -1;
 }
 
 static size_t tab_slot(const kv_pool *p, uint64_t key)

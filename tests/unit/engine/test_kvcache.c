@@ -5,6 +5,9 @@
 #include <stddef.h>
 #include <cmocka.h>
 
+#include <string.h>
+#include <sys/mman.h>
+
 #include "engine/kvcache.h"
 #include "engine/sampler.h"
 
@@ -34,6 +37,27 @@ static void test_layout_and_alloc(void **state)
     for (int i = 0; i < 10; i++) assert_true(kv_alloc(&p) >= 0);
     assert_int_equal(kv_alloc(&p), -1);
     kv_pool_free(&p);
+}
+
+/* A shareable pool lives in a memfd that another mapping sees; prefaulting commits the
+ * pages and leaves the contents alone. */
+static void test_shareable_and_prefault(void **state)
+{
+    (void)state;
+    kv_pool p;
+    td_err err;
+    assert_int_equal(kv_pool_init(&p, 2, 64, 16, TD_TYPE_F16, 64, true, &err), 0);
+    assert_true(p.fd >= 0);
+    memset(kv_k(&p, 1, 5), 0xab, p.block_bytes);
+    kv_pool_prefault(&p);
+    for (size_t i = 0; i < p.block_bytes; i++) assert_int_equal(kv_k(&p, 1, 5)[i], 0xab);
+    assert_int_equal(kv_k(&p, 0, 0)[0], 0);
+    uint8_t *view = mmap(NULL, p.total_bytes, PROT_READ, MAP_SHARED, p.fd, 0);
+    assert_true(view != MAP_FAILED);
+    assert_int_equal(view[kv_k(&p, 1, 5) - p.base], 0xab);
+    munmap(view, p.total_bytes);
+    kv_pool_free(&p);
+    assert_int_equal(p.fd, -1);
 }
 
 static void test_prefix_index(void **state)
@@ -107,6 +131,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_layout_and_alloc),
+        cmocka_unit_test(test_shareable_and_prefault),
         cmocka_unit_test(test_prefix_index),
         cmocka_unit_test(test_sampler),
     };
