@@ -355,6 +355,32 @@ test('a request queued longer than the lease keeps it alive with heartbeats', as
   for (const s of [prod, cons]) { await noLeaks(s.url, 'heartbeats'); s.proc.kill('SIGKILL'); }
 });
 
+test('a restarted producer (same port, new engine id) gets a new session', async () => {
+  const free = await new Promise((r) => { const srv = net.createServer(); srv.listen(0, '127.0.0.1', () => { const p = srv.address().port; srv.close(() => r(p)); }); });
+  const cfg = `{"kv_role":"kv_producer","handshake_port":${free}}`;
+  const p = prompts()[6];
+  let prod = await serve(['--kv-transfer-config', cfg]);
+  const kv1 = await prefill(prod.url, p);
+  const r1 = await decode(CONS.url, p, kv1);
+  assert.equal(r1.json.kv_transfer_params.kv_load, 'transferred');
+  prod.proc.kill('SIGKILL');
+  await new Promise((r) => prod.proc.on('exit', r));
+  prod = await serve(['--kv-transfer-config', cfg]);
+  const kv2 = await prefill(prod.url, p);
+  assert.equal(kv2.remote_handshake_port, free);
+  assert.notEqual(kv2.remote_engine_id, kv1.remote_engine_id);
+  const r2 = await decode(CONS.url, p, kv2);
+  assert.equal(r2.json.kv_transfer_params.kv_load, 'transferred', JSON.stringify(r2.json.kv_transfer_params));
+  assert.equal(r2.json.choices[0].text, await expected(p));
+  // The old incarnation's parameters now name an engine that is gone: recomputed.
+  const r3 = await decode(CONS.url, p, kv1);
+  assert.equal(r3.json.kv_transfer_params.kv_load, 'recomputed');
+  assert.match(r3.json.kv_transfer_params.kv_load_error, /restart|engine/);
+  assert.equal(r3.json.choices[0].text, await expected(p));
+  await noLeaks(prod.url, 'restarted producer');
+  prod.proc.kill('SIGKILL');
+});
+
 // A TCP proxy between consumer and producer agent that cuts every connection after
 // `cut` bytes from the producer.
 function cuttingProxy(target, cut) {
