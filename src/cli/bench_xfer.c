@@ -1,6 +1,7 @@
 /*
- * cli/bench_xfer.c - `tandem bench-xfer`: throughput of the kvx tcp transport over
- * loopback, next to the machine's limits measured by the same program.
+ * cli/bench_xfer.c - `tandem bench-xfer`: throughput of a kvx transport (tcp by default,
+ * --transport ucx where built) over loopback, next to the machine's limits measured by the
+ * same program.
  *
  *   kvx tcp: a producer agent and a consumer client in this process; for each transfer
  *            size and concurrency C, C transfers of that size start together (each its own
@@ -231,7 +232,7 @@ static int parse_list(const char *s, uint64_t *out, int max, bool sizes)
 
 int cli_bench_xfer(int argc, char **argv)
 {
-    const char *sizes_s = "64K,1M,16M,64M", *conc_s = "1,4,16";
+    const char *sizes_s = "64K,1M,16M,64M", *conc_s = "1,4,16", *transport_s = "tcp";
     int64_t threads = 4, qp = 4, segments = 8, min_mb = 256, trials = 3;
     uint64_t block_bytes = 8192;
     bool no_checksums = false, no_floor = false;
@@ -246,6 +247,8 @@ int cli_bench_xfer(int argc, char **argv)
         CLI_FLAG("trials", CLI_FLAG_INT, &trials, "alternating trials per cell, best kept (3)"),
         CLI_FLAG("no-checksums", CLI_FLAG_BOOL, &no_checksums, "turn CRC32C off"),
         CLI_FLAG("no-floor", CLI_FLAG_BOOL, &no_floor, "skip the memcpy and raw TCP figures"),
+        CLI_FLAG("transport", CLI_FLAG_STR, &transport_s,
+                 "kvx transport: tcp, or ucx where built (UCX_TLS picks UCX's own)"),
     };
     int prc =
         cli_flags_parse(flags, (int)TD_ARRAY_LEN(flags), argc, argv, "tandem bench-xfer [options]");
@@ -256,6 +259,17 @@ int cli_bench_xfer(int argc, char **argv)
     if (n_sizes < 1 || n_conc < 1 || threads < 1 || threads > 64 || qp < 1 || qp > 64 ||
         segments < 1 || block_bytes < 64 || min_mb < 1 || trials < 1) {
         fprintf(stderr, "bench-xfer: bad --sizes, --concurrency or thread counts\n");
+        return 2;
+    }
+    kvx_protocol proto = KVX_PROTO_TCP;
+    bool proto_ok = false;
+    for (int p = KVX_PROTO_TCP; p <= KVX_PROTO_UCX && !proto_ok; p++)
+        if (!strcmp(transport_s, kvx_protocol_name((kvx_protocol)p))) {
+            proto = (kvx_protocol)p;
+            proto_ok = kvx_protocol_available(proto);
+        }
+    if (!proto_ok) {
+        fprintf(stderr, "bench-xfer: transport '%s' is unknown or not built in\n", transport_s);
         return 2;
     }
     uint64_t max_size = 0, max_conc = 0;
@@ -309,6 +323,7 @@ int cli_bench_xfer(int argc, char **argv)
     co.qp_per_transfer = (int)qp;
     co.verify_checksums = !no_checksums;
     co.transfer_timeout_ms = 120000;
+    co.protocol = proto;
     kvx_agent *a;
     kvx_client *c;
     td_err err;
@@ -318,9 +333,12 @@ int cli_bench_xfer(int argc, char **argv)
     }
 
     int ncpu = (int)sysconf(_SC_NPROCESSORS_ONLN);
-    printf("bench-xfer: kvx tcp over loopback, %d CPUs, %lld segments x %llu-byte blocks, "
+    const char *tls = getenv("UCX_TLS");
+    printf("bench-xfer: kvx %s%s%s%s over loopback, %d CPUs, %lld segments x %llu-byte blocks, "
            "%lld workers, %lld connections per peer, checksums %s\n",
-           ncpu, (long long)segments, (unsigned long long)block_bytes, (long long)threads,
+           kvx_protocol_name(proto), proto == KVX_PROTO_UCX ? " (UCX_TLS=" : "",
+           proto == KVX_PROTO_UCX ? (tls ? tls : "default") : "",
+           proto == KVX_PROTO_UCX ? ")" : "", ncpu, (long long)segments, (unsigned long long)block_bytes, (long long)threads,
            (long long)qp, no_checksums ? "off" : "on (CRC32C)");
     double raw1 = 0, rawq = 0, mcp = 0;
     if (!no_floor) {

@@ -66,6 +66,11 @@ struct kvx_agent {
     int n_conns;
     kvx_agent_stats stats;
     char last_error[320];
+    char token[256]; /* auth_token ("" = no authentication), wiped at destroy */
+    /* The ucx transport (ucx.c): created on the first UCX_INFO, under mu. */
+    struct kvx__ucx_agent *ucx;
+    bool ucx_tried;
+    char ucx_error[256];
 };
 
 void kvx_agent_opts_default(kvx_agent_opts *o)
@@ -286,12 +291,11 @@ static bool lease_has_block(const lease *l, uint32_t b)
  */
 #define BATCH_BYTES (256u << 10)
 
-/* READ: validate against the lease, then stream header, data and checksum trailer. */
-static int serve_read(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m)
+/* Find a lease and pin it (inflight) so that it cannot be given back; NULL if unknown. */
+static lease *lease_pin(kvx_agent *a, const uint8_t id[KVX_ID_BYTES])
 {
-    uint32_t tag = m->hdr.tag;
     pthread_mutex_lock(&a->mu);
-    int i = lease_find(a, m->u.read.transfer_id);
+    int i = lease_find(a, id);
     lease *l = i >= 0 ? a->leases[i] : NULL;
     if (l) {
         l->inflight++;
@@ -300,18 +304,37 @@ static int serve_read(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m)
         a->stats.unknown_transfer++;
     }
     pthread_mutex_unlock(&a->mu);
-    if (!l) return send_error(fd, b, tag, TD_ENOTFOUND, "unknown or expired transfer id");
+    return l;
+}
 
+/* Undo lease_pin; a lease that was removed meanwhile goes back to its owner now. */
+static void lease_unpin(kvx_agent *a, lease *l, uint64_t bytes_read)
+{
+    pthread_mutex_lock(&a->mu);
+    lease *give = --l->inflight == 0 && l->dead ? l : NULL;
+    if (bytes_read) {
+        a->stats.bytes_sent += bytes_read;
+        a->stats.reads++;
+    }
+    pthread_mutex_unlock(&a->mu);
+    if (give) lease_give_back(a, give);
+}
+
+/*
+ * Check a READ's (or UCX_GRANT's) ranges against the region and the lease: on success
+ * *total and *n_blocks say what it covers; else msg says why (TD_ERANGE).
+ */
+static bool ranges_ok(kvx_agent *a, const lease *l, const kvx_msg *m, bool want_crc,
+                      uint64_t *total_out, uint64_t *n_blocks_out, char *msg, size_t cap)
+{
     const kvx_region *r = &a->opts.region;
-    bool want_crc = (m->u.read.flags & KVX_READ_CHECKSUMS) && a->opts.checksums;
     uint64_t total = 0, n_blocks = 0;
-    int rc = 0;
-    char msg[200] = "";
+    msg[0] = 0;
     for (uint32_t k = 0; k < m->u.read.n_desc && !msg[0]; k++) {
         kvx_wire_desc d = kvx_wire_get_desc(m, k);
         if (d.segment >= r->n_segments || d.block >= r->n_blocks ||
             d.n_blocks > r->n_blocks - d.block) {
-            snprintf(msg, sizeof(msg),
+            snprintf(msg, cap,
                      "descriptor %u (segment %u, blocks %u+%u) is outside the "
                      "region",
                      k, d.segment, d.block, d.n_blocks);
@@ -319,14 +342,33 @@ static int serve_read(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m)
         }
         for (uint32_t j = 0; j < d.n_blocks; j++)
             if (!lease_has_block(l, d.block + j)) {
-                snprintf(msg, sizeof(msg), "block %u is not part of this transfer", d.block + j);
+                snprintf(msg, cap, "block %u is not part of this transfer", d.block + j);
                 break;
             }
         n_blocks += d.n_blocks;
         total += (uint64_t)d.n_blocks * r->block_bytes;
     }
     if (!msg[0] && want_crc && n_blocks > KVX_MAX_CRC)
-        snprintf(msg, sizeof(msg), "READ covers more than %u blocks", KVX_MAX_CRC);
+        snprintf(msg, cap, "%s covers more than %u blocks", kvx_wire_type_name(m->hdr.type),
+                 KVX_MAX_CRC);
+    *total_out = total;
+    *n_blocks_out = n_blocks;
+    return msg[0] == 0;
+}
+
+/* READ: validate against the lease, then stream header, data and checksum trailer. */
+static int serve_read(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m)
+{
+    uint32_t tag = m->hdr.tag;
+    lease *l = lease_pin(a, m->u.read.transfer_id);
+    if (!l) return send_error(fd, b, tag, TD_ENOTFOUND, "unknown or expired transfer id");
+
+    const kvx_region *r = &a->opts.region;
+    bool want_crc = (m->u.read.flags & KVX_READ_CHECKSUMS) && a->opts.checksums;
+    uint64_t total = 0, n_blocks = 0;
+    int rc = 0;
+    char msg[200] = "";
+    ranges_ok(a, l, m, want_crc, &total, &n_blocks, msg, sizeof(msg));
     if (msg[0]) {
         rc = send_error(fd, b, tag, TD_ERANGE, msg);
     } else {
@@ -372,15 +414,82 @@ static int serve_read(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m)
         if (!rc && n_iov) rc = kvx__writev_all(fd, b->iov, n_iov, deadline, &e);
     }
 
-    pthread_mutex_lock(&a->mu);
-    lease *give = --l->inflight == 0 && l->dead ? l : NULL;
-    if (!rc && !msg[0]) {
-        a->stats.bytes_sent += total;
-        a->stats.reads++;
-    }
-    pthread_mutex_unlock(&a->mu);
-    if (give) lease_give_back(a, give);
+    lease_unpin(a, l, !rc && !msg[0] ? total : 0);
     return rc;
+}
+
+/*
+ * UCX_GRANT: the consumer will read these ranges itself with one-sided UCX gets. Check
+ * them like a READ, pin the lease (so its blocks cannot be given back while the gets may
+ * run) and answer with the blocks' checksums. The pin lasts until this connection's
+ * UCX_DONE, until it closes, or until UCX_PIN_MS pass (then the connection is closed);
+ * the consumer bounds its gets by the same limit, which UCX_GRANTED carries.
+ */
+#define UCX_PIN_MS 30000u
+
+typedef struct ucx_pin {
+    lease *l;
+    uint64_t bytes, until_ns;
+} ucx_pin;
+
+static int serve_ucx_grant(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m, ucx_pin *pin)
+{
+    uint32_t tag = m->hdr.tag;
+    lease *l = lease_pin(a, m->u.read.transfer_id);
+    if (!l) return send_error(fd, b, tag, TD_ENOTFOUND, "unknown or expired transfer id");
+    const kvx_region *r = &a->opts.region;
+    bool want_crc = (m->u.read.flags & KVX_READ_CHECKSUMS) && a->opts.checksums;
+    uint64_t total, n_blocks;
+    char msg[200];
+    if (!ranges_ok(a, l, m, want_crc, &total, &n_blocks, msg, sizeof(msg))) {
+        lease_unpin(a, l, 0);
+        return send_error(fd, b, tag, TD_ERANGE, msg);
+    }
+    uint32_t n_crc = want_crc ? (uint32_t)n_blocks : 0, at = 0;
+    for (uint32_t k = 0; k < m->u.read.n_desc && want_crc; k++) {
+        kvx_wire_desc d = kvx_wire_get_desc(m, k);
+        kvx__crc32c_blocks((uint8_t *)r->base + kvx__offset(r, d.segment, d.block),
+                           r->block_bytes, d.n_blocks, b->crc + at);
+        at += d.n_blocks;
+    }
+    int delay = atomic_load(&kvx__test_send_delay_ms);
+    if (delay > 0) usleep((useconds_t)delay * 1000);
+    *pin = (ucx_pin){l, total, td_now_ns() + UCX_PIN_MS * 1000000ull};
+    td_err e;
+    size_t n = kvx_wire_encode_ucx_granted(b->out, b->out_cap, tag, UCX_PIN_MS, b->crc, n_crc);
+    return kvx__send_all(fd, b->out, n, td_now_ns() + SEND_TIMEOUT_NS, &e);
+}
+
+/* UCX_INFO: the producer's UCX worker address, region and packed rkey (ucx.c). */
+static int serve_ucx_info(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m)
+{
+#ifdef TD_HAVE_UCX
+    pthread_mutex_lock(&a->mu);
+    if (!a->ucx && !a->ucx_tried) {
+        /* Once per agent: a producer whose UCX cannot start keeps serving tcp. */
+        td_err e;
+        a->ucx_tried = true;
+        if (kvx__ucx_agent_create(&a->ucx, &a->opts.region, &e)) {
+            snprintf(a->ucx_error, sizeof(a->ucx_error), "%s", e.msg);
+            TD_WARN("kvx agent %s:%u: %s", a->opts.host, a->port, e.msg);
+        }
+    }
+    struct kvx__ucx_agent *u = a->ucx;
+    char why[256];
+    snprintf(why, sizeof(why), "%s", a->ucx_error);
+    pthread_mutex_unlock(&a->mu);
+    if (!u) return send_error(fd, b, m->hdr.tag, TD_EUNSUPPORTED, why);
+    size_t n = kvx__ucx_agent_info(u, b->out, b->out_cap, m->hdr.tag);
+    if (!n)
+        return send_error(fd, b, m->hdr.tag, TD_EUNSUPPORTED,
+                          "producer's ucx worker address or rkey is too large");
+    td_err e;
+    return kvx__send_all(fd, b->out, n, td_now_ns() + SEND_TIMEOUT_NS, &e);
+#else
+    (void)a;
+    return send_error(fd, b, m->hdr.tag, TD_EUNSUPPORTED,
+                      "this producer was built without ucx (libucx-dev)");
+#endif
 }
 
 static int serve_release(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m)
@@ -416,7 +525,46 @@ static int serve_heartbeat(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m)
 }
 
 /* HELLO: check the consumer's expectations and layout; a refusal is logged on this side too. */
-static int serve_hello(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m)
+/* A refused session: count it, keep the reason, tell the peer, log. */
+static int refuse(kvx_agent *a, int fd, conn_bufs *b, uint32_t tag, int code, const char *msg)
+{
+    TD_WARN("kvx agent %s:%u: %s", a->opts.host, a->port, msg);
+    set_last_error(a, msg);
+    pthread_mutex_lock(&a->mu);
+    a->stats.handshakes_refused++;
+    pthread_mutex_unlock(&a->mu);
+    send_error(fd, b, tag, code, msg);
+    return code;
+}
+
+/* AUTH from a consumer: check its proof, answer with ours (see kvx_auth.c). */
+static int serve_auth(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m,
+                      const uint8_t nc[KVX_ID_BYTES], const uint8_t np[KVX_ID_BYTES],
+                      const uint8_t id_c[KVX_ID_BYTES])
+{
+    char hex[KVX_ID_HEX], msg[200];
+    kvx_id_to_hex(id_c, hex);
+    if (!a->token[0]) {
+        snprintf(msg, sizeof(msg),
+                 "kvx auth: consumer %.12s sent a token but this producer has no auth_token "
+                 "(set the same token on both)",
+                 hex);
+        return refuse(a, fd, b, m->hdr.tag, TD_EPROTO, msg);
+    }
+    uint8_t want[KVX_AUTH_MAC_BYTES];
+    kvx__auth_mac(a->token, false, nc, np, id_c, a->engine_id, want);
+    if (!kvx__auth_equal(want, m->u.auth.mac)) {
+        snprintf(msg, sizeof(msg), "kvx auth failed: consumer %.12s does not know the token", hex);
+        return refuse(a, fd, b, m->hdr.tag, TD_EPROTO, msg);
+    }
+    kvx__auth_mac(a->token, true, nc, np, id_c, a->engine_id, want);
+    size_t n = kvx_wire_encode_auth(b->out, b->out_cap, m->hdr.tag, want);
+    td_err e;
+    return kvx__send_all(fd, b->out, n, td_now_ns() + SEND_TIMEOUT_NS, &e);
+}
+
+static int serve_hello(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m,
+                       const uint8_t np[KVX_ID_BYTES])
 {
     static const uint8_t zero[KVX_ID_BYTES];
     td_err e;
@@ -442,7 +590,10 @@ static int serve_hello(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m)
         send_error(fd, b, m->hdr.tag, code, msg);
         return code;
     }
-    size_t n = kvx_wire_encode_hello(b->out, b->out_cap, KVX_MSG_HELLO_ACK, m->hdr.tag, &a->hello);
+    kvx_hello ack = a->hello;
+    memcpy(ack.nonce, np, KVX_ID_BYTES);
+    ack.features = a->token[0] ? KVX_ACK_FEAT_AUTH : 0;
+    size_t n = kvx_wire_encode_hello(b->out, b->out_cap, KVX_MSG_HELLO_ACK, m->hdr.tag, &ack);
     return kvx__send_all(fd, b->out, n, td_now_ns() + SEND_TIMEOUT_NS, &e);
 }
 
@@ -454,18 +605,26 @@ static void *conn_main(void *arg)
     /* The largest frame a consumer may send is a READ of KVX_MAX_DESC ranges. */
     size_t in_cap = 24 + (size_t)KVX_MAX_DESC * KVX_DESC_BYTES;
     b.in = malloc(in_cap);
-    b.out_cap = KVX_HDR_BYTES + 4 * (size_t)KVX_MAX_CRC;
+    b.out_cap = KVX_HDR_BYTES + 4 * (size_t)KVX_MAX_CRC + 64; /* + UCX_GRANTED's header */
     b.out = malloc(b.out_cap);
     b.iov = malloc((2 + (size_t)KVX_MAX_DESC) * sizeof(struct iovec));
     b.crc = malloc(4 * (size_t)KVX_MAX_CRC);
-    bool greeted = false;
+    bool greeted = false, authed = false;
+    uint8_t nc[KVX_ID_BYTES] = {0}, np[KVX_ID_BYTES] = {0}, id_c[KVX_ID_BYTES] = {0};
+    ucx_pin pin = {0}; /* a UCX_GRANT waiting for its UCX_DONE */
     while (b.in && b.out && b.iov && b.crc) {
         kvx_msg m;
         td_err e;
         /* A new connection must say HELLO within HELLO_TIMEOUT_NS; after that, idle
-         * connections wait without a deadline (kvx_agent_destroy wakes them). */
+         * connections wait without a deadline (kvx_agent_destroy wakes them), except that
+         * a pin ends by its time limit. */
         uint64_t deadline = greeted ? UINT64_MAX : td_now_ns() + HELLO_TIMEOUT_NS;
+        if (pin.l) deadline = pin.until_ns;
         int rc = kvx__recv_frame(c->fd, b.in, in_cap, &m, deadline, &e);
+        if (!rc && pin.l && m.hdr.type != KVX_MSG_UCX_DONE) {
+            send_error(c->fd, &b, m.hdr.tag, TD_EPROTO, "expected UCX_DONE after UCX_GRANT");
+            break;
+        }
         if (rc) {
             if (rc != TD_ECONN && rc != TD_ETIMEDOUT) { /* a protocol error: say so */
                 set_last_error(a, e.msg);
@@ -477,18 +636,36 @@ static void *conn_main(void *arg)
             send_error(c->fd, &b, m.hdr.tag, TD_EPROTO, "expected HELLO first");
             break;
         }
+        if (greeted && !authed && m.hdr.type != KVX_MSG_AUTH) {
+            refuse(a, c->fd, &b, m.hdr.tag, TD_EPROTO,
+                   "kvx auth: this producer requires authentication (set the same auth_token, "
+                   "or TANDEM_KV_TOKEN, on the consumer)");
+            break;
+        }
         switch (m.hdr.type) {
         case KVX_MSG_HELLO:
+            if (!greeted) {
+                memcpy(nc, m.u.hello.nonce, KVX_ID_BYTES);
+                memcpy(id_c, m.u.hello.engine_id, KVX_ID_BYTES);
+                if (kvx__random_id(np)) break;
+            }
             rc = greeted ? send_error(c->fd, &b, m.hdr.tag, TD_EPROTO, "second HELLO")
-                         : serve_hello(a, c->fd, &b, &m);
-            if (!rc)
+                         : serve_hello(a, c->fd, &b, &m, np);
+            if (!rc) {
                 greeted = true;
-            else
+                authed = !a->token[0]; /* without a token, AUTH is refused below */
+            } else {
                 rc = -1;
+            }
             break;
         case KVX_MSG_AUTH:
-            send_error(c->fd, &b, m.hdr.tag, TD_EUNSUPPORTED, "authentication is not enabled");
-            rc = -1;
+            if (authed && a->token[0]) {
+                send_error(c->fd, &b, m.hdr.tag, TD_EPROTO, "second AUTH");
+                rc = -1;
+                break;
+            }
+            rc = serve_auth(a, c->fd, &b, &m, nc, np, id_c) ? -1 : 0;
+            if (!rc) authed = true;
             break;
         case KVX_MSG_READ:
             rc = serve_read(a, c->fd, &b, &m);
@@ -499,12 +676,30 @@ static void *conn_main(void *arg)
         case KVX_MSG_HEARTBEAT:
             rc = serve_heartbeat(a, c->fd, &b, &m);
             break;
+        case KVX_MSG_UCX_INFO:
+            rc = serve_ucx_info(a, c->fd, &b, &m);
+            break;
+        case KVX_MSG_UCX_GRANT:
+            rc = serve_ucx_grant(a, c->fd, &b, &m, &pin);
+            break;
+        case KVX_MSG_UCX_DONE: /* no answer: the next request follows on this connection */
+            if (!pin.l) {
+                send_error(c->fd, &b, m.hdr.tag, TD_EPROTO, "UCX_DONE without a UCX_GRANT");
+                rc = -1;
+                break;
+            }
+            lease_unpin(a, pin.l, pin.bytes);
+            pin = (ucx_pin){0};
+            break;
         default:
             send_error(c->fd, &b, m.hdr.tag, TD_EPROTO, "unexpected message from a consumer");
             rc = -1;
         }
         if (rc) break;
     }
+    /* A consumer that closed, timed out or broke the protocol holding a pin has stopped
+     * its gets first (it closes its UCX endpoint before this connection). */
+    if (pin.l) lease_unpin(a, pin.l, 0);
     free(b.in);
     free(b.out);
     free(b.iov);
@@ -588,6 +783,15 @@ int kvx_agent_create(kvx_agent **out, const kvx_agent_opts *opts, td_err *err)
     if (!a) return td_err_set(err, TD_ENOMEM, "kvx: out of memory");
     a->opts = *opts;
     if (!a->opts.host) a->opts.host = "127.0.0.1";
+    if (opts->auth_token && opts->auth_token[0]) {
+        if (strlen(opts->auth_token) >= sizeof(a->token)) {
+            free(a);
+            return td_err_set(err, TD_EINVAL, "kvx: auth_token is longer than %zu bytes",
+                              sizeof(a->token) - 1);
+        }
+        snprintf(a->token, sizeof(a->token), "%s", opts->auth_token);
+    }
+    a->opts.auth_token = NULL; /* the copy above is the only one kept */
     if (!a->opts.lease_ms) a->opts.lease_ms = 30000;
     if (a->opts.max_connections <= 0) a->opts.max_connections = 256;
     a->listen_fd = -1;
@@ -684,6 +888,11 @@ void kvx_agent_destroy(kvx_agent *a)
     while (a->n_conns > 0)
         pthread_cond_wait(&a->cv, &a->mu);
     pthread_mutex_unlock(&a->mu);
+#ifdef TD_HAVE_UCX
+    /* No pin is left: stop UCX (its progress thread, the region's registration) before
+     * the blocks go back, so no get can be served from them afterwards. */
+    kvx__ucx_agent_destroy(a->ucx);
+#endif
 
     for (int i = 0; i < a->n_leases; i++) {
         a->leases[i]->reason = KVX_RELEASED_SHUTDOWN;
@@ -692,5 +901,6 @@ void kvx_agent_destroy(kvx_agent *a)
     free(a->leases);
     pthread_mutex_destroy(&a->mu);
     pthread_cond_destroy(&a->cv);
+    kvx__auth_wipe(a->token, sizeof(a->token));
     free(a);
 }

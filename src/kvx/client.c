@@ -40,6 +40,7 @@ typedef struct kvx__session {
     pthread_cond_t cv;
     int *idle;
     int n_idle, n_open, max_open;
+    void *transport_state; /* a transport other than tcp keeps its connections here */
     struct kvx__session *next;
 } kvx__session;
 
@@ -75,6 +76,7 @@ struct kvx_client {
     kvx_client_opts opts;
     kvx_hello hello;
     const kvx__transport *transport;
+    void *transport_state; /* the ucx transport's context and registration */
     pthread_mutex_t mu;
     pthread_cond_t work_cv, done_cv;
     pthread_cond_t watch_cv; /* CLOCK_MONOTONIC; wakes the watchdog */
@@ -86,6 +88,7 @@ struct kvx_client {
     pthread_t *workers;
     int n_workers;
     kvx__session *sessions;
+    char token[256]; /* auth_token ("" = none), wiped at destroy */
 };
 
 static const kvx__transport tcp_transport;
@@ -103,6 +106,8 @@ void kvx_client_opts_default(kvx_client_opts *o)
 
 static void session_free(kvx__session *s)
 {
+    if (s->transport_state && s->client->transport->session_free)
+        s->client->transport->session_free(s->transport_state);
     for (int i = 0; i < s->n_idle; i++)
         close(s->idle[i]);
     free(s->idle);
@@ -189,6 +194,45 @@ int kvx_client_n_sessions(kvx_client *c)
     return n;
 }
 
+/* The challenge-response after HELLO_ACK (kvx_auth.c): prove we know the token, and
+ * check the producer's proof. A token on one side only is an error on both. */
+static int authenticate(kvx__session *s, int fd, const uint8_t nc[KVX_ID_BYTES],
+                        const kvx_hello *ack, uint64_t deadline_ns, td_err *err)
+{
+    kvx_client *c = s->client;
+    bool required = ack->features & KVX_ACK_FEAT_AUTH;
+    if (!c->token[0]) {
+        if (!required) return 0;
+        TD_WARN("kvx: producer %s:%u requires authentication; this consumer has no auth_token",
+                s->host, s->port);
+        return td_err_set(err, TD_EPROTO,
+                          "kvx auth: producer %s:%u requires authentication; set the same "
+                          "auth_token (or TANDEM_KV_TOKEN) on this consumer",
+                          s->host, s->port);
+    }
+    uint8_t mac[KVX_AUTH_MAC_BYTES], buf[512];
+    kvx__auth_mac(c->token, false, nc, ack->nonce, c->hello.engine_id, ack->engine_id, mac);
+    size_t n = kvx_wire_encode_auth(buf, sizeof(buf), 2, mac);
+    kvx_msg m;
+    int rc = kvx__send_all(fd, buf, n, deadline_ns, err);
+    if (!rc) rc = kvx__recv_frame(fd, buf, sizeof(buf), &m, deadline_ns, err);
+    if (rc) return rc;
+    if (m.hdr.type == KVX_MSG_ERROR)
+        return td_err_set(err, TD_EPROTO, "kvx: producer %s:%u: %s", s->host, s->port,
+                          m.u.error.msg);
+    if (m.hdr.type != KVX_MSG_AUTH)
+        return td_err_set(err, TD_EPROTO, "kvx: producer %s:%u answered AUTH with %s", s->host,
+                          s->port, kvx_wire_type_name(m.hdr.type));
+    kvx__auth_mac(c->token, true, nc, ack->nonce, c->hello.engine_id, ack->engine_id, mac);
+    if (!kvx__auth_equal(mac, m.u.auth.mac)) {
+        TD_WARN("kvx: producer %s:%u failed authentication", s->host, s->port);
+        return td_err_set(err, TD_EPROTO,
+                          "kvx auth failed: producer %s:%u does not know the token", s->host,
+                          s->port);
+    }
+    return 0;
+}
+
 /* Greet a fresh connection: our HELLO, then the producer's HELLO_ACK or its refusal. */
 static int handshake(kvx__session *s, int fd, uint64_t deadline_ns, td_err *err)
 {
@@ -196,6 +240,7 @@ static int handshake(kvx__session *s, int fd, uint64_t deadline_ns, td_err *err)
     kvx_hello h = c->hello;
     memcpy(h.expect_engine_id, s->engine_id, KVX_ID_BYTES);
     h.features = c->opts.verify_checksums ? KVX_FEAT_CHECKSUMS : 0;
+    if (kvx__random_id(h.nonce)) return td_err_set(err, TD_EIO, "kvx: getrandom failed");
     uint8_t buf[512];
     size_t n = kvx_wire_encode_hello(buf, sizeof(buf), KVX_MSG_HELLO, 1, &h);
     int rc = kvx__send_all(fd, buf, n, deadline_ns, err);
@@ -219,7 +264,7 @@ static int handshake(kvx__session *s, int fd, uint64_t deadline_ns, td_err *err)
         TD_WARN("kvx: refusing producer %s:%u: %s", s->host, s->port, e.msg);
         return td_err_set(err, rc, "kvx: producer %s:%u: %s", s->host, s->port, e.msg);
     }
-    return 0;
+    return authenticate(s, fd, h.nonce, &m.u.hello, deadline_ns, err);
 }
 
 /* A connection of the session: an idle one, a new one (greeted), or wait for one. */
@@ -439,7 +484,63 @@ static int tcp_control(kvx__session *s, uint8_t type, const uint8_t id[KVX_ID_BY
     return 0;
 }
 
-static const kvx__transport tcp_transport = {"tcp", tcp_run_piece, tcp_control};
+static const kvx__transport tcp_transport = {"tcp", tcp_run_piece, tcp_control, NULL};
+
+/* ---------------------------------------------------------------- for other transports */
+
+void kvx__piece_get_info(const kvx__piece *p, kvx__piece_info *out)
+{
+    *out = (kvx__piece_info){.transfer_id = p->x->transfer_id,
+                             .deadline_ns = p->x->deadline_ns,
+                             .tag = (uint32_t)(p - p->x->pieces),
+                             .count = p->count,
+                             .bytes = p->bytes,
+                             .blocks = p->blocks};
+}
+
+kvx__piece_range kvx__piece_get_range(const kvx__piece *p, uint32_t k)
+{
+    const piece_desc *d = &p->x->pd[p->first + k];
+    return (kvx__piece_range){d->seg, d->src, d->dst, d->n};
+}
+
+const kvx_client_opts *kvx__session_opts(const kvx__session *s)
+{
+    return &s->client->opts;
+}
+
+const char *kvx__session_host(const kvx__session *s)
+{
+    return s->host;
+}
+
+uint16_t kvx__session_port(const kvx__session *s)
+{
+    return s->port;
+}
+
+void **kvx__session_transport_state(kvx__session *s)
+{
+    return &s->transport_state;
+}
+
+void *kvx__session_client_state(const kvx__session *s)
+{
+    return s->client->transport_state;
+}
+
+int kvx__session_connect(kvx__session *s, uint64_t deadline_ns, int *fd, td_err *err)
+{
+    int rc = kvx__connect(s->host, s->port, deadline_ns, fd, err);
+    if (!rc && (rc = handshake(s, *fd, deadline_ns, err))) close(*fd);
+    return rc;
+}
+
+int kvx__session_control(kvx__session *s, uint8_t type, const uint8_t id[KVX_ID_BYTES],
+                         uint64_t deadline_ns, td_err *err)
+{
+    return tcp_control(s, type, id, deadline_ns, err);
+}
 
 /* ---------------------------------------------------------------- transfers */
 
@@ -572,6 +673,15 @@ int kvx_client_create(kvx_client **out, const kvx_client_opts *opts, td_err *err
     kvx_client *c = calloc(1, sizeof(*c));
     if (!c) return td_err_set(err, TD_ENOMEM, "kvx: out of memory");
     c->opts = *opts;
+    if (opts->auth_token && opts->auth_token[0]) {
+        if (strlen(opts->auth_token) >= sizeof(c->token)) {
+            free(c);
+            return td_err_set(err, TD_EINVAL, "kvx: auth_token is longer than %zu bytes",
+                              sizeof(c->token) - 1);
+        }
+        snprintf(c->token, sizeof(c->token), "%s", opts->auth_token);
+    }
+    c->opts.auth_token = NULL; /* the copy above is the only one kept */
     if (c->opts.num_worker_threads <= 0) c->opts.num_worker_threads = 4;
     if (c->opts.qp_per_transfer <= 0) c->opts.qp_per_transfer = 4;
     if (!c->opts.transfer_timeout_ms) c->opts.transfer_timeout_ms = 30000;
@@ -586,6 +696,21 @@ int kvx_client_create(kvx_client **out, const kvx_client_opts *opts, td_err *err
     }
     kvx__hello_fill(&c->hello, id, &c->opts.layout, &c->opts.region);
     c->transport = &tcp_transport;
+    if (c->opts.protocol == KVX_PROTO_UCX) {
+#ifdef TD_HAVE_UCX
+        struct kvx__ucx_client *u;
+        if ((rc = kvx__ucx_client_create(&u, &c->opts, err))) {
+            free(c);
+            return rc;
+        }
+        c->transport_state = u;
+        c->transport = &kvx__ucx_transport;
+#else
+        free(c);
+        return td_err_set(err, TD_EUNSUPPORTED,
+                          "kvx: protocol ucx is not built in (install libucx-dev and rebuild)");
+#endif
+    }
     pthread_mutex_init(&c->mu, NULL);
     pthread_cond_init(&c->work_cv, NULL);
     pthread_cond_init(&c->done_cv, NULL);
@@ -635,10 +760,14 @@ void kvx_client_destroy(kvx_client *c)
         c->sessions = s->next;
         session_put(s);
     }
+#ifdef TD_HAVE_UCX
+    if (c->transport == &kvx__ucx_transport) kvx__ucx_client_destroy(c->transport_state);
+#endif
     pthread_mutex_destroy(&c->mu);
     pthread_cond_destroy(&c->work_cv);
     pthread_cond_destroy(&c->done_cv);
     pthread_cond_destroy(&c->watch_cv);
+    kvx__auth_wipe(c->token, sizeof(c->token));
     free(c);
 }
 

@@ -484,7 +484,12 @@ bool kvx_protocol_available(kvx_protocol p)
     switch (p) {
     case KVX_PROTO_TCP: return true;
     case KVX_PROTO_SHM: return false; /* until the shm transport exists */
-    case KVX_PROTO_UCX: return false; /* until the ucx transport exists */
+    case KVX_PROTO_UCX:
+#ifdef TD_HAVE_UCX
+        return true; /* built with libucx (ucx.c) */
+#else
+        return false; /* built without libucx-dev */
+#endif
     }
     return false;
 }

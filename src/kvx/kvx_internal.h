@@ -29,6 +29,19 @@ static inline uint32_t kvx__batch_blocks(uint64_t block_bytes, uint64_t batch_by
     return n ? (uint32_t)n : 1;
 }
 
+/* ---- authentication (kvx_auth.c) ---- */
+#define KVX_AUTH_MAC_BYTES 32
+/** HELLO_ACK features: the producer requires the challenge-response. */
+#define KVX_ACK_FEAT_AUTH 1u
+/** The proof of one side (producer or consumer) for a connection's nonces and ids. */
+void kvx__auth_mac(const char *token, bool producer, const uint8_t nc[KVX_ID_BYTES],
+                   const uint8_t np[KVX_ID_BYTES], const uint8_t id_c[KVX_ID_BYTES],
+                   const uint8_t id_p[KVX_ID_BYTES], uint8_t out[KVX_AUTH_MAC_BYTES]);
+/** Constant-time comparison. */
+bool kvx__auth_equal(const uint8_t a[KVX_AUTH_MAC_BYTES], const uint8_t b[KVX_AUTH_MAC_BYTES]);
+/** Wipe a secret. */
+void kvx__auth_wipe(void *p, size_t n);
+
 /** 16 random bytes from getrandom(2); 0 or TD_EIO. */
 int kvx__random_id(uint8_t out[KVX_ID_BYTES]);
 
@@ -65,8 +78,8 @@ static inline uint64_t kvx__offset(const kvx_region *r, uint32_t seg, uint32_t b
 /*
  * The consumer's transport seam. A transfer is cut into pieces; a worker thread hands a
  * piece to its transport, which moves its bytes into the consumer's region (verifying
- * checksums if asked) before the deadline. tcp is the only one so far; shm and ucx will
- * implement the same two calls.
+ * checksums if asked) before the deadline. tcp (client.c) and ucx (ucx.c, with
+ * TD_HAVE_UCX) implement it.
  */
 struct kvx__piece;
 struct kvx__session;
@@ -77,7 +90,59 @@ typedef struct kvx__transport {
     /** Send a RELEASE or HEARTBEAT for one transfer id and wait for the answer. */
     int (*control)(struct kvx__session *s, uint8_t type, const uint8_t id[KVX_ID_BYTES],
                    uint64_t deadline_ns, td_err *err);
+    /** Free what the transport keeps in *kvx__session_transport_state(s); may be NULL. */
+    void (*session_free)(void *state);
 } kvx__transport;
+
+#ifdef TD_HAVE_UCX
+/*
+ * The ucx transport (ucx.c). Producer side: a UCX context and worker with the whole
+ * region registered, a thread that progresses the worker, and the UCX_INFO_ACK frame that
+ * advertises them. Consumer side: kvx__ucx_transport, with per-client state made by
+ * kvx__ucx_client_create (the consumer region's registration) and per-session state
+ * (pooled channels) freed through the transport's session_free.
+ */
+struct kvx__ucx_agent;
+int kvx__ucx_agent_create(struct kvx__ucx_agent **out, const kvx_region *r, td_err *err);
+void kvx__ucx_agent_destroy(struct kvx__ucx_agent *u); /* NULL is fine */
+/** Encode UCX_INFO_ACK into buf; 0 if it does not fit. */
+size_t kvx__ucx_agent_info(struct kvx__ucx_agent *u, uint8_t *buf, size_t cap, uint32_t tag);
+
+struct kvx__ucx_client;
+int kvx__ucx_client_create(struct kvx__ucx_client **out, const kvx_client_opts *opts,
+                           td_err *err);
+void kvx__ucx_client_destroy(struct kvx__ucx_client *u); /* after every session is freed */
+extern const kvx__transport kvx__ucx_transport;
+#endif
+
+/*
+ * What a transport in another file needs of client.c's sessions and pieces (the structs
+ * are private to client.c).
+ */
+typedef struct kvx__piece_info {
+    const uint8_t *transfer_id; /* KVX_ID_BYTES */
+    uint64_t deadline_ns;
+    uint32_t tag;   /* echoed by the producer's answer */
+    uint32_t count; /* descriptors */
+    uint64_t bytes, blocks;
+} kvx__piece_info;
+typedef struct kvx__piece_range {
+    uint32_t seg, src, dst, n; /* producer blocks src.., consumer blocks dst.., of one segment */
+} kvx__piece_range;
+void kvx__piece_get_info(const struct kvx__piece *p, kvx__piece_info *out);
+kvx__piece_range kvx__piece_get_range(const struct kvx__piece *p, uint32_t k);
+const kvx_client_opts *kvx__session_opts(const struct kvx__session *s);
+const char *kvx__session_host(const struct kvx__session *s);
+uint16_t kvx__session_port(const struct kvx__session *s);
+/** The session's slot for its transport's state (freed by the transport's session_free). */
+void **kvx__session_transport_state(struct kvx__session *s);
+/** The client's transport state (kvx__ucx_client for ucx). */
+void *kvx__session_client_state(const struct kvx__session *s);
+/** Connect to the session's producer and greet it (HELLO / HELLO_ACK); 0 or an error. */
+int kvx__session_connect(struct kvx__session *s, uint64_t deadline_ns, int *fd, td_err *err);
+/** RELEASE or HEARTBEAT over the session's plain tcp connections (tcp's control). */
+int kvx__session_control(struct kvx__session *s, uint8_t type, const uint8_t id[KVX_ID_BYTES],
+                         uint64_t deadline_ns, td_err *err);
 
 /* Test hooks (tests only; zero in production). */
 /* When > 0, the consumer flips one received byte of the next that many pieces. */

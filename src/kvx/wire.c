@@ -43,6 +43,13 @@ const char *kvx_wire_type_name(int type)
     static const char *names[] = {"?",    "HELLO",   "HELLO_ACK", "AUTH", "READ",
                                   "DATA", "RELEASE", "HEARTBEAT", "ACK",  "ERROR"};
     if (type >= KVX_MSG_HELLO && type <= KVX_MSG_ERROR) return names[type];
+    switch (type) {
+    case KVX_MSG_UCX_INFO: return "UCX_INFO";
+    case KVX_MSG_UCX_INFO_ACK: return "UCX_INFO_ACK";
+    case KVX_MSG_UCX_GRANT: return "UCX_GRANT";
+    case KVX_MSG_UCX_GRANTED: return "UCX_GRANTED";
+    case KVX_MSG_UCX_DONE: return "UCX_DONE";
+    }
     return "unknown";
 }
 
@@ -71,7 +78,7 @@ int kvx_wire_decode_hdr(const uint8_t buf[KVX_HDR_BYTES], kvx_hdr *out, td_err *
     if (out->version != KVX_VERSION)
         return td_err_set(err, TD_EUNSUPPORTED, "kvx: peer speaks protocol version %u, this is %u",
                           out->version, KVX_VERSION);
-    if (out->type < KVX_MSG_HELLO || out->type > KVX_MSG_ERROR)
+    if (!strcmp(kvx_wire_type_name(out->type), "unknown"))
         return td_err_set(err, TD_EFORMAT, "kvx: unknown message type %u", out->type);
     if (out->flags != 0)
         return td_err_set(err, TD_EFORMAT, "kvx: %s frame with unknown flags 0x%02x",
@@ -137,23 +144,25 @@ int kvx_wire_decode(const kvx_hdr *h, const uint8_t *p, size_t len, kvx_msg *m, 
         if (len != 32) return bad_len(err, h, 32);
         memcpy(m->u.auth.mac, p, 32);
         return 0;
-    case KVX_MSG_READ: {
+    case KVX_MSG_READ:
+    case KVX_MSG_UCX_GRANT: {
         if (len < 24) return bad_len(err, h, 24);
         memcpy(m->u.read.transfer_id, p, 16);
         m->u.read.flags = get32(p + 16);
         m->u.read.n_desc = get32(p + 20);
         if (m->u.read.flags & ~KVX_READ_CHECKSUMS)
-            return td_err_set(err, TD_EFORMAT, "kvx: READ with unknown flags 0x%x",
-                              m->u.read.flags);
+            return td_err_set(err, TD_EFORMAT, "kvx: %s with unknown flags 0x%x",
+                              kvx_wire_type_name(h->type), m->u.read.flags);
         if (m->u.read.n_desc == 0 || m->u.read.n_desc > KVX_MAX_DESC)
-            return td_err_set(err, TD_EFORMAT, "kvx: READ with %u descriptors (limit 1..%u)",
-                              m->u.read.n_desc, KVX_MAX_DESC);
+            return td_err_set(err, TD_EFORMAT, "kvx: %s with %u descriptors (limit 1..%u)",
+                              kvx_wire_type_name(h->type), m->u.read.n_desc, KVX_MAX_DESC);
         size_t want = 24 + (size_t)m->u.read.n_desc * KVX_DESC_BYTES;
         if (len != want) return bad_len(err, h, want);
         m->u.read.desc = p + 24;
         for (uint32_t i = 0; i < m->u.read.n_desc; i++)
             if (kvx_wire_get_desc(m, i).n_blocks == 0)
-                return td_err_set(err, TD_EFORMAT, "kvx: READ descriptor %u is empty", i);
+                return td_err_set(err, TD_EFORMAT, "kvx: %s descriptor %u is empty",
+                                  kvx_wire_type_name(h->type), i);
         return 0;
     }
     case KVX_MSG_DATA:
@@ -177,6 +186,45 @@ int kvx_wire_decode(const kvx_hdr *h, const uint8_t *p, size_t len, kvx_msg *m, 
         size_t want = 4 + (size_t)m->u.heartbeat.n_ids * KVX_ID_BYTES;
         if (len != want) return bad_len(err, h, want);
         m->u.heartbeat.ids = p + 4;
+        return 0;
+    }
+    case KVX_MSG_UCX_INFO:
+    case KVX_MSG_UCX_DONE:
+        if (len != 0) return bad_len(err, h, 0);
+        return 0;
+    case KVX_MSG_UCX_INFO_ACK: {
+        if (len < 32) return bad_len(err, h, 32);
+        m->u.ucx_info.base = get64(p);
+        m->u.ucx_info.segment_stride = get64(p + 8);
+        m->u.ucx_info.bytes = get64(p + 16);
+        m->u.ucx_info.addr_len = get32(p + 24);
+        m->u.ucx_info.rkey_len = get32(p + 28);
+        if (m->u.ucx_info.addr_len == 0 || m->u.ucx_info.addr_len > KVX_MAX_UCX_BLOB ||
+            m->u.ucx_info.rkey_len == 0 || m->u.ucx_info.rkey_len > KVX_MAX_UCX_BLOB)
+            return td_err_set(err, TD_EFORMAT,
+                              "kvx: UCX_INFO_ACK with a %u-byte address and a %u-byte rkey "
+                              "(limit 1..%u each)",
+                              m->u.ucx_info.addr_len, m->u.ucx_info.rkey_len, KVX_MAX_UCX_BLOB);
+        if (m->u.ucx_info.bytes == 0 ||
+            m->u.ucx_info.base + m->u.ucx_info.bytes < m->u.ucx_info.base)
+            return td_err_set(err, TD_EFORMAT, "kvx: UCX_INFO_ACK with an empty or wrapping region");
+        size_t want = 32 + (size_t)m->u.ucx_info.addr_len + m->u.ucx_info.rkey_len;
+        if (len != want) return bad_len(err, h, want);
+        m->u.ucx_info.addr = p + 32;
+        m->u.ucx_info.rkey = p + 32 + m->u.ucx_info.addr_len;
+        return 0;
+    }
+    case KVX_MSG_UCX_GRANTED: {
+        if (len < 8) return bad_len(err, h, 8);
+        m->u.ucx_granted.valid_ms = get32(p);
+        m->u.ucx_granted.n_crc = get32(p + 4);
+        if (m->u.ucx_granted.valid_ms == 0 || m->u.ucx_granted.n_crc > KVX_MAX_CRC)
+            return td_err_set(err, TD_EFORMAT,
+                              "kvx: UCX_GRANTED valid for %u ms with %u checksums (limit %u)",
+                              m->u.ucx_granted.valid_ms, m->u.ucx_granted.n_crc, KVX_MAX_CRC);
+        size_t want = 8 + 4 * (size_t)m->u.ucx_granted.n_crc;
+        if (len != want) return bad_len(err, h, want);
+        m->u.ucx_granted.crc = p + 8;
         return 0;
     }
     case KVX_MSG_ACK:
@@ -263,12 +311,12 @@ size_t kvx_wire_encode_auth(uint8_t *buf, size_t cap, uint32_t tag, const uint8_
     return n;
 }
 
-size_t kvx_wire_encode_read(uint8_t *buf, size_t cap, uint32_t tag,
+static size_t encode_ranges(uint8_t *buf, size_t cap, uint8_t type, uint32_t tag,
                             const uint8_t transfer_id[KVX_ID_BYTES], uint32_t flags,
                             const kvx_wire_desc *d, uint32_t n_desc)
 {
     if (n_desc == 0 || n_desc > KVX_MAX_DESC) return 0;
-    size_t n = put_hdr(buf, cap, KVX_MSG_READ, tag, 24 + (size_t)n_desc * KVX_DESC_BYTES);
+    size_t n = put_hdr(buf, cap, type, tag, 24 + (size_t)n_desc * KVX_DESC_BYTES);
     if (!n) return 0;
     uint8_t *p = buf + KVX_HDR_BYTES;
     memcpy(p, transfer_id, 16);
@@ -280,6 +328,58 @@ size_t kvx_wire_encode_read(uint8_t *buf, size_t cap, uint32_t tag,
         put32(q + 4, d[i].block);
         put32(q + 8, d[i].n_blocks);
     }
+    return n;
+}
+
+size_t kvx_wire_encode_read(uint8_t *buf, size_t cap, uint32_t tag,
+                            const uint8_t transfer_id[KVX_ID_BYTES], uint32_t flags,
+                            const kvx_wire_desc *d, uint32_t n_desc)
+{
+    return encode_ranges(buf, cap, KVX_MSG_READ, tag, transfer_id, flags, d, n_desc);
+}
+
+size_t kvx_wire_encode_grant(uint8_t *buf, size_t cap, uint32_t tag,
+                             const uint8_t transfer_id[KVX_ID_BYTES], uint32_t flags,
+                             const kvx_wire_desc *d, uint32_t n_desc)
+{
+    return encode_ranges(buf, cap, KVX_MSG_UCX_GRANT, tag, transfer_id, flags, d, n_desc);
+}
+
+size_t kvx_wire_encode_empty(uint8_t *buf, size_t cap, uint8_t type, uint32_t tag)
+{
+    if (type != KVX_MSG_UCX_INFO && type != KVX_MSG_UCX_DONE) return 0;
+    return put_hdr(buf, cap, type, tag, 0);
+}
+
+size_t kvx_wire_encode_ucx_info(uint8_t *buf, size_t cap, uint32_t tag, uint64_t base,
+                                uint64_t segment_stride, uint64_t bytes, const void *addr,
+                                uint32_t addr_len, const void *rkey, uint32_t rkey_len)
+{
+    if (addr_len == 0 || addr_len > KVX_MAX_UCX_BLOB || rkey_len == 0 ||
+        rkey_len > KVX_MAX_UCX_BLOB)
+        return 0;
+    size_t n = put_hdr(buf, cap, KVX_MSG_UCX_INFO_ACK, tag, 32 + (size_t)addr_len + rkey_len);
+    if (!n) return 0;
+    uint8_t *p = buf + KVX_HDR_BYTES;
+    put64(p, base);
+    put64(p + 8, segment_stride);
+    put64(p + 16, bytes);
+    put32(p + 24, addr_len);
+    put32(p + 28, rkey_len);
+    memcpy(p + 32, addr, addr_len);
+    memcpy(p + 32 + addr_len, rkey, rkey_len);
+    return n;
+}
+
+size_t kvx_wire_encode_ucx_granted(uint8_t *buf, size_t cap, uint32_t tag, uint32_t valid_ms,
+                                   const uint32_t *crcs, uint32_t n_crc)
+{
+    if (n_crc > KVX_MAX_CRC || valid_ms == 0) return 0;
+    size_t n = put_hdr(buf, cap, KVX_MSG_UCX_GRANTED, tag, 8 + 4 * (size_t)n_crc);
+    if (!n) return 0;
+    put32(buf + KVX_HDR_BYTES, valid_ms);
+    put32(buf + KVX_HDR_BYTES + 4, n_crc);
+    kvx_wire_trailer_put(buf + KVX_HDR_BYTES + 8, crcs, n_crc);
     return n;
 }
 

@@ -36,17 +36,25 @@
 #define KVX_MAX_HEARTBEAT_IDS 1024
 #define KVX_MAX_ERRMSG 255
 #define KVX_DESC_BYTES 12
+#define KVX_MAX_UCX_BLOB 65536 /* a UCX worker address or packed rkey, bytes */
 
 typedef enum kvx_msg_type {
     KVX_MSG_HELLO = 1,     /* consumer -> producer: who I am, what I expect */
     KVX_MSG_HELLO_ACK = 2, /* producer -> consumer: who I am */
-    KVX_MSG_AUTH = 3,      /* consumer -> producer: challenge response (placeholder) */
+    KVX_MSG_AUTH = 3,      /* both ways after HELLO_ACK: HMAC-SHA256 proof of the token (kvx_auth.c) */
     KVX_MSG_READ = 4,      /* consumer -> producer: send these block runs of a transfer */
     KVX_MSG_DATA = 5,      /* producer -> consumer: checksums, then the bytes */
     KVX_MSG_RELEASE = 6,   /* consumer -> producer: done with a transfer */
     KVX_MSG_HEARTBEAT = 7, /* consumer -> producer: extend these leases */
     KVX_MSG_ACK = 8,       /* answer to RELEASE / HEARTBEAT */
     KVX_MSG_ERROR = 9,     /* answer to anything: code and message */
+    /* The ucx transport (ucx.c): the data moves by one-sided UCX get, these frames only
+     * advertise the producer's memory and validate and pin ranges. Numbers from 20. */
+    KVX_MSG_UCX_INFO = 20,    /* consumer -> producer: send me your worker address and rkey */
+    KVX_MSG_UCX_INFO_ACK = 21, /* producer -> consumer: region base and size, address, rkey */
+    KVX_MSG_UCX_GRANT = 22,   /* consumer -> producer: validate and pin ranges (READ payload) */
+    KVX_MSG_UCX_GRANTED = 23, /* producer -> consumer: pin time limit, per-block CRC32C */
+    KVX_MSG_UCX_DONE = 24,    /* consumer -> producer: gets finished, unpin (no answer) */
 } kvx_msg_type;
 
 /* HELLO features */
@@ -71,8 +79,8 @@ typedef struct kvx_hello {
     kvx_layout layout;
     uint32_t n_segments;
     uint64_t block_bytes;
-    uint8_t nonce[KVX_ID_BYTES]; /* auth challenge material (unused until auth lands) */
-    uint32_t features;           /* HELLO: KVX_FEAT_*; HELLO_ACK: 1 if AUTH is required */
+    uint8_t nonce[KVX_ID_BYTES]; /* the sender's fresh challenge for AUTH */
+    uint32_t features;           /* HELLO: KVX_FEAT_*; HELLO_ACK: KVX_ACK_FEAT_AUTH (1) if AUTH is required */
 } kvx_hello;
 
 typedef struct kvx_msg {
@@ -86,7 +94,7 @@ typedef struct kvx_msg {
             uint8_t transfer_id[KVX_ID_BYTES];
             uint32_t flags, n_desc;
             const uint8_t *desc; /* n_desc * KVX_DESC_BYTES, inside the decoded buffer */
-        } read;
+        } read; /* READ and UCX_GRANT */
         struct {
             uint64_t data_len;
             uint32_t n_crc; /* trailer entries after the data: 0, or one per block */
@@ -101,6 +109,16 @@ typedef struct kvx_msg {
         struct {
             uint32_t value;
         } ack;
+        struct {
+            uint64_t base, segment_stride, bytes; /* the producer's region (addresses) */
+            uint32_t addr_len, rkey_len;
+            const uint8_t *addr, *rkey; /* inside the decoded buffer */
+        } ucx_info;
+        struct {
+            uint32_t valid_ms; /* the pin ends this long after the answer was sent */
+            uint32_t n_crc;    /* 0, or one per block of the GRANT, in request order */
+            const uint8_t *crc; /* n_crc little-endian u32, inside the decoded buffer */
+        } ucx_granted;
         struct {
             int32_t code;
             char msg[KVX_MAX_ERRMSG + 1]; /* NUL-terminated copy */
@@ -142,6 +160,18 @@ size_t kvx_wire_encode_heartbeat(uint8_t *buf, size_t cap, uint32_t tag, const u
                                  uint32_t n_ids);
 size_t kvx_wire_encode_ack(uint8_t *buf, size_t cap, uint32_t tag, uint32_t value);
 size_t kvx_wire_encode_error(uint8_t *buf, size_t cap, uint32_t tag, int32_t code, const char *msg);
+
+/* The ucx transport's frames. UCX_GRANT has READ's payload and limits; UCX_INFO and
+ * UCX_DONE have none (kvx_wire_encode_empty). */
+size_t kvx_wire_encode_empty(uint8_t *buf, size_t cap, uint8_t type, uint32_t tag);
+size_t kvx_wire_encode_grant(uint8_t *buf, size_t cap, uint32_t tag,
+                             const uint8_t transfer_id[KVX_ID_BYTES], uint32_t flags,
+                             const kvx_wire_desc *descs, uint32_t n_desc);
+size_t kvx_wire_encode_ucx_info(uint8_t *buf, size_t cap, uint32_t tag, uint64_t base,
+                                uint64_t segment_stride, uint64_t bytes, const void *addr,
+                                uint32_t addr_len, const void *rkey, uint32_t rkey_len);
+size_t kvx_wire_encode_ucx_granted(uint8_t *buf, size_t cap, uint32_t tag, uint32_t valid_ms,
+                                   const uint32_t *crcs, uint32_t n_crc);
 
 /** Name of a message type ("READ"), "unknown" otherwise. */
 const char *kvx_wire_type_name(int type);

@@ -20,13 +20,35 @@ static size_t reencode(const kvx_msg *m, uint8_t *out, size_t cap)
         return kvx_wire_encode_hello(out, cap, m->hdr.type, m->hdr.tag, &m->u.hello);
     case KVX_MSG_AUTH:
         return kvx_wire_encode_auth(out, cap, m->hdr.tag, m->u.auth.mac);
-    case KVX_MSG_READ: {
+    case KVX_MSG_READ:
+    case KVX_MSG_UCX_GRANT: {
         kvx_wire_desc *d = malloc(m->u.read.n_desc * sizeof(*d));
         for (uint32_t i = 0; i < m->u.read.n_desc; i++)
             d[i] = kvx_wire_get_desc(m, i);
-        size_t n = kvx_wire_encode_read(out, cap, m->hdr.tag, m->u.read.transfer_id,
-                                        m->u.read.flags, d, m->u.read.n_desc);
+        size_t n = m->hdr.type == KVX_MSG_READ
+                       ? kvx_wire_encode_read(out, cap, m->hdr.tag, m->u.read.transfer_id,
+                                              m->u.read.flags, d, m->u.read.n_desc)
+                       : kvx_wire_encode_grant(out, cap, m->hdr.tag, m->u.read.transfer_id,
+                                               m->u.read.flags, d, m->u.read.n_desc);
         free(d);
+        return n;
+    }
+    case KVX_MSG_UCX_INFO:
+    case KVX_MSG_UCX_DONE:
+        return kvx_wire_encode_empty(out, cap, m->hdr.type, m->hdr.tag);
+    case KVX_MSG_UCX_INFO_ACK:
+        return kvx_wire_encode_ucx_info(out, cap, m->hdr.tag, m->u.ucx_info.base,
+                                        m->u.ucx_info.segment_stride, m->u.ucx_info.bytes,
+                                        m->u.ucx_info.addr,
+                                        m->u.ucx_info.addr_len, m->u.ucx_info.rkey,
+                                        m->u.ucx_info.rkey_len);
+    case KVX_MSG_UCX_GRANTED: {
+        uint32_t *crc = malloc(4 * (size_t)m->u.ucx_granted.n_crc + 4);
+        for (uint32_t i = 0; i < m->u.ucx_granted.n_crc; i++)
+            crc[i] = kvx_wire_trailer_get(m->u.ucx_granted.crc, i);
+        size_t n = kvx_wire_encode_ucx_granted(out, cap, m->hdr.tag, m->u.ucx_granted.valid_ms,
+                                               crc, m->u.ucx_granted.n_crc);
+        free(crc);
         return n;
     }
     case KVX_MSG_DATA:
@@ -63,7 +85,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         size_t len = KVX_HDR_BYTES + h.payload_len;
         kvx_msg m;
         if (kvx_wire_decode_frame(data + at, len, &m, &err) == 0) {
-            if (m.hdr.type == KVX_MSG_READ)
+            if (m.hdr.type == KVX_MSG_READ || m.hdr.type == KVX_MSG_UCX_GRANT)
                 for (uint32_t i = 0; i < m.u.read.n_desc; i++) {
                     kvx_wire_desc d = kvx_wire_get_desc(&m, i);
                     if (d.n_blocks == 0) abort();

@@ -381,6 +381,27 @@ test('a restarted producer (same port, new engine id) gets a new session', async
   prod.proc.kill('SIGKILL');
 });
 
+test('transfer sessions authenticate: the right token transfers, a wrong one is refused', async () => {
+  const prod = await serve(['--kv-transfer-config', '{"kv_role":"kv_producer","auth_token":"s3cret","lease_ms":500}']);
+  const good = await serve(['--kv-transfer-config', '{"kv_role":"kv_consumer"}'], { TANDEM_KV_TOKEN: 's3cret' });
+  const bad = await serve(['--kv-transfer-config', '{"kv_role":"kv_consumer","auth_token":"guess"}']);
+  const p = prompts()[2];
+  const r1 = await decode(good.url, p, await prefill(prod.url, p));
+  assert.equal(r1.json.kv_transfer_params.kv_load, 'transferred', JSON.stringify(r1.json.kv_transfer_params));
+  const before = await metrics(prod.url);
+  const r2 = await decode(bad.url, p, await prefill(prod.url, p));
+  assert.equal(r2.status, 200, r2.text);
+  assert.equal(r2.json.kv_transfer_params.kv_load, 'recomputed');
+  assert.match(r2.json.kv_transfer_params.kv_load_error, /auth/);
+  assert.equal(r2.json.choices[0].text, await expected(p));
+  const m = await metrics(prod.url);
+  assert.ok(m.tandem_kv_handshakes_refused_total > before.tandem_kv_handshakes_refused_total);
+  assert.equal(m.tandem_kv_sent_bytes_total, before.tandem_kv_sent_bytes_total, 'nothing sent to the wrong token');
+  // The refused consumer could not release: the lease expires.
+  await noLeaks(prod.url, 'producer after a refused session');
+  for (const x of [prod, good, bad]) x.proc.kill('SIGKILL');
+});
+
 // A TCP proxy between consumer and producer agent that cuts every connection after
 // `cut` bytes from the producer.
 function cuttingProxy(target, cut) {
