@@ -173,6 +173,33 @@ test('equivalence: 40 prompts through producer -> consumer, 16 at a time', async
   assert.equal(pm.tandem_kv_leases_expired_total, 0);
 });
 
+// The same invariant over the ucx transport (one-sided gets), on UCX's tcp and
+// shared-memory transports; the producer's agent serves every protocol.
+for (const tls of ['tcp', 'sm']) {
+  test(`equivalence over ucx (UCX_TLS=${tls}): 40 prompts, 16 at a time`, async (t) => {
+    const cons = await serve(['--kv-transfer-config', '{"kv_role":"kv_consumer","protocol":"ucx","transfer_timeout_ms":5000}'],
+      { UCX_TLS: tls }).catch((e) => e);
+    if (cons instanceof Error && /not available in this build/.test(cons.message)) {
+      t.skip('this build has no ucx transport (libucx-dev missing)');
+      return;
+    }
+    assert.ok(!(cons instanceof Error), String(cons));
+    const prod = await serve(['--kv-transfer-config', '{"kv_role":"kv_producer"}'], { UCX_TLS: tls });
+    const ps = prompts();
+    const res = await pool(ps, 16, async (p) => (await decode(cons.url, p, await prefill(prod.url, p))).json);
+    for (let i = 0; i < ps.length; i++) {
+      assert.equal(res[i].kv_transfer_params.kv_load, 'transferred', JSON.stringify(res[i].kv_transfer_params));
+      assert.equal(res[i].choices[0].text, await expected(ps[i]), `prompt ${i}`);
+    }
+    await noLeaks(prod.url, 'ucx producer');
+    await noLeaks(cons.url, 'ucx consumer');
+    for (const x of [prod, cons]) {
+      const code = await new Promise((r) => { x.proc.on('exit', (c) => r(c)); x.proc.kill('SIGTERM'); });
+      assert.equal(code, 0, x.stderr());
+    }
+  });
+}
+
 test('a consumer prefix-cache hit transfers only the tail', async () => {
   const p = prompts()[11]; // 80 tokens = 5 blocks
   assert.equal(p.length, 80);
