@@ -231,7 +231,7 @@ static void test_kv_config(void **state)
     assert_int_equal(
         srv_kv_config_parse(&c,
                             "{\"kv_role\":\"kv_producer\",\"kv_connector\":\"tandem\","
-                            "\"protocol\":\"shm\",\"transfer_mode\":\"read\",\"handshake_port\":6301,"
+                            "\"protocol\":\"ucx\",\"transfer_mode\":\"read\",\"handshake_port\":6301,"
                             "\"num_worker_threads\":8,\"qp_per_transfer\":2,\"lease_ms\":5000,"
                             "\"transfer_timeout_ms\":2000,\"kv_load_failure_policy\":\"fail\","
                             "\"verify_checksums\":false,\"proxy_ip\":\"127.0.0.1\","
@@ -241,7 +241,7 @@ static void test_kv_config(void **state)
                             msg, sizeof(msg)),
         0);
     assert_int_equal(c.role, SRV_KV_PRODUCER);
-    assert_int_equal(c.protocol, SRV_KV_SHM);
+    assert_int_equal(c.protocol, SRV_KV_UCX);
     assert_int_equal(c.num_worker_threads, 8);
     assert_int_equal(c.qp_per_transfer, 2);
     assert_int_equal(c.lease_ms, 5000);
@@ -252,7 +252,7 @@ static void test_kv_config(void **state)
     assert_int_equal(c.proxy_ping_port, 36367);
     assert_int_equal(c.http_port, 8003);
     assert_string_equal(c.auth_token, "s3cret");
-    assert_non_null(strstr(c.notes, "max_send_wr is ignored for protocol shm"));
+    assert_non_null(strstr(c.notes, "max_send_wr is ignored for protocol ucx"));
     srv_kv_config_free(&c);
     /* The seed recipe's mooncake alias runs (in read mode until push exists). */
     assert_int_equal(srv_kv_config_parse(&c,
@@ -275,6 +275,7 @@ static void test_kv_config(void **state)
         "{\"kv_role\":\"kv_both\",\"kv_connector\":\"nixl\"}",
         "{\"kv_role\":\"kv_both\",\"protocol\":\"hip\"}",
         "{\"kv_role\":\"kv_both\",\"protocol\":\"cuda_ipc\"}",
+        "{\"kv_role\":\"kv_both\",\"protocol\":\"shm\"}",
         "{\"kv_role\":\"kv_both\",\"transfer_mode\":\"pull\"}",
         "{\"kv_role\":\"kv_both\",\"kv_load_failure_policy\":\"retry\"}",
         "{\"kv_role\":\"kv_both\",\"verify_checksums\":1}",
