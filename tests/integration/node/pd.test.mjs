@@ -200,6 +200,25 @@ for (const tls of ['tcp', 'sm']) {
   });
 }
 
+test('kv_both serves plain requests, and prefills or decodes for a peer', async () => {
+  const [b1, b2] = await Promise.all([
+    serve(['--kv-transfer-config', '{"kv_role":"kv_both"}']),
+    serve(['--kv-transfer-config', '{"kv_role":"kv_both"}']),
+  ]);
+  const p = prompts()[9];
+  const plain = await post(b1.url, { prompt: p, ...GEN });
+  assert.equal(plain.status, 200, plain.text);
+  assert.equal(plain.json.choices[0].text, await expected(p));
+  assert.equal(plain.json.kv_transfer_params, undefined);
+  for (const [from, to] of [[b1, b2], [b2, b1]]) {
+    const q = prompts()[from === b1 ? 10 : 11];
+    const r = await decode(to.url, q, await prefill(from.url, q));
+    assert.equal(r.json.kv_transfer_params.kv_load, 'transferred');
+    assert.equal(r.json.choices[0].text, await expected(q));
+  }
+  for (const x of [b1, b2]) { await noLeaks(x.url, 'kv_both'); x.proc.kill('SIGKILL'); }
+});
+
 test('a consumer prefix-cache hit transfers only the tail', async () => {
   const p = prompts()[11]; // 80 tokens = 5 blocks
   assert.equal(p.length, 80);
