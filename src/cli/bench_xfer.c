@@ -20,6 +20,7 @@
 #include <netinet/in.h>
 #include <pthread.h>
 #include <stdio.h>
+#include <sys/mman.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
@@ -248,7 +249,7 @@ int cli_bench_xfer(int argc, char **argv)
         CLI_FLAG("no-checksums", CLI_FLAG_BOOL, &no_checksums, "turn CRC32C off"),
         CLI_FLAG("no-floor", CLI_FLAG_BOOL, &no_floor, "skip the memcpy and raw TCP figures"),
         CLI_FLAG("transport", CLI_FLAG_STR, &transport_s,
-                 "kvx transport: tcp, or ucx where built (UCX_TLS picks UCX's own)"),
+                 "kvx transport: tcp, shm, or ucx where built (UCX_TLS picks UCX's own)"),
     };
     int prc =
         cli_flags_parse(flags, (int)TD_ARRAY_LEN(flags), argc, argv, "tandem bench-xfer [options]");
@@ -289,7 +290,18 @@ int cli_bench_xfer(int argc, char **argv)
     b.seg_cons = TD_MAX(max_size * max_conc, (uint64_t)(qp + 1) << 26) / (uint64_t)segments;
     b.seg_prod = TD_ALIGN_UP(b.seg_prod, block_bytes);
     b.seg_cons = TD_ALIGN_UP(b.seg_cons, block_bytes);
-    b.prod = td_aligned_alloc(b.seg_prod * (uint64_t)segments);
+    /* shm: the producer's pool is a memfd, as an engine's is with protocol shm. */
+    int prod_fd = -1;
+    size_t prod_len = b.seg_prod * (uint64_t)segments;
+    if (proto == KVX_PROTO_SHM) {
+        prod_fd = memfd_create("bench-xfer-pool", MFD_CLOEXEC);
+        void *m = prod_fd >= 0 && ftruncate(prod_fd, (off_t)prod_len) == 0
+                      ? mmap(NULL, prod_len, PROT_READ | PROT_WRITE, MAP_SHARED, prod_fd, 0)
+                      : MAP_FAILED;
+        b.prod = m == MAP_FAILED ? NULL : m;
+    } else {
+        b.prod = td_aligned_alloc(prod_len);
+    }
     b.cons = td_aligned_alloc(b.seg_cons * (uint64_t)segments);
     if (!b.prod || !b.cons) {
         fprintf(stderr, "bench-xfer: cannot allocate the pools\n");
@@ -304,7 +316,8 @@ int cli_bench_xfer(int argc, char **argv)
     memset(b.cons, 1, b.seg_cons * (uint64_t)segments); /* fault the pages in */
     b.prod_region = (kvx_region){.base = b.prod, .n_segments = (uint32_t)segments, .segment_stride = b.seg_prod,
                                  .block_bytes = block_bytes,
-                                 .n_blocks = (uint32_t)(b.seg_prod / block_bytes)};
+                                 .n_blocks = (uint32_t)(b.seg_prod / block_bytes),
+                                 .shm = prod_fd >= 0, .shm_fd = prod_fd};
     b.cons_region = (kvx_region){.base = b.cons, .n_segments = (uint32_t)segments, .segment_stride = b.seg_cons,
                                  .block_bytes = block_bytes,
                                  .n_blocks = (uint32_t)(b.seg_cons / block_bytes)};
@@ -392,7 +405,12 @@ int cli_bench_xfer(int argc, char **argv)
     }
     kvx_client_destroy(c);
     kvx_agent_destroy(a);
-    td_aligned_free(b.prod);
+    if (prod_fd >= 0) {
+        munmap(b.prod, prod_len);
+        close(prod_fd);
+    } else {
+        td_aligned_free(b.prod);
+    }
     td_aligned_free(b.cons);
     return rc ? 1 : 0;
 }

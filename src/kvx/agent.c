@@ -460,6 +460,21 @@ static int serve_ucx_grant(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m,
     return kvx__send_all(fd, b->out, n, td_now_ns() + SEND_TIMEOUT_NS, &e);
 }
 
+/* SHM_INFO: where a same-host consumer finds the memfd that holds the region (shm.c). */
+static int serve_shm_info(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m)
+{
+    const kvx_region *r = &a->opts.region;
+    if (!r->shm || r->shm_fd < 0)
+        return send_error(fd, b, m->hdr.tag, TD_EUNSUPPORTED,
+                          "this producer's KV pool is not shareable: start it with protocol shm");
+    uint64_t bytes = (uint64_t)r->n_segments * r->segment_stride;
+    size_t n = kvx_wire_encode_shm_info(b->out, b->out_cap, m->hdr.tag, (uint32_t)getpid(),
+                                        (uint32_t)r->shm_fd, r->shm_offset, bytes,
+                                        r->segment_stride);
+    td_err e;
+    return kvx__send_all(fd, b->out, n, td_now_ns() + SEND_TIMEOUT_NS, &e);
+}
+
 /* UCX_INFO: the producer's UCX worker address, region and packed rkey (ucx.c). */
 static int serve_ucx_info(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m)
 {
@@ -678,6 +693,9 @@ static void *conn_main(void *arg)
             break;
         case KVX_MSG_UCX_INFO:
             rc = serve_ucx_info(a, c->fd, &b, &m);
+            break;
+        case KVX_MSG_SHM_INFO:
+            rc = serve_shm_info(a, c->fd, &b, &m);
             break;
         case KVX_MSG_UCX_GRANT:
             rc = serve_ucx_grant(a, c->fd, &b, &m, &pin);

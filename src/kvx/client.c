@@ -696,6 +696,7 @@ int kvx_client_create(kvx_client **out, const kvx_client_opts *opts, td_err *err
     }
     kvx__hello_fill(&c->hello, id, &c->opts.layout, &c->opts.region);
     c->transport = &tcp_transport;
+    if (c->opts.protocol == KVX_PROTO_SHM) c->transport = &kvx__shm_transport;
     if (c->opts.protocol == KVX_PROTO_UCX) {
 #ifdef TD_HAVE_UCX
         struct kvx__ucx_client *u;

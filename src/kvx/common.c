@@ -483,7 +483,7 @@ bool kvx_protocol_available(kvx_protocol p)
 {
     switch (p) {
     case KVX_PROTO_TCP: return true;
-    case KVX_PROTO_SHM: return false; /* until the shm transport exists */
+    case KVX_PROTO_SHM: return true; /* memfd + /proc/<pid>/fd, Linux */
     case KVX_PROTO_UCX:
 #ifdef TD_HAVE_UCX
         return true; /* built with libucx (ucx.c) */

@@ -94,6 +94,9 @@ typedef struct kvx__transport {
     void (*session_free)(void *state);
 } kvx__transport;
 
+/* The shm transport (shm.c): copies out of the producer's memfd, mapped per session. */
+extern const kvx__transport kvx__shm_transport;
+
 #ifdef TD_HAVE_UCX
 /*
  * The ucx transport (ucx.c). Producer side: a UCX context and worker with the whole

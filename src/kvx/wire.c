@@ -49,6 +49,8 @@ const char *kvx_wire_type_name(int type)
     case KVX_MSG_UCX_GRANT: return "UCX_GRANT";
     case KVX_MSG_UCX_GRANTED: return "UCX_GRANTED";
     case KVX_MSG_UCX_DONE: return "UCX_DONE";
+    case KVX_MSG_SHM_INFO: return "SHM_INFO";
+    case KVX_MSG_SHM_INFO_ACK: return "SHM_INFO_ACK";
     }
     return "unknown";
 }
@@ -190,7 +192,22 @@ int kvx_wire_decode(const kvx_hdr *h, const uint8_t *p, size_t len, kvx_msg *m, 
     }
     case KVX_MSG_UCX_INFO:
     case KVX_MSG_UCX_DONE:
+    case KVX_MSG_SHM_INFO:
         if (len != 0) return bad_len(err, h, 0);
+        return 0;
+    case KVX_MSG_SHM_INFO_ACK:
+        if (len != 32) return bad_len(err, h, 32);
+        m->u.shm_info.pid = get32(p);
+        m->u.shm_info.fd = get32(p + 4);
+        m->u.shm_info.offset = get64(p + 8);
+        m->u.shm_info.bytes = get64(p + 16);
+        m->u.shm_info.segment_stride = get64(p + 24);
+        if (m->u.shm_info.pid == 0 || m->u.shm_info.fd > INT32_MAX || m->u.shm_info.bytes == 0 ||
+            m->u.shm_info.segment_stride == 0 || m->u.shm_info.segment_stride > m->u.shm_info.bytes ||
+            m->u.shm_info.offset + m->u.shm_info.bytes < m->u.shm_info.offset)
+            return td_err_set(err, TD_EFORMAT,
+                              "kvx: SHM_INFO_ACK with pid %u, fd %u, an empty or wrapping region",
+                              m->u.shm_info.pid, m->u.shm_info.fd);
         return 0;
     case KVX_MSG_UCX_INFO_ACK: {
         if (len < 32) return bad_len(err, h, 32);
@@ -347,8 +364,22 @@ size_t kvx_wire_encode_grant(uint8_t *buf, size_t cap, uint32_t tag,
 
 size_t kvx_wire_encode_empty(uint8_t *buf, size_t cap, uint8_t type, uint32_t tag)
 {
-    if (type != KVX_MSG_UCX_INFO && type != KVX_MSG_UCX_DONE) return 0;
+    if (type != KVX_MSG_UCX_INFO && type != KVX_MSG_UCX_DONE && type != KVX_MSG_SHM_INFO) return 0;
     return put_hdr(buf, cap, type, tag, 0);
+}
+
+size_t kvx_wire_encode_shm_info(uint8_t *buf, size_t cap, uint32_t tag, uint32_t pid, uint32_t fd,
+                                uint64_t offset, uint64_t bytes, uint64_t segment_stride)
+{
+    size_t n = put_hdr(buf, cap, KVX_MSG_SHM_INFO_ACK, tag, 32);
+    if (!n) return 0;
+    uint8_t *p = buf + KVX_HDR_BYTES;
+    put32(p, pid);
+    put32(p + 4, fd);
+    put64(p + 8, offset);
+    put64(p + 16, bytes);
+    put64(p + 24, segment_stride);
+    return n;
 }
 
 size_t kvx_wire_encode_ucx_info(uint8_t *buf, size_t cap, uint32_t tag, uint64_t base,

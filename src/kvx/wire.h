@@ -55,6 +55,9 @@ typedef enum kvx_msg_type {
     KVX_MSG_UCX_GRANT = 22,   /* consumer -> producer: validate and pin ranges (READ payload) */
     KVX_MSG_UCX_GRANTED = 23, /* producer -> consumer: pin time limit, per-block CRC32C */
     KVX_MSG_UCX_DONE = 24,    /* consumer -> producer: gets finished, unpin (no answer) */
+    /* The shm transport (shm.c) reuses UCX_GRANT / UCX_GRANTED / UCX_DONE for its pins. */
+    KVX_MSG_SHM_INFO = 25,     /* consumer -> producer: where is your pool's memfd */
+    KVX_MSG_SHM_INFO_ACK = 26, /* producer -> consumer: pid, fd number, offset, bytes */
 } kvx_msg_type;
 
 /* HELLO features */
@@ -115,6 +118,11 @@ typedef struct kvx_msg {
             const uint8_t *addr, *rkey; /* inside the decoded buffer */
         } ucx_info;
         struct {
+            uint32_t pid, fd;      /* /proc/<pid>/fd/<fd> is the producer's memfd */
+            uint64_t offset, bytes; /* the region starts at offset; map offset + bytes */
+            uint64_t segment_stride; /* the producer's, which may differ from ours */
+        } shm_info;
+        struct {
             uint32_t valid_ms; /* the pin ends this long after the answer was sent */
             uint32_t n_crc;    /* 0, or one per block of the GRANT, in request order */
             const uint8_t *crc; /* n_crc little-endian u32, inside the decoded buffer */
@@ -170,6 +178,8 @@ size_t kvx_wire_encode_grant(uint8_t *buf, size_t cap, uint32_t tag,
 size_t kvx_wire_encode_ucx_info(uint8_t *buf, size_t cap, uint32_t tag, uint64_t base,
                                 uint64_t segment_stride, uint64_t bytes, const void *addr,
                                 uint32_t addr_len, const void *rkey, uint32_t rkey_len);
+size_t kvx_wire_encode_shm_info(uint8_t *buf, size_t cap, uint32_t tag, uint32_t pid, uint32_t fd,
+                                uint64_t offset, uint64_t bytes, uint64_t segment_stride);
 size_t kvx_wire_encode_ucx_granted(uint8_t *buf, size_t cap, uint32_t tag, uint32_t valid_ms,
                                    const uint32_t *crcs, uint32_t n_crc);
 

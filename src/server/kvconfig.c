@@ -253,8 +253,6 @@ int srv_kv_config_parse(srv_kv_config *c, const char *json, char *err, size_t ca
                   "'protocol' cuda_ipc moves device memory and needs the GPU backend, which "
                   "this engine does not have yet; use tcp, shm or ucx",
                   NULL);
-    } else if (c->protocol == SRV_KV_SHM) {
-        rc = fail(err, cap, "'protocol' shm is not built yet; use tcp or ucx", NULL);
     } else if (!strcmp(c->buffer_device, "cuda")) {
         rc = fail(err, cap, "'kv_buffer_device' cuda needs the GPU backend; use cpu", NULL);
     } else if (mode_set && c->write_mode) {

@@ -35,7 +35,12 @@ static size_t reencode(const kvx_msg *m, uint8_t *out, size_t cap)
     }
     case KVX_MSG_UCX_INFO:
     case KVX_MSG_UCX_DONE:
+    case KVX_MSG_SHM_INFO:
         return kvx_wire_encode_empty(out, cap, m->hdr.type, m->hdr.tag);
+    case KVX_MSG_SHM_INFO_ACK:
+        return kvx_wire_encode_shm_info(out, cap, m->hdr.tag, m->u.shm_info.pid, m->u.shm_info.fd,
+                                        m->u.shm_info.offset, m->u.shm_info.bytes,
+                                        m->u.shm_info.segment_stride);
     case KVX_MSG_UCX_INFO_ACK:
         return kvx_wire_encode_ucx_info(out, cap, m->hdr.tag, m->u.ucx_info.base,
                                         m->u.ucx_info.segment_stride, m->u.ucx_info.bytes,

@@ -219,6 +219,30 @@ test('kv_both serves plain requests, and prefills or decodes for a peer', async 
   for (const x of [b1, b2]) { await noLeaks(x.url, 'kv_both'); x.proc.kill('SIGKILL'); }
 });
 
+test('equivalence over shm: 40 prompts, 16 at a time; a non-shareable producer is recomputed', async () => {
+  const prod = await serve(['--kv-transfer-config', '{"kv_role":"kv_producer","protocol":"shm"}']);
+  const cons = await serve(['--kv-transfer-config', '{"kv_role":"kv_consumer","protocol":"shm","transfer_timeout_ms":5000}']);
+  const ps = prompts();
+  const res = await pool(ps, 16, async (p) => (await decode(cons.url, p, await prefill(prod.url, p))).json);
+  for (let i = 0; i < ps.length; i++) {
+    assert.equal(res[i].kv_transfer_params.kv_load, 'transferred', JSON.stringify(res[i].kv_transfer_params));
+    assert.equal(res[i].choices[0].text, await expected(ps[i]), `prompt ${i}`);
+  }
+  // PROD keeps its pool in private memory: an shm consumer cannot map it.
+  const p = prompts()[5];
+  const r = await decode(cons.url, p, await prefill(PROD.url, p));
+  assert.equal(r.json.kv_transfer_params.kv_load, 'recomputed');
+  assert.match(r.json.kv_transfer_params.kv_load_error, /not shareable/);
+  assert.equal(r.json.choices[0].text, await expected(p));
+  await noLeaks(prod.url, 'shm producer');
+  await noLeaks(cons.url, 'shm consumer');
+  await noLeaks(PROD.url, 'tcp producer after an shm consumer');
+  for (const x of [prod, cons]) {
+    const code = await new Promise((res2) => { x.proc.on('exit', (c) => res2(c)); x.proc.kill('SIGTERM'); });
+    assert.equal(code, 0, x.stderr());
+  }
+});
+
 test('a consumer prefix-cache hit transfers only the tail', async () => {
   const p = prompts()[11]; // 80 tokens = 5 blocks
   assert.equal(p.length, 80);

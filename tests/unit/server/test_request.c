@@ -275,7 +275,6 @@ static void test_kv_config(void **state)
         "{\"kv_role\":\"kv_both\",\"kv_connector\":\"nixl\"}",
         "{\"kv_role\":\"kv_both\",\"protocol\":\"hip\"}",
         "{\"kv_role\":\"kv_both\",\"protocol\":\"cuda_ipc\"}",
-        "{\"kv_role\":\"kv_both\",\"protocol\":\"shm\"}",
         "{\"kv_role\":\"kv_both\",\"transfer_mode\":\"pull\"}",
         "{\"kv_role\":\"kv_both\",\"kv_load_failure_policy\":\"retry\"}",
         "{\"kv_role\":\"kv_both\",\"verify_checksums\":1}",

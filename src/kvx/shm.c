@@ -1,0 +1,278 @@
+/*
+ * kvx/shm.c - the shm transport: a same-host consumer copies straight out of the
+ * producer's KV pool, which lives in a memfd.
+ *
+ * Per session, once: SHM_INFO over an authenticated control connection; the producer
+ * answers with its pid, the memfd's descriptor number, and the region's offset and size;
+ * the consumer opens /proc/<pid>/fd/<fd> read-only (the kernel allows it to a process of
+ * the same user in the same PID namespace, the same rule as for reading its memory) and
+ * maps it PROT_READ for the session's life.
+ *
+ * Per piece, on a pooled control connection: UCX_GRANT (READ's ranges) makes the producer
+ * check them against the transfer's lease and pin it, and answer UCX_GRANTED with one
+ * CRC32C per block; the consumer memcpys the ranges out of the mapping, verifies the
+ * checksums, and sends UCX_DONE to unpin. So a consumer still reads only the blocks of a
+ * transfer id it was handed, and the producer never reuses blocks while they are copied
+ * (an expired or released lease stays pinned until UCX_DONE or the pin limit). The
+ * pieces of a transfer run on the client's worker threads, so a copy uses several cores.
+ *
+ * The mapping itself gives a same-user process the whole pool: shm is for trusted
+ * same-host peers, like any shared-memory transport (a same-user process could read the
+ * producer's memory anyway).
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "kvx/kvx_internal.h"
+
+#define SHM_MAX_IDLE 64
+
+typedef struct shm_session {
+    pthread_mutex_t mu;
+    const uint8_t *map; /* the producer's memfd, whole; NULL until mapped */
+    size_t map_len;
+    uint64_t offset, bytes; /* the region inside the mapping */
+    uint64_t stride;        /* the producer's segment stride */
+    int idle[SHM_MAX_IDLE];
+    int n_idle;
+} shm_session;
+
+static void shm_session_free(void *state)
+{
+    shm_session *ss = state;
+    if (!ss) return;
+    for (int i = 0; i < ss->n_idle; i++) close(ss->idle[i]);
+    if (ss->map) munmap((void *)ss->map, ss->map_len);
+    pthread_mutex_destroy(&ss->mu);
+    free(ss);
+}
+
+static shm_session *session_state(struct kvx__session *s)
+{
+    void **slot = kvx__session_transport_state(s);
+    /* Sessions are created and their state set under the client's lock in client.c; a
+     * race between two workers on a fresh session is settled with compare-and-swap. */
+    shm_session *ss = __atomic_load_n((shm_session **)slot, __ATOMIC_ACQUIRE);
+    if (ss) return ss;
+    shm_session *fresh = calloc(1, sizeof(*fresh));
+    if (!fresh) return NULL;
+    pthread_mutex_init(&fresh->mu, NULL);
+    shm_session *expected = NULL;
+    if (__atomic_compare_exchange_n((shm_session **)slot, &expected, fresh, false, __ATOMIC_ACQ_REL,
+                                    __ATOMIC_ACQUIRE))
+        return fresh;
+    shm_session_free(fresh);
+    return expected;
+}
+
+static int conn_take(struct kvx__session *s, shm_session *ss, uint64_t deadline, int *fd,
+                     bool *fresh, td_err *err)
+{
+    pthread_mutex_lock(&ss->mu);
+    if (ss->n_idle > 0) {
+        *fd = ss->idle[--ss->n_idle];
+        pthread_mutex_unlock(&ss->mu);
+        *fresh = false;
+        return 0;
+    }
+    pthread_mutex_unlock(&ss->mu);
+    *fresh = true;
+    return kvx__session_connect(s, deadline, fd, err);
+}
+
+static void conn_give(shm_session *ss, int fd, bool ok)
+{
+    pthread_mutex_lock(&ss->mu);
+    if (ok && ss->n_idle < SHM_MAX_IDLE) {
+        ss->idle[ss->n_idle++] = fd;
+        fd = -1;
+    }
+    pthread_mutex_unlock(&ss->mu);
+    if (fd >= 0) close(fd);
+}
+
+/* Map the producer's pool once per session (under ss->mu). */
+static int map_pool(struct kvx__session *s, shm_session *ss, int fd, uint64_t deadline, td_err *err)
+{
+    const char *host = kvx__session_host(s);
+    uint16_t port = kvx__session_port(s);
+    uint8_t buf[512];
+    size_t n = kvx_wire_encode_empty(buf, sizeof(buf), KVX_MSG_SHM_INFO, 7);
+    kvx_msg m;
+    int rc = kvx__send_all(fd, buf, n, deadline, err);
+    if (!rc) rc = kvx__recv_frame(fd, buf, sizeof(buf), &m, deadline, err);
+    if (rc) return rc;
+    if (m.hdr.type == KVX_MSG_ERROR)
+        return td_err_set(err, m.u.error.code == TD_EUNSUPPORTED ? TD_EUNSUPPORTED : TD_EPROTO,
+                          "kvx shm: producer %s:%u: %s", host, port, m.u.error.msg);
+    if (m.hdr.type != KVX_MSG_SHM_INFO_ACK)
+        return td_err_set(err, TD_EPROTO, "kvx shm: producer %s:%u answered SHM_INFO with %s", host,
+                          port, kvx_wire_type_name(m.hdr.type));
+    char path[64];
+    snprintf(path, sizeof(path), "/proc/%u/fd/%u", m.u.shm_info.pid, m.u.shm_info.fd);
+    int mfd = open(path, O_RDONLY | O_CLOEXEC);
+    if (mfd < 0)
+        return td_err_set(err, TD_EUNSUPPORTED,
+                          "kvx shm: cannot open producer %s:%u's pool (%s): %s; shm needs a "
+                          "producer on this host, same user and PID namespace (else use tcp)",
+                          host, port, path, strerror(errno));
+    size_t len = (size_t)(m.u.shm_info.offset + m.u.shm_info.bytes);
+    off_t size = lseek(mfd, 0, SEEK_END);
+    if (size < 0 || (uint64_t)size < len) {
+        close(mfd);
+        return td_err_set(err, TD_EPROTO, "kvx shm: producer %s:%u's pool is %lld bytes, not %zu",
+                          host, port, (long long)size, len);
+    }
+    void *map = mmap(NULL, len, PROT_READ, MAP_SHARED, mfd, 0);
+    close(mfd);
+    if (map == MAP_FAILED)
+        return td_err_set(err, TD_EIO, "kvx shm: cannot map producer %s:%u's pool: %s", host, port,
+                          strerror(errno));
+    ss->map = map;
+    ss->map_len = len;
+    ss->offset = m.u.shm_info.offset;
+    ss->bytes = m.u.shm_info.bytes;
+    ss->stride = m.u.shm_info.segment_stride;
+    return 0;
+}
+
+static int shm_run_piece(struct kvx__session *s, struct kvx__piece *p, td_err *err)
+{
+    const kvx_client_opts *o = kvx__session_opts(s);
+    const kvx_region *r = &o->region;
+    const char *host = kvx__session_host(s);
+    uint16_t port = kvx__session_port(s);
+    kvx__piece_info pi;
+    kvx__piece_get_info(p, &pi);
+    bool want_crc = o->verify_checksums;
+    shm_session *ss = session_state(s);
+    size_t req_cap = KVX_HDR_BYTES + 24 + (size_t)pi.count * KVX_DESC_BYTES;
+    size_t in_cap = 8 + 4 * (size_t)(want_crc ? pi.blocks : 0) + 512;
+    uint8_t *req = malloc(req_cap), *in = malloc(in_cap);
+    kvx_wire_desc *wd = malloc((pi.count ? pi.count : 1) * sizeof(*wd));
+    uint32_t *crc = want_crc ? malloc(pi.blocks * sizeof(uint32_t)) : NULL;
+    int fd = -1, rc = 0;
+    if (!ss || !req || !in || !wd || (want_crc && !crc)) {
+        rc = td_err_set(err, TD_ENOMEM, "kvx: out of memory");
+        goto out;
+    }
+    for (uint32_t k = 0; k < pi.count; k++) {
+        kvx__piece_range d = kvx__piece_get_range(p, k);
+        wd[k] = (kvx_wire_desc){d.seg, d.src, d.n};
+    }
+    size_t req_n = kvx_wire_encode_grant(req, req_cap, pi.tag, pi.transfer_id,
+                                         want_crc ? KVX_READ_CHECKSUMS : 0, wd, pi.count);
+    TD_ASSERT(req_n > 0);
+
+    kvx_msg m;
+    for (int attempt = 0;; attempt++) {
+        bool fresh;
+        rc = conn_take(s, ss, pi.deadline_ns, &fd, &fresh, err);
+        if (rc) {
+            fd = -1;
+            goto out;
+        }
+        pthread_mutex_lock(&ss->mu);
+        if (!ss->map) rc = map_pool(s, ss, fd, pi.deadline_ns, err);
+        pthread_mutex_unlock(&ss->mu);
+        if (rc) goto out;
+        rc = kvx__send_all(fd, req, req_n, pi.deadline_ns, err);
+        if (!rc) rc = kvx__recv_frame(fd, in, in_cap, &m, pi.deadline_ns, err);
+        if (!rc) break;
+        close(fd);
+        fd = -1;
+        /* A pooled connection may have died with its producer's previous life: retry once
+         * on a fresh one, whose handshake says what really happened. */
+        if (rc != TD_ECONN || fresh || attempt > 0) goto out;
+    }
+    if (m.hdr.type == KVX_MSG_ERROR) {
+        conn_give(ss, fd, true);
+        fd = -1;
+        rc = td_err_set(err, m.u.error.code, "kvx: producer %s:%u: %s", host, port, m.u.error.msg);
+        goto out;
+    }
+    uint32_t want_n_crc = want_crc ? (uint32_t)pi.blocks : 0;
+    if (m.hdr.type != KVX_MSG_UCX_GRANTED || m.hdr.tag != pi.tag ||
+        m.u.ucx_granted.n_crc != want_n_crc) {
+        rc = td_err_set(err, TD_EPROTO,
+                        "kvx shm: producer %s:%u answered the grant with %s (tag %u, %u "
+                        "checksums; expected UCX_GRANTED, tag %u, %u checksums)",
+                        host, port, kvx_wire_type_name(m.hdr.type), m.hdr.tag,
+                        m.u.ucx_granted.n_crc, pi.tag, want_n_crc);
+        goto out;
+    }
+    /* The pin lasts valid_ms from the producer's send: copy well within it. */
+    uint64_t until =
+        TD_MIN(pi.deadline_ns, td_now_ns() + (uint64_t)m.u.ucx_granted.valid_ms * 750000ull);
+    bool corrupt = atomic_load(&kvx__test_corrupt_pieces) > 0 &&
+                   atomic_fetch_sub(&kvx__test_corrupt_pieces, 1) > 0;
+    uint32_t at = 0;
+    for (uint32_t k = 0; k < pi.count && !rc; k++) {
+        kvx__piece_range d = kvx__piece_get_range(p, k);
+        uint64_t len = (uint64_t)d.n * r->block_bytes;
+        uint64_t off = (uint64_t)d.seg * ss->stride + (uint64_t)d.src * r->block_bytes;
+        if (off > ss->bytes || len > ss->bytes - off) {
+            rc = td_err_set(err, TD_EPROTO,
+                            "kvx shm: producer %s:%u's region (%llu bytes) does not hold "
+                            "segment %u, blocks %u+%u",
+                            host, port, (unsigned long long)ss->bytes, d.seg, d.src, d.n);
+            break;
+        }
+        uint8_t *dst = (uint8_t *)r->base + kvx__offset(r, d.seg, d.dst);
+        const uint8_t *src = ss->map + ss->offset + off;
+        /* Copy and checksum in batches that stay in cache, so the checksum reads what the
+         * copy just wrote instead of making a second pass over memory. */
+        uint32_t per = kvx__batch_blocks(r->block_bytes, 128 << 10);
+        for (uint32_t j = 0; j < d.n; j += per) {
+            uint32_t cn = TD_MIN(per, d.n - j);
+            uint64_t o2 = (uint64_t)j * r->block_bytes;
+            memcpy(dst + o2, src + o2, (size_t)cn * r->block_bytes);
+            if (corrupt && k == 0 && j == 0) dst[r->block_bytes / 2] ^= 0x5a;
+            if (want_crc) kvx__crc32c_blocks(dst + o2, r->block_bytes, cn, crc + at + j);
+        }
+        if (want_crc) {
+            for (uint32_t j = 0; j < d.n; j++) {
+                uint32_t want;
+                memcpy(&want, m.u.ucx_granted.crc + 4 * (size_t)(at + j), 4);
+                if (crc[at + j] != want) {
+                    rc = td_err_set(err, TD_EPROTO,
+                                    "kvx: checksum mismatch from %s:%u in segment %u, producer "
+                                    "block %u (consumer block %u)",
+                                    host, port, d.seg, d.src + j, d.dst + j);
+                    break;
+                }
+            }
+        }
+        at += d.n;
+        if (!rc && td_now_ns() > until)
+            rc = td_err_set(err, TD_ETIMEDOUT, "kvx shm: deadline passed while copying from %s:%u",
+                            host, port);
+    }
+    /* Unpin. The connection stays usable after a checksum mismatch or a bad range. */
+    size_t n = kvx_wire_encode_empty(req, req_cap, KVX_MSG_UCX_DONE, pi.tag);
+    td_err e;
+    bool sent = kvx__send_all(fd, req, n, pi.deadline_ns, &e) == 0;
+    conn_give(ss, fd, sent);
+    fd = -1;
+out:
+    if (fd >= 0) close(fd); /* closing also unpins */
+    free(req);
+    free(in);
+    free(wd);
+    free(crc);
+    return rc;
+}
+
+static int shm_control(struct kvx__session *s, uint8_t type, const uint8_t id[KVX_ID_BYTES],
+                       uint64_t deadline_ns, td_err *err)
+{
+    return kvx__session_control(s, type, id, deadline_ns, err);
+}
+
+const kvx__transport kvx__shm_transport = {"shm", shm_run_piece, shm_control, shm_session_free};
