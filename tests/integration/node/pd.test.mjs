@@ -394,7 +394,7 @@ test('the producer killed mid-transfer: the decode request still ends', async ()
 });
 
 test('the consumer gone after the producer answered: the lease expires, the blocks return', async () => {
-  const prod = await serve(['--kv-transfer-config', '{"kv_role":"kv_producer","lease_ms":300}']);
+  const prod = await serve(['--kv-transfer-config', '{"kv_role":"kv_producer","lease_ms":2000}']);
   const cons = await serve(['--kv-transfer-config', '{"kv_role":"kv_consumer"}']);
   const p = prompts()[10];
   await prefill(prod.url, p); // the consumer would read this next...
