@@ -1,7 +1,7 @@
 /*
  * cli/bench_xfer.c - `tandem bench-xfer`: throughput of a kvx transport (tcp by default,
- * --transport ucx where built) over loopback, next to the machine's limits measured by the
- * same program.
+ * --transport shm, or ucx where built) over loopback, next to the machine's limits measured
+ * by the same program.
  *
  *   kvx tcp: a producer agent and a consumer client in this process; for each transfer
  *            size and concurrency C, C transfers of that size start together (each its own
@@ -12,6 +12,10 @@
  *            machine line; and, in each cell, qp_per_transfer streams moving the cell's
  *            bytes through windows as large as the memory kvx touches, alternated with
  *            kvx --trials times (best of each kept: the machine is shared and noisy).
+ *   shm:     the cells compare with memcpy instead of raw TCP (shm's floor): the cell's
+ *            bytes copied from the same producer window into the same consumer windows by
+ *            num_worker_threads threads, each copying its share of every transfer,
+ *            alternated with kvx --trials times like raw TCP.
  *   CPU s/GB: the process's user + system time per GB, for kvx and raw TCP alike; steadier
  *            than wall-clock GB/s on a busy machine.
  *
@@ -79,6 +83,46 @@ static double memcpy_gbps(bench *b, uint64_t bytes, int threads, int reps)
             pthread_join(t[i], NULL);
     }
     return (double)bytes * reps / (td_now_s() - t0) / 1e9;
+}
+
+/*
+ * shm's floor per cell: conc transfers of size bytes, reps times, copied from the start of
+ * the producer pool into consecutive consumer windows, as kvx shm moves them; each thread
+ * copies its share of every transfer.
+ */
+typedef struct cell_copy_job {
+    bench *b;
+    uint64_t size, lo, hi; /* this thread's share [lo, hi) of each transfer */
+    int conc, reps;
+} cell_copy_job;
+
+static void *cell_copy_main(void *arg)
+{
+    cell_copy_job *j = arg;
+    for (int r = 0; r < j->reps; r++)
+        for (int t = 0; t < j->conc; t++)
+            memcpy(j->b->cons + (uint64_t)t * j->size + j->lo, j->b->prod + j->lo, j->hi - j->lo);
+    return NULL;
+}
+
+static double memcpy_cell_gbps(bench *b, uint64_t size, int conc, int reps, double *cpu_per_gb)
+{
+    pthread_t t[64];
+    cell_copy_job j[64];
+    int threads = TD_MIN(b->threads, 64);
+    double t0 = td_now_s(), c0 = cpu_s();
+    for (int i = 0; i < threads; i++) {
+        uint64_t lo = size * (uint64_t)i / (uint64_t)threads & ~(uint64_t)63;
+        uint64_t hi =
+            i == threads - 1 ? size : size * (uint64_t)(i + 1) / (uint64_t)threads & ~(uint64_t)63;
+        j[i] = (cell_copy_job){b, size, lo, hi, conc, reps};
+        pthread_create(&t[i], NULL, cell_copy_main, &j[i]);
+    }
+    for (int i = 0; i < threads; i++)
+        pthread_join(t[i], NULL);
+    double s = td_now_s() - t0, gb = (double)size * conc * reps / 1e9;
+    if (cpu_per_gb) *cpu_per_gb = (cpu_s() - c0) / gb;
+    return gb / s;
 }
 
 /* ---------------------------------------------------------------- raw TCP floor */
@@ -364,8 +408,10 @@ int cli_bench_xfer(int argc, char **argv)
                "%lld streams %.2f GB/s\n\n",
                (int)threads, mcp, raw1, (long long)qp, rawq);
     }
+    bool shm = proto == KVX_PROTO_SHM; /* its floor is memcpy, not raw TCP */
     printf("%10s %6s %10s %13s %10s %10s %12s %12s %10s\n", "size", "conc", "kvx GB/s",
-           "raw tcp GB/s", "kvx / raw", "vs conc 1", "kvx CPU s/GB", "raw CPU s/GB", "raw / kvx");
+           shm ? "memcpy GB/s" : "raw tcp GB/s", shm ? "kvx / cpy" : "kvx / raw", "vs conc 1",
+           "kvx CPU s/GB", shm ? "cpy CPU s/GB" : "raw CPU s/GB", shm ? "cpy / kvx" : "raw / kvx");
     int rc = 0;
     for (int i = 0; i < n_sizes && !rc; i++) {
         double first = 0;
@@ -377,14 +423,17 @@ int cli_bench_xfer(int argc, char **argv)
             double w[1];
             run_cell(&b, a, c, sizes[i], conc, 1, w, NULL); /* warm-up: connections, caches */
             /* The machine is shared and noisy: alternate kvx and raw TCP moving the same bytes
-             * over qp_per_transfer streams, and keep the best of each. */
+             * over qp_per_transfer streams (memcpy for shm), and keep the best of each. */
             double best = 0, best_raw = 0, cpu = 1e30, cpu_raw = 1e30;
             for (int t = 0; t < trials && !rc; t++) {
                 double g, cg, cr;
                 rc = run_cell(&b, a, c, sizes[i], conc, reps, &g, &cg);
                 best = TD_MAX(best, g);
                 cpu = TD_MIN(cpu, cg);
-                if (!no_floor) {
+                if (!no_floor && shm) {
+                    best_raw = TD_MAX(best_raw, memcpy_cell_gbps(&b, sizes[i], conc, reps, &cr));
+                    cpu_raw = TD_MIN(cpu_raw, cr);
+                } else if (!no_floor) {
                     uint64_t bytes = TD_MAX(per_rep * (uint64_t)reps, (uint64_t)64 << 20);
                     best_raw = TD_MAX(best_raw, raw_tcp_gbps(&b, (int)qp, bytes / (uint64_t)qp,
                                                              sizes[i], per_rep, &cr));

@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -46,6 +47,7 @@ typedef struct conn {
     int fd;
     struct kvx_agent *agent;
     struct conn *next;
+    bool pinned; /* holds a grant's pin (under agent->mu): kvx_agent_destroy waits for it */
 } conn;
 
 struct kvx_agent {
@@ -432,7 +434,8 @@ typedef struct ucx_pin {
     uint64_t bytes, until_ns;
 } ucx_pin;
 
-static int serve_ucx_grant(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m, ucx_pin *pin)
+static int serve_ucx_grant(kvx_agent *a, conn *c, int fd, conn_bufs *b, const kvx_msg *m,
+                           ucx_pin *pin)
 {
     uint32_t tag = m->hdr.tag;
     lease *l = lease_pin(a, m->u.read.transfer_id);
@@ -454,6 +457,18 @@ static int serve_ucx_grant(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m,
     }
     int delay = atomic_load(&kvx__test_send_delay_ms);
     if (delay > 0) usleep((useconds_t)delay * 1000);
+    /* kvx_agent_destroy lets pinned connections finish (a shm consumer copies out of the
+     * pool with no further word to us, so only its UCX_DONE says the blocks are free) and
+     * hangs up on the others: once it has begun, grant nothing new. */
+    pthread_mutex_lock(&a->mu);
+    bool stopping = a->stopping;
+    if (!stopping) c->pinned = true;
+    pthread_mutex_unlock(&a->mu);
+    if (stopping) {
+        lease_unpin(a, l, 0);
+        send_error(fd, b, tag, TD_ECONN, "producer is shutting down");
+        return -1;
+    }
     *pin = (ucx_pin){l, total, td_now_ns() + UCX_PIN_MS * 1000000ull};
     td_err e;
     size_t n = kvx_wire_encode_ucx_granted(b->out, b->out_cap, tag, UCX_PIN_MS, b->crc, n_crc);
@@ -468,9 +483,14 @@ static int serve_shm_info(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m)
         return send_error(fd, b, m->hdr.tag, TD_EUNSUPPORTED,
                           "this producer's KV pool is not shareable: start it with protocol shm");
     uint64_t bytes = (uint64_t)r->n_segments * r->segment_stride;
-    size_t n = kvx_wire_encode_shm_info(b->out, b->out_cap, m->hdr.tag, (uint32_t)getpid(),
-                                        (uint32_t)r->shm_fd, r->shm_offset, bytes,
-                                        r->segment_stride);
+    /* The memfd's identity, so that a consumer can tell our /proc/<pid>/fd/<fd> from
+     * another process's (one in another PID namespace sees other pids). */
+    struct stat st;
+    if (fstat(r->shm_fd, &st) != 0)
+        return send_error(fd, b, m->hdr.tag, TD_EIO, "producer: cannot fstat its KV pool's memfd");
+    size_t n = kvx_wire_encode_shm_info(
+        b->out, b->out_cap, m->hdr.tag, (uint32_t)getpid(), (uint32_t)r->shm_fd, r->shm_offset,
+        bytes, r->segment_stride, (uint64_t)st.st_dev, (uint64_t)st.st_ino);
     td_err e;
     return kvx__send_all(fd, b->out, n, td_now_ns() + SEND_TIMEOUT_NS, &e);
 }
@@ -552,6 +572,16 @@ static int refuse(kvx_agent *a, int fd, conn_bufs *b, uint32_t tag, int code, co
     return code;
 }
 
+/* A refusal before AUTH succeeded, naming the consumer by its engine id. */
+static void refuse_unauthed(kvx_agent *a, int fd, conn_bufs *b, uint32_t tag, int code,
+                            const uint8_t id_c[KVX_ID_BYTES], const char *why)
+{
+    char hex[KVX_ID_HEX], msg[300];
+    kvx_id_to_hex(id_c, hex);
+    snprintf(msg, sizeof(msg), "kvx auth failed: consumer %.12s %s", hex, why);
+    refuse(a, fd, b, tag, code, msg);
+}
+
 /* AUTH from a consumer: check its proof, answer with ours (see kvx_auth.c). */
 static int serve_auth(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m,
                       const uint8_t nc[KVX_ID_BYTES], const uint8_t np[KVX_ID_BYTES],
@@ -561,7 +591,7 @@ static int serve_auth(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m,
     kvx_id_to_hex(id_c, hex);
     if (!a->token[0]) {
         snprintf(msg, sizeof(msg),
-                 "kvx auth: consumer %.12s sent a token but this producer has no auth_token "
+                 "kvx auth failed: consumer %.12s sent a token but this producer has no auth_token "
                  "(set the same token on both)",
                  hex);
         return refuse(a, fd, b, m->hdr.tag, TD_EPROTO, msg);
@@ -630,10 +660,11 @@ static void *conn_main(void *arg)
     while (b.in && b.out && b.iov && b.crc) {
         kvx_msg m;
         td_err e;
-        /* A new connection must say HELLO within HELLO_TIMEOUT_NS; after that, idle
-         * connections wait without a deadline (kvx_agent_destroy wakes them), except that
-         * a pin ends by its time limit. */
-        uint64_t deadline = greeted ? UINT64_MAX : td_now_ns() + HELLO_TIMEOUT_NS;
+        /* A new connection must say HELLO, and then AUTH where a token is set, within
+         * HELLO_TIMEOUT_NS each, so an unauthenticated peer cannot hold a connection thread;
+         * after that, idle connections wait without a deadline (kvx_agent_destroy wakes
+         * them), except that a pin ends by its time limit. */
+        uint64_t deadline = greeted && authed ? UINT64_MAX : td_now_ns() + HELLO_TIMEOUT_NS;
         if (pin.l) deadline = pin.until_ns;
         int rc = kvx__recv_frame(c->fd, b.in, in_cap, &m, deadline, &e);
         if (!rc && pin.l && m.hdr.type != KVX_MSG_UCX_DONE) {
@@ -641,7 +672,21 @@ static void *conn_main(void *arg)
             break;
         }
         if (rc) {
-            if (rc != TD_ECONN && rc != TD_ETIMEDOUT) { /* a protocol error: say so */
+            bool net = rc == TD_ECONN || rc == TD_ETIMEDOUT;
+            pthread_mutex_lock(&a->mu);
+            bool stopping = a->stopping;
+            pthread_mutex_unlock(&a->mu);
+            if (greeted && !authed && !stopping) { /* a token is set and was never proved */
+                const char *how = rc == TD_ECONN ? "hung up" : "timed out";
+                char why[200];
+                if (net)
+                    snprintf(why, sizeof(why),
+                             "%s before authenticating (does it have the same auth_token?)", how);
+                else
+                    snprintf(why, sizeof(why), "broke the protocol before authenticating: %.120s",
+                             e.msg);
+                refuse_unauthed(a, c->fd, &b, 0, net ? TD_EPROTO : rc, id_c, why);
+            } else if (!net) { /* a protocol error: say so */
                 set_last_error(a, e.msg);
                 send_error(c->fd, &b, 0, rc, e.msg);
             }
@@ -652,9 +697,12 @@ static void *conn_main(void *arg)
             break;
         }
         if (greeted && !authed && m.hdr.type != KVX_MSG_AUTH) {
-            refuse(a, c->fd, &b, m.hdr.tag, TD_EPROTO,
-                   "kvx auth: this producer requires authentication (set the same auth_token, "
-                   "or TANDEM_KV_TOKEN, on the consumer)");
+            char why[200];
+            snprintf(why, sizeof(why),
+                     "sent %s instead of AUTH: this producer requires authentication (set the "
+                     "same auth_token, or TANDEM_KV_TOKEN, on the consumer)",
+                     kvx_wire_type_name(m.hdr.type));
+            refuse_unauthed(a, c->fd, &b, m.hdr.tag, TD_EPROTO, id_c, why);
             break;
         }
         switch (m.hdr.type) {
@@ -662,7 +710,11 @@ static void *conn_main(void *arg)
             if (!greeted) {
                 memcpy(nc, m.u.hello.nonce, KVX_ID_BYTES);
                 memcpy(id_c, m.u.hello.engine_id, KVX_ID_BYTES);
-                if (kvx__random_id(np)) break;
+                if (kvx__random_id(np)) {
+                    send_error(c->fd, &b, m.hdr.tag, TD_EIO, "producer: getrandom failed");
+                    rc = -1;
+                    break;
+                }
             }
             rc = greeted ? send_error(c->fd, &b, m.hdr.tag, TD_EPROTO, "second HELLO")
                          : serve_hello(a, c->fd, &b, &m, np);
@@ -698,7 +750,7 @@ static void *conn_main(void *arg)
             rc = serve_shm_info(a, c->fd, &b, &m);
             break;
         case KVX_MSG_UCX_GRANT:
-            rc = serve_ucx_grant(a, c->fd, &b, &m, &pin);
+            rc = serve_ucx_grant(a, c, c->fd, &b, &m, &pin);
             break;
         case KVX_MSG_UCX_DONE: /* no answer: the next request follows on this connection */
             if (!pin.l) {
@@ -708,6 +760,10 @@ static void *conn_main(void *arg)
             }
             lease_unpin(a, pin.l, pin.bytes);
             pin = (ucx_pin){0};
+            pthread_mutex_lock(&a->mu);
+            c->pinned = false;
+            if (a->stopping) rc = -1; /* kvx_agent_destroy waited for this copy: hang up */
+            pthread_mutex_unlock(&a->mu);
             break;
         default:
             send_error(c->fd, &b, m.hdr.tag, TD_EPROTO, "unexpected message from a consumer");
@@ -899,10 +955,13 @@ void kvx_agent_destroy(kvx_agent *a)
     pthread_join(a->lease_thread, NULL);
     close(a->listen_fd);
 
-    /* Hang up on every consumer and wait for the connection threads to leave. */
+    /* Hang up on every consumer and wait for the connection threads to leave. A connection
+     * holding a pin is left to finish it (its UCX_DONE, its hang-up, or the pin's time
+     * limit), then leaves by itself: a shm consumer may still be copying those blocks out
+     * of the pool, and they go back to the engine below. */
     pthread_mutex_lock(&a->mu);
     for (conn *c = a->conns; c; c = c->next)
-        shutdown(c->fd, SHUT_RDWR);
+        if (!c->pinned) shutdown(c->fd, SHUT_RDWR);
     while (a->n_conns > 0)
         pthread_cond_wait(&a->cv, &a->mu);
     pthread_mutex_unlock(&a->mu);

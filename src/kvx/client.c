@@ -205,6 +205,12 @@ static int authenticate(kvx__session *s, int fd, const uint8_t nc[KVX_ID_BYTES],
         if (!required) return 0;
         TD_WARN("kvx: producer %s:%u requires authentication; this consumer has no auth_token",
                 s->host, s->port);
+        /* Tell the producer why we hang up, so its log names the cause too (best effort). */
+        uint8_t buf[320];
+        size_t n = kvx_wire_encode_error(buf, sizeof(buf), 2, TD_EPROTO,
+                                         "kvx auth: this consumer has no auth_token");
+        td_err ignored;
+        kvx__send_all(fd, buf, n, deadline_ns, &ignored);
         return td_err_set(err, TD_EPROTO,
                           "kvx auth: producer %s:%u requires authentication; set the same "
                           "auth_token (or TANDEM_KV_TOKEN) on this consumer",

@@ -17,6 +17,12 @@ uint32_t kvx__crc32c(uint32_t crc, const void *data, size_t n);
 uint32_t kvx__crc32c_portable(uint32_t crc, const void *data, size_t n);
 /** CRC32C of `count` consecutive blocks of `block_bytes` each at p: one CRC per block. */
 void kvx__crc32c_blocks(const uint8_t *p, uint64_t block_bytes, uint32_t count, uint32_t *out);
+/**
+ * Copy `count` blocks of `block_bytes` from src to dst (not overlapping) and checksum them
+ * as kvx__crc32c_blocks(dst) would; with the pclmulqdq fold, in one pass over src.
+ */
+void kvx__crc32c_copy_blocks(uint8_t *dst, const uint8_t *src, uint64_t block_bytes, uint32_t count,
+                             uint32_t *out);
 
 /**
  * Blocks per checksum batch: about batch_bytes, and a multiple of 6 where possible, since
@@ -152,5 +158,15 @@ int kvx__session_control(struct kvx__session *s, uint8_t type, const uint8_t id[
 extern _Atomic int kvx__test_corrupt_pieces;
 /* When > 0, the producer sleeps this many ms between sending the header and the data. */
 extern _Atomic int kvx__test_send_delay_ms;
+/* When > 0, the shm consumer sleeps this many ms between a grant and its copy (shm.c),
+ * counting each such sleep that begins in kvx__test_copies_delayed. */
+extern _Atomic int kvx__test_copy_delay_ms;
+extern _Atomic int kvx__test_copies_delayed;
+/*
+ * Use CRC32C implementation impl (0 portable, 1 the crc32 instruction, 2 pclmulqdq
+ * folding) from now on; returns the one used before, or -1 if this CPU lacks impl. For
+ * tests, with no checksum running.
+ */
+int kvx__crc32c_use(int impl);
 
 #endif

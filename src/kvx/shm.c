@@ -3,18 +3,22 @@
  * producer's KV pool, which lives in a memfd.
  *
  * Per session, once: SHM_INFO over an authenticated control connection; the producer
- * answers with its pid, the memfd's descriptor number, and the region's offset and size;
- * the consumer opens /proc/<pid>/fd/<fd> read-only (the kernel allows it to a process of
- * the same user in the same PID namespace, the same rule as for reading its memory) and
- * maps it PROT_READ for the session's life.
+ * answers with its pid, the memfd's descriptor number, the region's offset and size, and
+ * the memfd's device and inode; the consumer opens /proc/<pid>/fd/<fd> read-only (the
+ * kernel allows it to a process of the same user in the same PID namespace, the same rule
+ * as for reading its memory), checks with fstat that it opened that very file (in another
+ * PID namespace the pid names another process), and maps it PROT_READ for the session's
+ * life.
  *
  * Per piece, on a pooled control connection: UCX_GRANT (READ's ranges) makes the producer
  * check them against the transfer's lease and pin it, and answer UCX_GRANTED with one
- * CRC32C per block; the consumer memcpys the ranges out of the mapping, verifies the
- * checksums, and sends UCX_DONE to unpin. So a consumer still reads only the blocks of a
- * transfer id it was handed, and the producer never reuses blocks while they are copied
- * (an expired or released lease stays pinned until UCX_DONE or the pin limit). The
- * pieces of a transfer run on the client's worker threads, so a copy uses several cores.
+ * CRC32C per block; the consumer copies the ranges out of the mapping (with checksums, copy
+ * and checksum in one pass), verifies the checksums, and sends UCX_DONE to unpin. So a
+ * consumer still reads only the blocks of a transfer id it was handed, and the producer
+ * never reuses blocks while they are copied (an expired or released lease stays pinned
+ * until UCX_DONE or the pin limit, and kvx_agent_destroy waits for pinned connections).
+ * The pieces of a transfer run on the client's worker threads, so a copy uses several
+ * cores.
  *
  * The mapping itself gives a same-user process the whole pool: shm is for trusted
  * same-host peers, like any shared-memory transport (a same-user process could read the
@@ -22,16 +26,21 @@
  */
 #include <errno.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "kvx/kvx_internal.h"
 
 #define SHM_MAX_IDLE 64
+
+_Atomic int kvx__test_copy_delay_ms;
+_Atomic int kvx__test_copies_delayed;
 
 typedef struct shm_session {
     pthread_mutex_t mu;
@@ -71,12 +80,19 @@ static shm_session *session_state(struct kvx__session *s)
     return expected;
 }
 
-static int conn_take(struct kvx__session *s, shm_session *ss, uint64_t deadline, int *fd,
-                     bool *fresh, td_err *err)
+static int conn_take(struct kvx__session *s, shm_session *ss, uint64_t deadline, bool want_fresh,
+                     int *fd, bool *fresh, td_err *err)
 {
     pthread_mutex_lock(&ss->mu);
-    if (ss->n_idle > 0) {
+    while (ss->n_idle > 0 && !want_fresh) {
         *fd = ss->idle[--ss->n_idle];
+        /* An idle connection has nothing to read: readable means the producer hung up
+         * (it restarted or went away), so drop it and let a fresh handshake say why. */
+        struct pollfd pf = {.fd = *fd, .events = POLLIN};
+        if (poll(&pf, 1, 0) != 0) {
+            close(*fd);
+            continue;
+        }
         pthread_mutex_unlock(&ss->mu);
         *fresh = false;
         return 0;
@@ -122,12 +138,24 @@ static int map_pool(struct kvx__session *s, shm_session *ss, int fd, uint64_t de
                           "kvx shm: cannot open producer %s:%u's pool (%s): %s; shm needs a "
                           "producer on this host, same user and PID namespace (else use tcp)",
                           host, port, path, strerror(errno));
+    /* The pid is the producer's in its own PID namespace: a consumer in another one (a
+     * container sharing only the network, say) may have opened some other process's
+     * descriptor, possibly its own pool. The memfd's identity settles it. */
+    struct stat st;
+    if (fstat(mfd, &st) != 0 || (uint64_t)st.st_dev != m.u.shm_info.dev ||
+        (uint64_t)st.st_ino != m.u.shm_info.ino) {
+        close(mfd);
+        return td_err_set(err, TD_EUNSUPPORTED,
+                          "kvx shm: %s on this host is not producer %s:%u's pool (a producer in "
+                          "another PID namespace or container?); shm needs a producer on this "
+                          "host, same user and PID namespace (else use tcp)",
+                          path, host, port);
+    }
     size_t len = (size_t)(m.u.shm_info.offset + m.u.shm_info.bytes);
-    off_t size = lseek(mfd, 0, SEEK_END);
-    if (size < 0 || (uint64_t)size < len) {
+    if ((uint64_t)st.st_size < len) {
         close(mfd);
         return td_err_set(err, TD_EPROTO, "kvx shm: producer %s:%u's pool is %lld bytes, not %zu",
-                          host, port, (long long)size, len);
+                          host, port, (long long)st.st_size, len);
     }
     void *map = mmap(NULL, len, PROT_READ, MAP_SHARED, mfd, 0);
     close(mfd);
@@ -173,7 +201,7 @@ static int shm_run_piece(struct kvx__session *s, struct kvx__piece *p, td_err *e
     kvx_msg m;
     for (int attempt = 0;; attempt++) {
         bool fresh;
-        rc = conn_take(s, ss, pi.deadline_ns, &fd, &fresh, err);
+        rc = conn_take(s, ss, pi.deadline_ns, attempt > 0, &fd, &fresh, err);
         if (rc) {
             fd = -1;
             goto out;
@@ -210,6 +238,11 @@ static int shm_run_piece(struct kvx__session *s, struct kvx__piece *p, td_err *e
     /* The pin lasts valid_ms from the producer's send: copy well within it. */
     uint64_t until =
         TD_MIN(pi.deadline_ns, td_now_ns() + (uint64_t)m.u.ucx_granted.valid_ms * 750000ull);
+    int delay = atomic_load(&kvx__test_copy_delay_ms);
+    if (delay > 0) {
+        atomic_fetch_add(&kvx__test_copies_delayed, 1);
+        usleep((useconds_t)delay * 1000);
+    }
     bool corrupt = atomic_load(&kvx__test_corrupt_pieces) > 0 &&
                    atomic_fetch_sub(&kvx__test_corrupt_pieces, 1) > 0;
     uint32_t at = 0;
@@ -232,6 +265,11 @@ static int shm_run_piece(struct kvx__session *s, struct kvx__piece *p, td_err *e
         for (uint32_t j = 0; j < d.n; j += per) {
             uint32_t cn = TD_MIN(per, d.n - j);
             uint64_t o2 = (uint64_t)j * r->block_bytes;
+            if (want_crc && !(corrupt && k == 0 && j == 0)) {
+                /* One pass: the checksum folds the bytes as they are stored. */
+                kvx__crc32c_copy_blocks(dst + o2, src + o2, r->block_bytes, cn, crc + at + j);
+                continue;
+            }
             memcpy(dst + o2, src + o2, (size_t)cn * r->block_bytes);
             if (corrupt && k == 0 && j == 0) dst[r->block_bytes / 2] ^= 0x5a;
             if (want_crc) kvx__crc32c_blocks(dst + o2, r->block_bytes, cn, crc + at + j);

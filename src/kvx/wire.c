@@ -196,12 +196,14 @@ int kvx_wire_decode(const kvx_hdr *h, const uint8_t *p, size_t len, kvx_msg *m, 
         if (len != 0) return bad_len(err, h, 0);
         return 0;
     case KVX_MSG_SHM_INFO_ACK:
-        if (len != 32) return bad_len(err, h, 32);
+        if (len != 48) return bad_len(err, h, 48);
         m->u.shm_info.pid = get32(p);
         m->u.shm_info.fd = get32(p + 4);
         m->u.shm_info.offset = get64(p + 8);
         m->u.shm_info.bytes = get64(p + 16);
         m->u.shm_info.segment_stride = get64(p + 24);
+        m->u.shm_info.dev = get64(p + 32);
+        m->u.shm_info.ino = get64(p + 40);
         if (m->u.shm_info.pid == 0 || m->u.shm_info.fd > INT32_MAX || m->u.shm_info.bytes == 0 ||
             m->u.shm_info.segment_stride == 0 || m->u.shm_info.segment_stride > m->u.shm_info.bytes ||
             m->u.shm_info.offset + m->u.shm_info.bytes < m->u.shm_info.offset)
@@ -369,9 +371,10 @@ size_t kvx_wire_encode_empty(uint8_t *buf, size_t cap, uint8_t type, uint32_t ta
 }
 
 size_t kvx_wire_encode_shm_info(uint8_t *buf, size_t cap, uint32_t tag, uint32_t pid, uint32_t fd,
-                                uint64_t offset, uint64_t bytes, uint64_t segment_stride)
+                                uint64_t offset, uint64_t bytes, uint64_t segment_stride,
+                                uint64_t dev, uint64_t ino)
 {
-    size_t n = put_hdr(buf, cap, KVX_MSG_SHM_INFO_ACK, tag, 32);
+    size_t n = put_hdr(buf, cap, KVX_MSG_SHM_INFO_ACK, tag, 48);
     if (!n) return 0;
     uint8_t *p = buf + KVX_HDR_BYTES;
     put32(p, pid);
@@ -379,6 +382,8 @@ size_t kvx_wire_encode_shm_info(uint8_t *buf, size_t cap, uint32_t tag, uint32_t
     put64(p + 8, offset);
     put64(p + 16, bytes);
     put64(p + 24, segment_stride);
+    put64(p + 32, dev);
+    put64(p + 40, ino);
     return n;
 }
 

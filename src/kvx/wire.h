@@ -57,7 +57,7 @@ typedef enum kvx_msg_type {
     KVX_MSG_UCX_DONE = 24,    /* consumer -> producer: gets finished, unpin (no answer) */
     /* The shm transport (shm.c) reuses UCX_GRANT / UCX_GRANTED / UCX_DONE for its pins. */
     KVX_MSG_SHM_INFO = 25,     /* consumer -> producer: where is your pool's memfd */
-    KVX_MSG_SHM_INFO_ACK = 26, /* producer -> consumer: pid, fd number, offset, bytes */
+    KVX_MSG_SHM_INFO_ACK = 26, /* producer -> consumer: pid, fd, offset, bytes, dev/ino */
 } kvx_msg_type;
 
 /* HELLO features */
@@ -121,6 +121,9 @@ typedef struct kvx_msg {
             uint32_t pid, fd;      /* /proc/<pid>/fd/<fd> is the producer's memfd */
             uint64_t offset, bytes; /* the region starts at offset; map offset + bytes */
             uint64_t segment_stride; /* the producer's, which may differ from ours */
+            uint64_t dev, ino;       /* the memfd's st_dev and st_ino: the consumer checks
+                                        that /proc/<pid>/fd/<fd> is this file (a consumer in
+                                        another PID namespace would open another process's) */
         } shm_info;
         struct {
             uint32_t valid_ms; /* the pin ends this long after the answer was sent */
@@ -179,7 +182,8 @@ size_t kvx_wire_encode_ucx_info(uint8_t *buf, size_t cap, uint32_t tag, uint64_t
                                 uint64_t segment_stride, uint64_t bytes, const void *addr,
                                 uint32_t addr_len, const void *rkey, uint32_t rkey_len);
 size_t kvx_wire_encode_shm_info(uint8_t *buf, size_t cap, uint32_t tag, uint32_t pid, uint32_t fd,
-                                uint64_t offset, uint64_t bytes, uint64_t segment_stride);
+                                uint64_t offset, uint64_t bytes, uint64_t segment_stride,
+                                uint64_t dev, uint64_t ino);
 size_t kvx_wire_encode_ucx_granted(uint8_t *buf, size_t cap, uint32_t tag, uint32_t valid_ms,
                                    const uint32_t *crcs, uint32_t n_crc);
 

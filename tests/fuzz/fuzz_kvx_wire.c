@@ -40,7 +40,8 @@ static size_t reencode(const kvx_msg *m, uint8_t *out, size_t cap)
     case KVX_MSG_SHM_INFO_ACK:
         return kvx_wire_encode_shm_info(out, cap, m->hdr.tag, m->u.shm_info.pid, m->u.shm_info.fd,
                                         m->u.shm_info.offset, m->u.shm_info.bytes,
-                                        m->u.shm_info.segment_stride);
+                                        m->u.shm_info.segment_stride, m->u.shm_info.dev,
+                                        m->u.shm_info.ino);
     case KVX_MSG_UCX_INFO_ACK:
         return kvx_wire_encode_ucx_info(out, cap, m->hdr.tag, m->u.ucx_info.base,
                                         m->u.ucx_info.segment_stride, m->u.ucx_info.bytes,

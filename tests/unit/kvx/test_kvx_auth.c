@@ -13,6 +13,12 @@
 #include <string.h>
 #include <unistd.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <pthread.h>
+#include <sys/socket.h>
+
 #include "kvx/kvx.h"
 #include "kvx/kvx_internal.h"
 
@@ -138,7 +144,7 @@ static void test_mismatches_are_refused(void **state)
     (void)state;
     const mismatch cases[] = {
         {"token-a", "token-b", "kvx auth failed", "does not know the token"},
-        {"token-a", NULL, "requires authentication", NULL},
+        {"token-a", NULL, "requires authentication", "requires authentication"},
         {NULL, "token-b", "has no auth_token", "has no auth_token"},
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
@@ -157,6 +163,13 @@ static void test_mismatches_are_refused(void **state)
         kvx_agent_get_stats(a, &st);
         assert_int_equal(st.bytes_sent, 0);
         if (cases[i].producer_says) {
+            /* A consumer without a token hangs up with an ERROR of its own; the producer
+             * may read it a moment after the consumer's read has failed. */
+            for (int ms = 0; ms < 3000; ms += 10) {
+                kvx_agent_get_stats(a, &st);
+                if (st.handshakes_refused >= 1) break;
+                usleep(10000);
+            }
             char last[320];
             kvx_agent_last_error(a, last, sizeof(last));
             if (!strstr(last, cases[i].producer_says))
@@ -217,12 +230,306 @@ static void test_skipping_auth_reads_nothing(void **state)
     free(p.mem);
 }
 
+/* ---- raw peers: a test socket that speaks the handshake frame by frame ---- */
+
+#define RAW_DEADLINE_NS 3000000000ull
+static uint8_t raw_buf[KVX_HDR_BYTES + KVX_MAX_PAYLOAD];
+
+/* Connect to the agent and say HELLO as consumer `id` with nonce nc; returns the fd and
+ * the HELLO_ACK. */
+static int raw_hello(kvx_agent *a, side *p, const uint8_t id[KVX_ID_BYTES],
+                     const uint8_t nc[KVX_ID_BYTES], kvx_hello *ack)
+{
+    int fd;
+    td_err err;
+    uint64_t dl = td_now_ns() + RAW_DEADLINE_NS;
+    assert_int_equal(kvx__connect("127.0.0.1", kvx_agent_port(a), dl, &fd, &err), 0);
+    kvx_hello h;
+    kvx_layout l = layout();
+    kvx__hello_fill(&h, id, &l, &p->region);
+    memcpy(h.nonce, nc, KVX_ID_BYTES);
+    size_t n = kvx_wire_encode_hello(raw_buf, sizeof(raw_buf), KVX_MSG_HELLO, 1, &h);
+    assert_int_equal(kvx__send_all(fd, raw_buf, n, dl, &err), 0);
+    kvx_msg m;
+    assert_int_equal(kvx__recv_frame(fd, raw_buf, sizeof(raw_buf), &m, dl, &err), 0);
+    assert_int_equal(m.hdr.type, KVX_MSG_HELLO_ACK);
+    *ack = m.u.hello;
+    return fd;
+}
+
+static void raw_send(int fd, const uint8_t *frame, size_t n)
+{
+    td_err err;
+    assert_true(n > 0);
+    assert_int_equal(kvx__send_all(fd, frame, n, td_now_ns() + RAW_DEADLINE_NS, &err), 0);
+}
+
+/* Expect an ERROR containing `says`, then the producer's hang-up. */
+static void raw_expect_refusal(int fd, const char *says)
+{
+    td_err err;
+    kvx_msg m;
+    uint64_t dl = td_now_ns() + RAW_DEADLINE_NS;
+    assert_int_equal(kvx__recv_frame(fd, raw_buf, sizeof(raw_buf), &m, dl, &err), 0);
+    assert_int_equal(m.hdr.type, KVX_MSG_ERROR);
+    if (!strstr(m.u.error.msg, says)) fail_msg("ERROR '%s' lacks '%s'", m.u.error.msg, says);
+    char c;
+    assert_int_equal(kvx__recv_all(fd, &c, 1, dl, &err), TD_ECONN);
+}
+
+static uint64_t refused(kvx_agent *a)
+{
+    kvx_agent_stats st;
+    kvx_agent_get_stats(a, &st);
+    return st.handshakes_refused;
+}
+
+/* The proof of one connection does not open another: each binds both nonces. */
+static void test_replayed_proof_is_refused(void **state)
+{
+    (void)state;
+    side p;
+    side_init(&p, 1);
+    kvx_agent *a = agent(&p, "secret");
+    uint8_t id_c[KVX_ID_BYTES] = {9, 8, 7}, nc[KVX_ID_BYTES] = {1, 1, 2, 3, 5, 8};
+    uint8_t engine[KVX_ID_BYTES];
+    assert_int_equal(kvx_id_from_hex(kvx_agent_engine_id(a), engine), 0);
+
+    /* A consumer that knows the token: the producer answers with its own valid proof. */
+    kvx_hello ack;
+    int fd = raw_hello(a, &p, id_c, nc, &ack);
+    assert_true(ack.features & KVX_ACK_FEAT_AUTH);
+    uint8_t mac[KVX_AUTH_MAC_BYTES], want[KVX_AUTH_MAC_BYTES];
+    kvx__auth_mac("secret", false, nc, ack.nonce, id_c, engine, mac);
+    raw_send(fd, raw_buf, kvx_wire_encode_auth(raw_buf, sizeof(raw_buf), 2, mac));
+    kvx_msg m;
+    td_err err;
+    assert_int_equal(
+        kvx__recv_frame(fd, raw_buf, sizeof(raw_buf), &m, td_now_ns() + RAW_DEADLINE_NS, &err), 0);
+    assert_int_equal(m.hdr.type, KVX_MSG_AUTH);
+    kvx__auth_mac("secret", true, nc, ack.nonce, id_c, engine, want);
+    assert_true(kvx__auth_equal(want, m.u.auth.mac));
+    /* ... which is not the consumer's proof sent back (the labels differ). */
+    assert_false(kvx__auth_equal(mac, m.u.auth.mac));
+    /* A second AUTH on an authenticated connection is a protocol error. */
+    raw_send(fd, raw_buf, kvx_wire_encode_auth(raw_buf, sizeof(raw_buf), 3, mac));
+    raw_expect_refusal(fd, "second AUTH");
+    close(fd);
+    assert_int_equal(refused(a), 0);
+
+    /* The same HELLO and the recorded proof on a new connection: the producer's nonce is
+     * fresh, so the proof is wrong. */
+    kvx_hello ack2;
+    fd = raw_hello(a, &p, id_c, nc, &ack2);
+    assert_memory_not_equal(ack.nonce, ack2.nonce, KVX_ID_BYTES);
+    raw_send(fd, raw_buf, kvx_wire_encode_auth(raw_buf, sizeof(raw_buf), 2, mac));
+    raw_expect_refusal(fd, "does not know the token");
+    close(fd);
+    assert_int_equal(refused(a), 1);
+    char last[320];
+    kvx_agent_last_error(a, last, sizeof(last));
+    assert_non_null(strstr(last, "kvx auth failed: consumer 090807"));
+    kvx_agent_destroy(a);
+    free(p.mem);
+}
+
+/* Bad input around the handshake: each is refused with ERROR and a hang-up, never served. */
+static void test_bad_handshake_frames(void **state)
+{
+    (void)state;
+    side p;
+    side_init(&p, 1);
+    kvx_agent *a = agent(&p, "secret");
+    uint8_t id_c[KVX_ID_BYTES] = {4}, nc[KVX_ID_BYTES] = {5}, mac[KVX_AUTH_MAC_BYTES] = {0};
+    td_err err;
+    kvx_hello ack;
+
+    /* AUTH before HELLO. */
+    int fd;
+    assert_int_equal(
+        kvx__connect("127.0.0.1", kvx_agent_port(a), td_now_ns() + RAW_DEADLINE_NS, &fd, &err), 0);
+    raw_send(fd, raw_buf, kvx_wire_encode_auth(raw_buf, sizeof(raw_buf), 1, mac));
+    raw_expect_refusal(fd, "expected HELLO first");
+    close(fd);
+
+    /* An AUTH frame one byte short (a 31-byte MAC): a format error, counted as a refusal. */
+    fd = raw_hello(a, &p, id_c, nc, &ack);
+    size_t n = kvx_wire_encode_auth(raw_buf, sizeof(raw_buf), 2, mac);
+    raw_buf[8] = 31; /* payload length */
+    raw_send(fd, raw_buf, n - 1);
+    raw_expect_refusal(fd, "AUTH");
+    close(fd);
+    assert_int_equal(refused(a), 1);
+
+    /* A zero MAC. */
+    fd = raw_hello(a, &p, id_c, nc, &ack);
+    raw_send(fd, raw_buf, kvx_wire_encode_auth(raw_buf, sizeof(raw_buf), 2, mac));
+    raw_expect_refusal(fd, "does not know the token");
+    close(fd);
+    assert_int_equal(refused(a), 2);
+
+    /* HEARTBEAT and RELEASE instead of AUTH, even with a real transfer id. */
+    int32_t src[1] = {3};
+    char tid_hex[KVX_ID_HEX];
+    uint8_t tid[KVX_ID_BYTES];
+    assert_int_equal(kvx_agent_register(a, src, 1, 0, NULL, tid_hex, &err), 0);
+    assert_int_equal(kvx_id_from_hex(tid_hex, tid), 0);
+    fd = raw_hello(a, &p, id_c, nc, &ack);
+    raw_send(fd, raw_buf, kvx_wire_encode_heartbeat(raw_buf, sizeof(raw_buf), 2, tid, 1));
+    raw_expect_refusal(fd, "requires authentication");
+    close(fd);
+    fd = raw_hello(a, &p, id_c, nc, &ack);
+    raw_send(fd, raw_buf, kvx_wire_encode_release(raw_buf, sizeof(raw_buf), 2, tid));
+    raw_expect_refusal(fd, "requires authentication");
+    close(fd);
+    assert_int_equal(kvx_agent_n_leases(a), 1); /* RELEASE did nothing */
+    assert_int_equal(refused(a), 4);
+
+    /* A peer that says HELLO and hangs up without AUTH is counted and named too. */
+    fd = raw_hello(a, &p, id_c, nc, &ack);
+    close(fd);
+    for (int ms = 0; ms < 3000 && refused(a) < 5; ms += 10)
+        usleep(10000);
+    assert_int_equal(refused(a), 5);
+    char last[320];
+    kvx_agent_last_error(a, last, sizeof(last));
+    assert_non_null(strstr(last, "hung up before authenticating"));
+    kvx_agent_destroy(a);
+    free(p.mem);
+}
+
+/* The MAC covers the role, both nonces and both engine ids, under the token. */
+static void test_mac_binds_everything(void **state)
+{
+    (void)state;
+    uint8_t v[4][KVX_ID_BYTES], base[KVX_AUTH_MAC_BYTES], other[KVX_AUTH_MAC_BYTES];
+    for (int i = 0; i < 4; i++)
+        memset(v[i], 0x10 * (i + 1), KVX_ID_BYTES);
+    kvx__auth_mac("k", false, v[0], v[1], v[2], v[3], base);
+    kvx__auth_mac("k", false, v[0], v[1], v[2], v[3], other);
+    assert_true(kvx__auth_equal(base, other)); /* deterministic */
+    kvx__auth_mac("k", true, v[0], v[1], v[2], v[3], other);
+    assert_false(kvx__auth_equal(base, other));
+    kvx__auth_mac("K", false, v[0], v[1], v[2], v[3], other);
+    assert_false(kvx__auth_equal(base, other));
+    kvx__auth_mac("k", false, v[1], v[0], v[2], v[3], other); /* nonces swapped */
+    assert_false(kvx__auth_equal(base, other));
+    kvx__auth_mac("k", false, v[0], v[1], v[3], v[2], other); /* ids swapped */
+    assert_false(kvx__auth_equal(base, other));
+    for (int i = 0; i < 4; i++) { /* one bit of any input */
+        uint8_t w[4][KVX_ID_BYTES];
+        memcpy(w, v, sizeof(w));
+        w[i][15] ^= 1;
+        kvx__auth_mac("k", false, w[0], w[1], w[2], w[3], other);
+        assert_false(kvx__auth_equal(base, other));
+    }
+}
+
+/* ---- an impostor producer: it greets like an agent but does not know the token ---- */
+
+typedef struct impostor {
+    int listen_fd;
+    uint16_t port;
+    uint8_t engine_id[KVX_ID_BYTES];
+    _Atomic int stop;
+    _Atomic int auths; /* AUTH frames received */
+} impostor;
+
+static void *impostor_main(void *arg)
+{
+    impostor *f = arg;
+    static uint8_t buf[KVX_HDR_BYTES + KVX_MAX_PAYLOAD];
+    while (!f->stop) {
+        struct pollfd pf = {.fd = f->listen_fd, .events = POLLIN};
+        if (poll(&pf, 1, 50) <= 0) continue;
+        int fd = accept(f->listen_fd, NULL, NULL);
+        if (fd < 0) continue;
+        td_err err;
+        kvx_msg m;
+        uint64_t dl = td_now_ns() + RAW_DEADLINE_NS;
+        if (!kvx__recv_frame(fd, buf, sizeof(buf), &m, dl, &err) && m.hdr.type == KVX_MSG_HELLO) {
+            kvx_hello ack = m.u.hello;
+            uint8_t nc[KVX_ID_BYTES], id_c[KVX_ID_BYTES];
+            memcpy(nc, m.u.hello.nonce, KVX_ID_BYTES);
+            memcpy(id_c, m.u.hello.engine_id, KVX_ID_BYTES);
+            memcpy(ack.engine_id, f->engine_id, KVX_ID_BYTES);
+            memset(ack.expect_engine_id, 0, KVX_ID_BYTES);
+            memset(ack.nonce, 0x42, KVX_ID_BYTES);
+            ack.features = KVX_ACK_FEAT_AUTH;
+            size_t n = kvx_wire_encode_hello(buf, sizeof(buf), KVX_MSG_HELLO_ACK, m.hdr.tag, &ack);
+            if (!kvx__send_all(fd, buf, n, dl, &err) &&
+                !kvx__recv_frame(fd, buf, sizeof(buf), &m, dl, &err) &&
+                m.hdr.type == KVX_MSG_AUTH) {
+                f->auths++;
+                uint8_t mac[KVX_AUTH_MAC_BYTES];
+                kvx__auth_mac("a guess", true, nc, ack.nonce, id_c, f->engine_id, mac);
+                n = kvx_wire_encode_auth(buf, sizeof(buf), m.hdr.tag, mac);
+                if (!kvx__send_all(fd, buf, n, dl, &err)) {
+                    char c;
+                    kvx__recv_all(fd, &c, 1, dl, &err); /* until the consumer hangs up */
+                }
+            }
+        }
+        close(fd);
+    }
+    return NULL;
+}
+
+/* Mutual: a consumer refuses a producer that cannot prove the token, and reads nothing. */
+static void test_impostor_producer_is_refused(void **state)
+{
+    (void)state;
+    impostor f = {0};
+    f.listen_fd = socket(AF_INET, SOCK_STREAM, 0);
+    assert_true(f.listen_fd >= 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t sl = sizeof(sa);
+    assert_int_equal(bind(f.listen_fd, (struct sockaddr *)&sa, sizeof(sa)), 0);
+    assert_int_equal(listen(f.listen_fd, 8), 0);
+    assert_int_equal(getsockname(f.listen_fd, (struct sockaddr *)&sa, &sl), 0);
+    f.port = ntohs(sa.sin_port);
+    assert_int_equal(kvx__random_id(f.engine_id), 0);
+    pthread_t t;
+    assert_int_equal(pthread_create(&t, NULL, impostor_main, &f), 0);
+
+    side c;
+    side_init(&c, 0);
+    kvx_client *k = client(&c, "secret");
+    char engine_hex[KVX_ID_HEX], tid[KVX_ID_HEX];
+    uint8_t tid_raw[KVX_ID_BYTES];
+    kvx_id_to_hex(f.engine_id, engine_hex);
+    assert_int_equal(kvx__random_id(tid_raw), 0);
+    kvx_id_to_hex(tid_raw, tid);
+    int32_t src[4] = {0, 1, 2, 3}, dst[4] = {4, 5, 6, 7};
+    kvx_read_req rq = {.host = "127.0.0.1", .port = f.port, .engine_id = engine_hex,
+                       .transfer_id = tid, .src_blocks = src, .dst_blocks = dst, .n_blocks = 4};
+    kvx_xfer *x;
+    td_err err, res = {0};
+    assert_int_equal(kvx_read_start(k, &rq, &x, &err), 0);
+    assert_int_equal(kvx_xfer_wait(x, &res), TD_EPROTO);
+    kvx_xfer_free(x);
+    if (!strstr(res.msg, "kvx auth failed: producer 127.0.0.1") ||
+        !strstr(res.msg, "does not know the token"))
+        fail_msg("consumer error '%s'", res.msg);
+    assert_true(f.auths >= 1);
+    assert_true(untouched(&c));
+    kvx_client_destroy(k);
+    f.stop = 1;
+    pthread_join(t, NULL);
+    close(f.listen_fd);
+    free(c.mem);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_same_token_reads),
         cmocka_unit_test(test_mismatches_are_refused),
         cmocka_unit_test(test_skipping_auth_reads_nothing),
+        cmocka_unit_test(test_replayed_proof_is_refused),
+        cmocka_unit_test(test_bad_handshake_frames),
+        cmocka_unit_test(test_mac_binds_everything),
+        cmocka_unit_test(test_impostor_producer_is_refused),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -250,6 +250,54 @@ static void test_bad_payloads(void **state)
     assert_non_null(strstr(err.msg, "RELEASE"));
 }
 
+/* AUTH is exactly a 32-byte MAC: every other length, a prefix, trailing bytes or a flag is
+ * refused, and the encoder refuses a buffer too small for the frame. */
+static void test_auth_frame(void **state)
+{
+    (void)state;
+    uint8_t buf[256], frame[64], mac[32];
+    kvx_msg m;
+    td_err err;
+    for (int i = 0; i < 32; i++)
+        mac[i] = (uint8_t)(0xff - i);
+    size_t n = kvx_wire_encode_auth(frame, sizeof(frame), 0xabcdef01u, mac);
+    assert_int_equal(n, KVX_HDR_BYTES + 32);
+    assert_int_equal(frame[6], KVX_MSG_AUTH);
+    assert_int_equal(kvx_wire_decode_frame(frame, n, &m, &err), 0);
+    assert_int_equal(m.hdr.type, KVX_MSG_AUTH);
+    assert_int_equal(m.hdr.tag, 0xabcdef01u);
+    assert_memory_equal(m.u.auth.mac, mac, 32);
+    assert_memory_equal(frame + KVX_HDR_BYTES, mac, 32); /* the MAC travels as is */
+    assert_string_equal(kvx_wire_type_name(KVX_MSG_AUTH), "AUTH");
+
+    for (size_t len = 0; len < n; len++) { /* every prefix */
+        td_err_clear(&err);
+        assert_int_equal(kvx_wire_decode_frame(frame, len, &m, &err), TD_EFORMAT);
+        assert_true(strlen(err.msg) > 0);
+    }
+    memcpy(buf, frame, n); /* trailing bytes */
+    buf[n] = 0;
+    assert_int_equal(kvx_wire_decode_frame(buf, n + 1, &m, &err), TD_EFORMAT);
+
+    uint32_t lens[] = {0, 1, 16, 31, 33, 64, 200};
+    for (size_t i = 0; i < TD_ARRAY_LEN(lens); i++) { /* a consistent frame of the wrong size */
+        memcpy(buf, frame, KVX_HDR_BYTES);
+        set32(buf + 8, lens[i]);
+        memset(buf + KVX_HDR_BYTES, 7, lens[i]);
+        td_err_clear(&err);
+        assert_int_equal(kvx_wire_decode_frame(buf, KVX_HDR_BYTES + lens[i], &m, &err), TD_EFORMAT);
+        assert_non_null(strstr(err.msg, "AUTH payload"));
+        assert_non_null(strstr(err.msg, "expected 32"));
+    }
+
+    memcpy(buf, frame, n);
+    buf[7] = 1; /* no flag is defined */
+    assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), TD_EFORMAT);
+
+    for (size_t cap = 0; cap < n; cap++)
+        assert_int_equal(kvx_wire_encode_auth(buf, cap, 1, mac), 0);
+}
+
 static void test_crc32c(void **state)
 {
     (void)state;
@@ -359,7 +407,7 @@ int main(void)
         cmocka_unit_test(test_roundtrip),      cmocka_unit_test(test_truncated),
         cmocka_unit_test(test_bad_headers),    cmocka_unit_test(test_bad_payloads),
         cmocka_unit_test(test_crc32c),         cmocka_unit_test(test_coalesce),
-        cmocka_unit_test(test_layout_and_ids),
+        cmocka_unit_test(test_layout_and_ids), cmocka_unit_test(test_auth_frame),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
