@@ -119,10 +119,26 @@ typedef struct task {
     int64_t next_item; /* attention work queue (atomic) */
 } task;
 
+/*
+ * Decode-sized batches (M <= PACKED_MAX_M rows) read a weight's packed copy when it has
+ * one: measured on Sapphire Rapids, it makes batch-32 decode 20% faster, while a 512-row
+ * prefill chunk ran 20% slower from it than from the GGUF layout (which repacks each panel
+ * once per call and amortises that over the rows).
+ */
+#define PACKED_MAX_M 64
+
+/* One output of cpu_matmul_multi for weight w with M rows of input. */
+static cpu_mm_out mm_out(float *y, const td_weight *w, int M)
+{
+    bool packed = w->packed && M <= PACKED_MAX_M;
+    return (cpu_mm_out){.y = y, .ldy = w->rows, .w = packed ? w->packed : w->data,
+                        .w_row_bytes = w->row_bytes, .N = (int)w->rows, .packed = packed};
+}
+
 static void matmul(fwd_ctx *f, float *y, const float *x, const td_weight *w, int M)
 {
-    cpu_matmul(f->pool, y, w->rows, x, w->cols, w->data, w->row_bytes, w->type, M, (int)w->rows,
-               (int)w->cols, f->mm_scratch);
+    cpu_mm_out o = mm_out(y, w, M);
+    cpu_matmul_multi(f->pool, &o, 1, x, w->cols, w->type, M, (int)w->cols, f->mm_scratch);
 }
 
 /*
@@ -143,8 +159,7 @@ static void matmul_same_x(fwd_ctx *f, float *const *y, const float *x, const td_
     cpu_mm_out outs[CPU_MM_MAX_OUT];
     TD_ASSERT(n <= CPU_MM_MAX_OUT);
     for (int i = 0; i < n; i++)
-        outs[i] = (cpu_mm_out){.y = y[i], .ldy = w[i]->rows, .w = w[i]->data,
-                               .w_row_bytes = w[i]->row_bytes, .N = (int)w[i]->rows};
+        outs[i] = mm_out(y[i], w[i], M);
     cpu_matmul_multi(f->pool, outs, n, x, w[0]->cols, w[0]->type, M, (int)w[0]->cols,
                      f->mm_scratch);
 }

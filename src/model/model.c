@@ -17,6 +17,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "backend/cpu/cpu.h"
 #include "model/gguf_impl.h"
 #include "model/model_impl.h"
 
@@ -271,18 +272,129 @@ static void finish_model(td_model *m)
         if (by_type[t] > by_type[m->weight_type]) m->weight_type = (td_type)t;
 }
 
+/* ---- packing for the CPU kernels ------------------------------------------- */
+
+/*
+ * Matrices whose type has a CPU panel layout (q8_0) get a packed copy, made once here,
+ * so that no matmul repacks them per call; the forward pass reads only the copy. It is
+ * one anonymous allocation of the same size as the matrices (cpu_pack_bytes). With a
+ * GGUF the mapped originals are then clean page cache that is not read again (only the
+ * embedding table, never packed, keeps being read), so the memory held stays about one
+ * copy of the weights; dummy weights keep both. The embedding table is not packed: rows
+ * are looked up from it, and a tied output matrix shares it, so it stays native.
+ */
+typedef struct pack_item {
+    td_weight *w;
+    int64_t r0, r1;
+} pack_item;
+
+typedef struct pack_job {
+    const pack_item *items;
+    int64_t n_items;
+    atomic_int_fast64_t next;
+} pack_job;
+
+static void *pack_worker(void *arg)
+{
+    pack_job *job = arg;
+    for (;;) {
+        int64_t i = atomic_fetch_add(&job->next, 1);
+        if (i >= job->n_items) break;
+        const pack_item *it = &job->items[i];
+        cpu_pack_rows(it->w->type, (void *)it->w->packed, it->w->data, it->w->row_bytes,
+                      it->w->rows, (int)it->w->cols, it->r0, it->r1);
+    }
+    return NULL;
+}
+
+/* Collect the packable matrices (ws may be NULL to count them). */
+static int packable(td_model *m, td_weight **ws)
+{
+    int n = 0;
+    for (int l = 0; l < m->shape.n_layer; l++) {
+        td_layer *L = &m->layers[l];
+        td_weight *c[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
+        for (size_t i = 0; i < TD_ARRAY_LEN(c); i++)
+            if (c[i]->data && c[i]->rows > 1 && cpu_pack_supported(c[i]->type)) {
+                if (ws) ws[n] = c[i];
+                n++;
+            }
+    }
+    if (!m->shape.tied_output && m->output.data && cpu_pack_supported(m->output.type)) {
+        if (ws) ws[n] = &m->output;
+        n++;
+    }
+    return n;
+}
+
+/* Pack what can be packed; on failure (out of memory) the model simply stays unpacked. */
+static void pack_weights(td_model *m)
+{
+    /* TD_PACK_WEIGHTS=0 keeps the native layout (for comparisons). */
+    const char *env = getenv("TD_PACK_WEIGHTS");
+    if (env && strcmp(env, "0") == 0) return;
+    int n = packable(m, NULL);
+    if (n == 0) return;
+    td_weight **ws = td_xmalloc(sizeof(*ws) * (size_t)n);
+    packable(m, ws);
+    size_t total = 0;
+    int64_t n_items = 0;
+    for (int i = 0; i < n; i++) {
+        total = TD_ALIGN_UP(total, 64) + cpu_pack_bytes(ws[i]->type, ws[i]->rows, (int)ws[i]->cols);
+        n_items += (ws[i]->rows + 1023) / 1024;
+    }
+    uint8_t *base = td_aligned_alloc(total);
+    if (!base) {
+        TD_WARN("model: no memory for %.1f MiB of packed weights; using the slower unpacked "
+                "kernels",
+                (double)total / 1048576.0);
+        free(ws);
+        return;
+    }
+    /* Work items of 1024 rows (a multiple of the 32-row panel). */
+    pack_item *items = td_xmalloc(sizeof(*items) * (size_t)n_items);
+    size_t off = 0;
+    int64_t k = 0;
+    for (int i = 0; i < n; i++) {
+        off = TD_ALIGN_UP(off, 64);
+        ws[i]->packed = base + off;
+        off += cpu_pack_bytes(ws[i]->type, ws[i]->rows, (int)ws[i]->cols);
+        for (int64_t r = 0; r < ws[i]->rows; r += 1024)
+            items[k++] = (pack_item){ws[i], r, TD_MIN(ws[i]->rows, r + 1024)};
+    }
+    pack_job job = {.items = items, .n_items = n_items};
+    atomic_init(&job.next, 0);
+    long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+    int n_threads = total < (64u << 20) ? 1 : (int)TD_MIN(TD_MAX(ncpu, 1), 32);
+    pthread_t th[32];
+    int started = 0;
+    for (int i = 1; i < n_threads; i++)
+        if (pthread_create(&th[started], NULL, pack_worker, &job) == 0) started++;
+    pack_worker(&job);
+    for (int i = 0; i < started; i++)
+        pthread_join(th[i], NULL);
+    free(items);
+    free(ws);
+    m->packed = base;
+    m->packed_bytes = total;
+}
+
 void td_model_describe(const td_model *m, char *buf, size_t cap)
 {
     const td_model_shape *s = &m->shape;
     double params = (double)td_model_n_params(s);
     const char *unit = params >= 1e9 ? "B" : params >= 1e6 ? "M" : "K";
+    char packed[64] = "";
+    if (m->packed_bytes)
+        snprintf(packed, sizeof(packed), " (+%.1f MiB packed for the CPU kernels)",
+                 (double)m->packed_bytes / (1024.0 * 1024.0));
     double pv = params >= 1e9 ? params / 1e9 : params >= 1e6 ? params / 1e6 : params / 1e3;
     snprintf(buf, cap,
              "%s (%s): %.1f%s params, dim %d, %d layers, %d heads (%d kv, head_dim %d), ffn %d, "
-             "vocab %d, ctx %d, %s, %.1f MiB, rope %s theta %g%s",
+             "vocab %d, ctx %d, %s, %.1f MiB%s, rope %s theta %g%s",
              m->name, s->arch == TD_ARCH_QWEN2 ? "qwen2" : "llama", pv, unit, s->n_embd, s->n_layer,
              s->n_head, s->n_head_kv, s->head_dim, s->n_ff, s->n_vocab, s->n_ctx_train,
-             td_type_name(m->weight_type), (double)m->weight_bytes / (1024.0 * 1024.0),
+             td_type_name(m->weight_type), (double)m->weight_bytes / (1024.0 * 1024.0), packed,
              s->rope_type == TD_ROPE_NEOX ? "neox" : "norm", (double)s->rope_theta,
              s->tied_output ? ", tied output" : "");
 }
@@ -500,6 +612,7 @@ int td_model_from_gguf(td_model **out, gguf_file *f, td_err *err)
         m->name[len] = 0;
     }
     finish_model(m);
+    pack_weights(m);
     m->gguf = f;
     *out = m;
     return 0;
@@ -616,7 +729,7 @@ int td_model_load_dummy(td_model **out, const td_model_shape *shape, td_type wei
         size_t rb = td_row_bytes(plan[i].type, plan[i].cols);
         off = TD_ALIGN_UP(off, 64);
         *plan[i].slot =
-            (td_weight){plan[i].type, plan[i].cols, plan[i].rows, rb, (uint8_t *)base + off};
+            (td_weight){plan[i].type, plan[i].cols, plan[i].rows, rb, (uint8_t *)base + off, NULL};
         off += rb * (size_t)plan[i].rows;
         int64_t rows_per = TD_MAX(1, (int64_t)((4u << 20) / rb));
         for (int64_t r = 0; r < plan[i].rows; r += rows_per)
@@ -642,6 +755,7 @@ int td_model_load_dummy(td_model **out, const td_model_shape *shape, td_type wei
 
     if (s.tied_output) m->output = m->tok_embd;
     finish_model(m);
+    pack_weights(m);
     *out = m;
     return 0;
 }
@@ -651,6 +765,7 @@ void td_model_free(td_model *m)
     if (!m) return;
     if (m->owned) munmap(m->owned, m->owned_bytes);
     if (m->gguf) gguf_close(m->gguf);
+    td_aligned_free(m->packed);
     free(m->layers);
     free(m);
 }

@@ -32,6 +32,9 @@ typedef struct td_weight {
     int64_t rows;     /* number of rows (the output dimension); 1 for vectors */
     size_t row_bytes; /* td_row_bytes(type, cols) */
     const void *data; /* NULL when the tensor is absent (optional biases) */
+    /* The same matrix in the CPU kernels' panel layout (cpu_pack_rows), made once at load
+     * for types that have one (q8_0), or NULL. The matmuls read this instead of data. */
+    const void *packed;
 } td_weight;
 
 typedef struct td_layer {
@@ -72,6 +75,8 @@ typedef struct td_model {
     gguf_file *gguf;         /* the mapping, or NULL for dummy weights */
     void *owned;             /* dummy weights, or NULL */
     size_t owned_bytes;      /* size of the `owned` mapping */
+    void *packed;            /* one allocation for every td_weight.packed, or NULL */
+    size_t packed_bytes;     /* its size (reported by td_model_describe) */
 } td_model;
 
 /**

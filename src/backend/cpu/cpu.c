@@ -291,6 +291,8 @@ void cpu_matmul_multi(td_pool *pool, const cpu_mm_out *outs, int n_out, const fl
     for (int i = 0; i < n_out; i++) {
         const cpu_mm_out *o = &outs[i];
         TD_ASSERT(o->N >= 0 && o->ldy >= o->N && o->w_row_bytes >= td_row_bytes(wtype, K));
+        TD_ASSERT(!o->packed ||
+                  (cpu_pack_supported(wtype) && o->w_row_bytes == td_row_bytes(wtype, K)));
         job.mm[i] = (cpu__mm){.y = o->y,
                               .ldy = o->ldy,
                               .x = x,
@@ -305,7 +307,8 @@ void cpu_matmul_multi(td_pool *pool, const cpu_mm_out *outs, int n_out, const fl
                               .xd = (const float *)(void *)(s + l.xd_off),
                               .xc = (const int32_t *)(void *)(s + l.xc_off),
                               .xq_stride = l.xq_stride,
-                              .xs_stride = l.xs_stride};
+                              .xs_stride = l.xs_stride,
+                              .packed = o->packed};
         job.base[i] = base;
         base += TD_ALIGN_UP((int64_t)o->N, MM_GRAIN);
     }
@@ -320,6 +323,44 @@ void cpu_matmul(td_pool *pool, float *y, int64_t ldy, const float *x, int64_t ld
     if (M <= 0 || N <= 0) return;
     cpu_mm_out o = {.y = y, .ldy = ldy, .w = w, .w_row_bytes = w_row_bytes, .N = N};
     cpu_matmul_multi(pool, &o, 1, x, ldx, wtype, M, K, scratch);
+}
+
+bool cpu_pack_supported(td_type wtype)
+{
+    return wtype == TD_TYPE_Q8_0;
+}
+
+size_t cpu_pack_bytes(td_type wtype, int64_t N, int K)
+{
+    return (size_t)TD_ALIGN_UP(N, CPU__PANEL_ROWS) * td_row_bytes(wtype, K);
+}
+
+void cpu_pack_rows(td_type wtype, void *dst, const void *w, size_t w_row_bytes, int64_t N, int K,
+                   int64_t r0, int64_t r1)
+{
+    TD_ASSERT(cpu_pack_supported(wtype) && K > 0 && K % 32 == 0);
+    TD_ASSERT(r0 % CPU__PANEL_ROWS == 0 && (r1 % CPU__PANEL_ROWS == 0 || r1 == N) && r1 <= N);
+    const int nb = K / 32;
+    const size_t rb = td_row_bytes(wtype, K);
+    for (int64_t p0 = r0; p0 < r1; p0 += CPU__PANEL_ROWS) {
+        uint8_t *panel = (uint8_t *)dst + (size_t)p0 * rb;
+        memset(panel, 0, CPU__PANEL_ROWS * rb);
+        int rows = (int)TD_MIN(CPU__PANEL_ROWS, N - p0);
+        for (int j = 0; j < rows; j++) {
+            const uint8_t *src = (const uint8_t *)w + (size_t)(p0 + j) * w_row_bytes;
+            for (int b = 0; b < nb; b++) {
+                const uint8_t *blk = src + (size_t)b * sizeof(td_block_q8_0);
+                uint8_t *pb = panel + (size_t)b * CPU__PANEL_BLOCK_BYTES;
+                for (int g = 0; g < 8; g++) {
+                    uint32_t q4;
+                    memcpy(&q4, blk + 2 + 4 * g, 4);
+                    q4 ^= 0x80808080u; /* q + 128 as unsigned bytes */
+                    memcpy(pb + 128 * g + 4 * j, &q4, 4);
+                }
+                memcpy(pb + CPU__PANEL_SCALES + 2 * j, blk, 2);
+            }
+        }
+    }
 }
 
 void cpu_matmul_ref(float *y, int64_t ldy, const float *x, int64_t ldx, const void *w,

@@ -53,6 +53,8 @@ typedef struct cpu_mm_out {
     const void *w;
     size_t w_row_bytes;
     int N;
+    /* w is in cpu_pack's panel layout (w_row_bytes must then be td_row_bytes(wtype, K)). */
+    bool packed;
 } cpu_mm_out;
 
 #define CPU_MM_MAX_OUT 4
@@ -66,6 +68,28 @@ typedef struct cpu_mm_out {
  */
 void cpu_matmul_multi(td_pool *pool, const cpu_mm_out *outs, int n_out, const float *x,
                       int64_t ldx, td_type wtype, int M, int K, void *scratch);
+
+/*
+ * Weights repacked once (at model load) into the layout the quantized kernels read
+ * directly, so that no call repacks them. Supported for q8_0 only. The layout is the
+ * same for every ISA (a process may switch ISA, tests do) and holds exactly the bytes of
+ * the native rows, reordered: rows go in panels of 32, and panel p takes the bytes that
+ * rows 32p .. 32p + 31 take natively. Per block b of 32 elements, a panel holds 1088
+ * bytes: 8 groups g of 128 bytes (row j's q[4g .. 4g + 3] as unsigned bytes q + 128 at
+ * 128g + 4j), then the 32 rows' fp16 scales. Rows past N are zero. With this layout an
+ * int8 dot-product instruction gives 16 (AVX-512) or 8 (AVX2) rows' partial sums per
+ * vector with no horizontal reduction, for one x row as for many.
+ */
+bool cpu_pack_supported(td_type wtype);
+/** Bytes of a packed N x K weight: N rounded up to 32 rows of td_row_bytes(wtype, K). */
+size_t cpu_pack_bytes(td_type wtype, int64_t N, int K);
+/**
+ * Pack rows [r0, r1) of a weight (r0, r1 multiples of 32, or r1 = N) from the native
+ * layout (row r at (char*)w + r * w_row_bytes) into dst, which holds cpu_pack_bytes
+ * bytes (64-aligned). Calls for disjoint row ranges may run on different threads.
+ */
+void cpu_pack_rows(td_type wtype, void *dst, const void *w, size_t w_row_bytes, int64_t N, int K,
+                   int64_t r0, int64_t r1);
 
 /** Plain-C reference of cpu_matmul (double accumulation is NOT used: f32, for tests). */
 void cpu_matmul_ref(float *y, int64_t ldy, const float *x, int64_t ldx, const void *w,

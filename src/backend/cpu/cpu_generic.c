@@ -108,6 +108,22 @@ static void unpack_q_row(td_type t, const uint8_t *row, int K, int8_t *q, float 
     }
 }
 
+/* The same for row n of a weight in cpu_pack's panel layout. */
+static void unpack_q_row_packed(const cpu__mm *mm, int n, int8_t *q, float *d)
+{
+    const uint8_t *panel = mm->w + (size_t)(n - n % CPU__PANEL_ROWS) * mm->w_row_bytes;
+    const int j = n % CPU__PANEL_ROWS;
+    for (int b = 0; b < mm->K / 32; b++) {
+        const uint8_t *pb = panel + (size_t)b * CPU__PANEL_BLOCK_BYTES;
+        for (int g = 0; g < 8; g++)
+            for (int i = 0; i < 4; i++)
+                q[b * 32 + 4 * g + i] = (int8_t)(pb[128 * g + 4 * j + i] ^ 0x80);
+        uint16_t h;
+        memcpy(&h, pb + CPU__PANEL_SCALES + 2 * j, 2);
+        d[b] = td_fp16_to_f32(h);
+    }
+}
+
 static void gen_matmul(const cpu__mm *mm, int n0, int n1, void *scratch)
 {
     const int K = mm->K;
@@ -116,7 +132,10 @@ static void gen_matmul(const cpu__mm *mm, int n0, int n1, void *scratch)
         float *wd = (float *)(void *)((uint8_t *)scratch + TD_ALIGN_UP((size_t)K, 64));
         const int nb = K / 32;
         for (int n = n0; n < n1; n++) {
-            unpack_q_row(mm->wtype, mm->w + (size_t)n * mm->w_row_bytes, K, wq, wd);
+            if (mm->packed)
+                unpack_q_row_packed(mm, n, wq, wd);
+            else
+                unpack_q_row(mm->wtype, mm->w + (size_t)n * mm->w_row_bytes, K, wq, wd);
             for (int m = 0; m < mm->M; m++) {
                 const int8_t *xq = mm->xq + (size_t)m * mm->xq_stride;
                 const float *xd = mm->xd + (size_t)m * mm->xs_stride;

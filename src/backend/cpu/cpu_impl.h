@@ -35,6 +35,12 @@
  * is a multiple of it). */
 #define CPU__N_ALIGN 32
 
+/* cpu_pack's panels: rows per panel, and bytes per block of a panel (8 groups of 32
+ * rows x 4 bytes, then 32 fp16 scales). */
+#define CPU__PANEL_ROWS 32
+#define CPU__PANEL_BLOCK_BYTES 1088
+#define CPU__PANEL_SCALES 1024
+
 /** One matmul call, as seen by an ISA's kernel (see cpu_matmul). */
 typedef struct cpu__mm {
     float *y;
@@ -45,6 +51,9 @@ typedef struct cpu__mm {
     size_t w_row_bytes;
     td_type wtype;
     int M, N, K;
+    /* w is in cpu_pack's layout: rows [n, n + 32) (n % 32 == 0) are the panel at
+     * w + n * w_row_bytes, of CPU__PANEL_BLOCK_BYTES per block (see cpu.h). */
+    bool packed;
     /* Quantized activations, only for q8_0/q4_0 weights; row m of each at m * stride. */
     const int8_t *xq;  /* K int8 per row, row stride xq_stride bytes (64-aligned) */
     const float *xd;   /* K/32 block scales per row (f32 value of the fp16 scale) */

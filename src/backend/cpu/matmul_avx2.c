@@ -10,6 +10,9 @@
  * (q8_0: maddubs with the sign trick, |w| * sign(x, w); q4_0: the nibbles as the
  * unsigned operand, corrected by -8 * sum(q_x)), reduced across lanes with hadd,
  * then acc = fma((float)S_b, dx_b * dw_b, acc) for 8 rows at once, in block order.
+ * q8_0 weights packed at load time (cpu_pack's panels) are read in place by q8p_matmul:
+ * the same sign trick on 4 bytes per lane gives 8 rows' sums per vector with no
+ * horizontal reduction, in 1 x 32 tiles for M < 4 and up to 4 x 16 otherwise.
  */
 #include "backend/cpu/cpu_impl.h"
 
@@ -266,6 +269,166 @@ INLINE void qdirect(const cpu__mm *mm, td_type t, int n0, int n1)
     }
 }
 
+/* ---- q8_0 in cpu_pack's panel layout ------------------------------------------- */
+
+/*
+ * In a panel, vector v (32 bytes at 128g + 32v of a block) holds 8 rows, 8v .. 8v + 7,
+ * with lane j taking 4 consecutive q of row 8v + j (as q + 128). For each x row the 4
+ * matching x bytes are broadcast, and the sign trick (maddubs of |w| with sign(x, w),
+ * then madd to 32 bits) gives 8 rows' exact partial sums per instruction chain with no
+ * horizontal reduction; |w| and w are made once per vector for all the tile's x rows.
+ */
+#define QP_MAXM 4
+/* From this many x rows on, tiles of up to QP_MAXM x rows run against half a panel. */
+#define QP_TILE_MIN_M 4
+
+/*
+ * MR x rows (from m0) against the NV vectors v0 .. v0 + NV - 1 of a panel:
+ * out[m][v] = y[m0 + m][rows of vector v0 + v]. pf: the next panel, prefetched one
+ * block's worth of lines per block, or NULL.
+ */
+INLINE void q8p_tile(int MR, int NV, const cpu__mm *mm, int m0, const uint8_t *panel, int v0,
+                     __m256 out[][4], const uint8_t *pf)
+{
+    const int nb = mm->K / 32;
+    const int8_t *xq[QP_MAXM];
+    const float *xd[QP_MAXM];
+#pragma GCC unroll 4
+    for (int m = 0; m < MR; m++) {
+        xq[m] = mm->xq + (size_t)(m0 + m) * mm->xq_stride;
+        xd[m] = mm->xd + (size_t)(m0 + m) * mm->xs_stride;
+    }
+    const __m256i ones = _mm256_set1_epi16(1), bias = _mm256_set1_epi8(-128);
+    __m256 facc[QP_MAXM][4];
+#pragma GCC unroll 4
+    for (int m = 0; m < MR; m++)
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; v++)
+            facc[m][v] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *pb = panel + (size_t)b * CPU__PANEL_BLOCK_BYTES;
+        if (pf)
+            for (int i = 0; i < CPU__PANEL_BLOCK_BYTES / 64; i++)
+                _mm_prefetch((const char *)pf + (size_t)b * CPU__PANEL_BLOCK_BYTES + i * 64,
+                             _MM_HINT_T0);
+        __m256i iacc[QP_MAXM][4];
+#pragma GCC unroll 4
+        for (int m = 0; m < MR; m++)
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; v++)
+                iacc[m][v] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int g = 0; g < 8; g++) {
+            __m256i ws[4], wa[4];
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; v++) {
+                ws[v] = _mm256_xor_si256(
+                    _mm256_load_si256((const __m256i *)(pb + 128 * g + 32 * (v0 + v))), bias);
+                wa[v] = _mm256_abs_epi8(ws[v]);
+            }
+#pragma GCC unroll 4
+            for (int m = 0; m < MR; m++) {
+                int32_t x4;
+                memcpy(&x4, xq[m] + b * 32 + 4 * g, 4);
+                __m256i xb = _mm256_set1_epi32(x4);
+#pragma GCC unroll 4
+                for (int v = 0; v < NV; v++) {
+                    __m256i p = _mm256_maddubs_epi16(wa[v], _mm256_sign_epi8(xb, ws[v]));
+                    iacc[m][v] = _mm256_add_epi32(iacc[m][v], _mm256_madd_epi16(p, ones));
+                }
+            }
+        }
+        __m256 dw[4];
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; v++)
+            dw[v] = _mm256_cvtph_ps(
+                _mm_load_si128((const __m128i *)(pb + CPU__PANEL_SCALES + 16 * (v0 + v))));
+#pragma GCC unroll 4
+        for (int m = 0; m < MR; m++) {
+            __m256 dx = _mm256_set1_ps(xd[m][b]);
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; v++)
+                facc[m][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[m][v]),
+                                             _mm256_mul_ps(dw[v], dx), facc[m][v]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int m = 0; m < MR; m++)
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; v++)
+            out[m][v] = facc[m][v];
+}
+
+/* Store out[i][v] (rows n + 8 * (v0 + v) ..) for x rows m .. m + mr - 1, only the first
+ * nr rows of the panel. */
+static void q8p_store(const cpu__mm *mm, int m, int mr, int n, int nr, int v0, int NV,
+                      __m256 out[][4])
+{
+    for (int i = 0; i < mr; i++) {
+        float *y = mm->y + (size_t)(m + i) * mm->ldy + n;
+        for (int v = 0; v < NV; v++) {
+            int r = 8 * (v0 + v), cnt = TD_MIN(8, nr - r);
+            if (cnt <= 0) break;
+            if (cnt == 8) {
+                _mm256_storeu_ps(y + r, out[i][v]);
+            } else {
+                float tmp[8];
+                _mm256_storeu_ps(tmp, out[i][v]);
+                memcpy(y + r, tmp, sizeof(float) * (size_t)cnt);
+            }
+        }
+    }
+}
+
+static void q8p_matmul(const cpu__mm *mm, int n0, int n1)
+{
+    const int M = mm->M, K = mm->K;
+    const size_t panel_bytes = (size_t)CPU__PANEL_ROWS * mm->w_row_bytes;
+    /* Rows of x per block: their quantized K bytes stay in L2 across all the panels. */
+    const int mb_rows = (int)TD_MAX((size_t)QP_MAXM, (256u << 10) / (size_t)K / QP_MAXM * QP_MAXM);
+    for (int mb = 0; mb < M; mb += mb_rows) {
+        int me = TD_MIN(M, mb + mb_rows);
+        for (int n = n0; n < n1; n += CPU__PANEL_ROWS) {
+            int nr = TD_MIN(CPU__PANEL_ROWS, n1 - n);
+            const uint8_t *panel = mm->w + (size_t)n * mm->w_row_bytes;
+            const uint8_t *pf = n + CPU__PANEL_ROWS < n1 ? panel + panel_bytes : NULL;
+            __m256 out[QP_MAXM][4];
+            if (M < QP_TILE_MIN_M) {
+                /* Few x rows: the whole panel per x row; it stays in L1 for the next. */
+                for (int m = mb; m < me; m++) {
+                    q8p_tile(1, 4, mm, m, panel, 0, out, m == mb ? pf : NULL);
+                    q8p_store(mm, m, 1, n, nr, 0, 4, out);
+                }
+                continue;
+            }
+            /* Tiles of at most QP_MAXM rows, sized evenly, against each half panel. */
+            int n_tiles = (me - mb + QP_MAXM - 1) / QP_MAXM;
+            for (int h = 0; h < 2 && 16 * h < nr; h++) {
+                for (int m = mb, ti = 0; m < me; ti++) {
+                    int mr = (me - m + (n_tiles - ti) - 1) / (n_tiles - ti);
+                    const uint8_t *p = h == 0 && ti == 0 ? pf : NULL;
+                    switch (mr) {
+                    case 4:
+                        q8p_tile(4, 2, mm, m, panel, 2 * h, out, p);
+                        break;
+                    case 3:
+                        q8p_tile(3, 2, mm, m, panel, 2 * h, out, p);
+                        break;
+                    case 2:
+                        q8p_tile(2, 2, mm, m, panel, 2 * h, out, p);
+                        break;
+                    default:
+                        q8p_tile(1, 2, mm, m, panel, 2 * h, out, p);
+                        break;
+                    }
+                    q8p_store(mm, m, mr, n, nr, 2 * h, 2, out);
+                    m += mr;
+                }
+            }
+        }
+    }
+}
+
 void cpu__avx2_matmul(const cpu__mm *mm, int n0, int n1, void *scratch);
 size_t cpu__avx2_matmul_scratch(td_type wtype, int M, int K);
 
@@ -292,7 +455,10 @@ void cpu__avx2_matmul(const cpu__mm *mm, int n0, int n1, void *scratch)
             fdirect(mm, WK_BF16, n0, n1);
         break;
     case TD_TYPE_Q8_0:
-        qdirect(mm, TD_TYPE_Q8_0, n0, n1);
+        if (mm->packed)
+            q8p_matmul(mm, n0, n1);
+        else
+            qdirect(mm, TD_TYPE_Q8_0, n0, n1);
         break;
     case TD_TYPE_Q4_0:
         qdirect(mm, TD_TYPE_Q4_0, n0, n1);

@@ -18,11 +18,14 @@
  * dot products are exact integers (vpdpbusd with the weight as the unsigned operand:
  * q8_0 as q + 128, q4_0 nibbles as they are, corrected by -offset * sum(q_x)), and
  * each output accumulates fma((float)S_b, dx_b * dw_b, acc) in block order.
- *   - small M (< QPACK_MIN_M): per 16 weight rows and 2 blocks, one vpdpbusd per row on
- *     the native layout, then a transposing integer reduction to one vector of 16 rows;
- *   - larger M: a panel of 32 weight rows is repacked so that lane j of a zmm holds
- *     4 consecutive k of row j (u8); x is broadcast 4 bytes at a time, and 8 vpdpbusd
- *     give a whole block for 16 rows without any horizontal reduction (6 x 32 tiles).
+ *   - weights packed at load time (q8_0, cpu_pack's panels: lane j of a zmm holds 4
+ *     consecutive k of row j as u8): the panel tiles below run on them in place, for
+ *     every M (1 x 32 tiles for batch 1, up to 6 x 32 otherwise);
+ *   - native layout, small M (< QPACK_MIN_M): per 16 weight rows and 2 blocks, one
+ *     vpdpbusd per row, then a transposing integer reduction to one vector of 16 rows;
+ *   - native layout, larger M: each panel of 32 weight rows is repacked into the same
+ *     layout in scratch; x is broadcast 4 bytes at a time, and 8 vpdpbusd give a whole
+ *     block for 16 rows without any horizontal reduction (6 x 32 tiles).
  * Every path prefetches the next weight rows or panel in small steps: with few x rows
  * the weights are consumed fast, and DRAM latency would otherwise dominate.
  */
@@ -253,7 +256,7 @@ INLINE void fdirect(const cpu__mm *mm, int kind, int n0, int n1)
         int n_tiles = (M + 3) / 4;
         for (int m = 0, ti = 0; m < M; ti++) {
             int mr = M == 1 ? 1 : (M - m + (n_tiles - ti) - 1) / (n_tiles - ti);
-            const float *xr[4];
+            const float *xr[4] = {0};
             for (int i = 0; i < mr; i++)
                 xr[i] = mm->x + (m + i) * mm->ldx;
             const uint8_t *const *p = ti == 0 ? pf : NULL;
@@ -338,7 +341,7 @@ INLINE void fpacked(const cpu__mm *mm, int kind, int n0, int n1, float *panel)
                 int k1 = TD_MIN(K, k0 + kc);
                 for (int m = mb; m < me; m += FP_MR) {
                     int mr = TD_MIN(FP_MR, me - m);
-                    const float *xr[FP_MR];
+                    const float *xr[FP_MR] = {0};
                     for (int i = 0; i < FP_MR; i++)
                         xr[i] = mm->x + (m + TD_MIN(i, mr - 1)) * mm->ldx;
                     __m512 *sv = save + (size_t)(m - mb) * FP_NR;
@@ -528,11 +531,13 @@ INLINE void qdirect(const cpu__mm *mm, td_type t, int n0, int n1)
 /* ---- quantized weights: large M ------------------------------------------------ */
 
 /*
- * Panel layout, 32 weight rows: for block b, 1024 bytes = 8 groups g of 128 bytes:
- * rows 0-15 then rows 16-31, lane j holding bytes 4g..4g+3 of the block (u8) of that
- * row; then, after all blocks, nb * 32 f32 scales (block-major). Padding rows are 0.
+ * Panel layout, 32 weight rows: cpu_pack's (cpu.h). For block b, CPU__PANEL_BLOCK_BYTES
+ * = 8 groups g of 128 bytes: rows 0-15 then rows 16-31, lane j holding bytes 4g..4g+3 of
+ * the block (u8) of that row; then the 32 rows' fp16 scales. Weights packed at load time
+ * are read in place; others (q4_0, or q8_0 not packed) are repacked here per panel.
  */
-#define QP_ROWS 32
+#define QP_ROWS CPU__PANEL_ROWS
+#define QP_BB CPU__PANEL_BLOCK_BYTES
 
 /* 16 rows of 8 dwords -> 8 vectors of 16 rows (dword g of each). */
 INLINE void transpose16x8(const __m256i *y, __m512i *p)
@@ -566,7 +571,6 @@ INLINE void qpack(td_type t, const cpu__mm *mm, int n, int nr, uint8_t *panel)
 {
     const int nb = mm->K / 32;
     const size_t bb = t == TD_TYPE_Q8_0 ? sizeof(td_block_q8_0) : sizeof(td_block_q4_0);
-    float *pd = (float *)(void *)(panel + (size_t)nb * 1024);
     const uint8_t *rows[QP_ROWS];
     int32_t off[QP_ROWS];
     for (int j = 0; j < QP_ROWS; j++) {
@@ -598,10 +602,14 @@ INLINE void qpack(td_type t, const cpu__mm *mm, int n, int nr, uint8_t *panel)
             }
 #pragma GCC unroll 8
             for (int g = 0; g < 8; g++)
-                _mm512_store_si512(panel + (size_t)b * 1024 + g * 128 + h * 64, p[g]);
+                _mm512_store_si512(panel + (size_t)b * QP_BB + g * 128 + h * 64, p[g]);
         }
-        _mm512_store_ps(pd + b * QP_ROWS, q_scales(rows[0], vidx0, bb, b));
-        _mm512_store_ps(pd + b * QP_ROWS + 16, q_scales(rows[0], vidx1, bb, b));
+        /* The fp16 scales as they are (gathered 32 bits per row, low half kept). */
+        uint8_t *ps = panel + (size_t)b * QP_BB + CPU__PANEL_SCALES;
+        _mm256_store_si256((__m256i *)ps, _mm512_cvtepi32_epi16(_mm512_i32gather_epi32(
+                                              vidx0, rows[0] + (size_t)b * bb, 1)));
+        _mm256_store_si256((__m256i *)(ps + 32), _mm512_cvtepi32_epi16(_mm512_i32gather_epi32(
+                                                     vidx1, rows[0] + (size_t)b * bb, 1)));
     }
 }
 
@@ -612,7 +620,6 @@ INLINE void qtile(int MR, const cpu__mm *mm, int m0, const uint8_t *panel, __m51
                   panel_prefetch *pp)
 {
     const int nb = mm->K / 32;
-    const float *pd = (const float *)(const void *)(panel + (size_t)nb * 1024);
     const int8_t *xq[QT_MAXM];
     const float *xd[QT_MAXM];
     const int32_t *xc[QT_MAXM];
@@ -627,7 +634,7 @@ INLINE void qtile(int MR, const cpu__mm *mm, int m0, const uint8_t *panel, __m51
     for (int m = 0; m < MR; m++)
         facc[m][0] = facc[m][1] = _mm512_setzero_ps();
     for (int b = 0; b < nb; b++) {
-        const uint8_t *pb = panel + (size_t)b * 1024;
+        const uint8_t *pb = panel + (size_t)b * QP_BB;
         __m512i iacc[QT_MAXM][2];
 #pragma GCC unroll 6
         for (int m = 0; m < MR; m++)
@@ -645,7 +652,10 @@ INLINE void qtile(int MR, const cpu__mm *mm, int m0, const uint8_t *panel, __m51
                 iacc[m][1] = _mm512_dpbusd_epi32(iacc[m][1], w1, xb);
             }
         }
-        __m512 dw0 = _mm512_load_ps(pd + b * QP_ROWS), dw1 = _mm512_load_ps(pd + b * QP_ROWS + 16);
+        /* fp16 -> f32 is exact, so these are the same values the direct path uses. */
+        __m512 dw0 = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(pb + CPU__PANEL_SCALES)));
+        __m512 dw1 =
+            _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(pb + CPU__PANEL_SCALES + 32)));
 #pragma GCC unroll 6
         for (int m = 0; m < MR; m++) {
             __m512 dx = _mm512_set1_ps(xd[m][b]);
@@ -662,7 +672,8 @@ INLINE void qtile(int MR, const cpu__mm *mm, int m0, const uint8_t *panel, __m51
     }
 }
 
-INLINE void qpacked(const cpu__mm *mm, td_type t, int n0, int n1, uint8_t *panel)
+/* scratch: room for one panel; unused when the weight is packed already. */
+INLINE void qpacked(const cpu__mm *mm, td_type t, int n0, int n1, uint8_t *scratch)
 {
     const int K = mm->K, M = mm->M;
     int mb_rows = (int)TD_MAX((size_t)QT_MAXM, (512u << 10) / (size_t)K / QT_MAXM * QT_MAXM);
@@ -670,7 +681,11 @@ INLINE void qpacked(const cpu__mm *mm, td_type t, int n0, int n1, uint8_t *panel
         int me = TD_MIN(M, mb + mb_rows);
         for (int n = n0; n < n1; n += QP_ROWS) {
             int nr = TD_MIN(QP_ROWS, n1 - n);
-            qpack(t, mm, n, nr, panel);
+            const uint8_t *panel = scratch;
+            if (mm->packed)
+                panel = mm->w + (size_t)n * mm->w_row_bytes;
+            else
+                qpack(t, mm, n, nr, scratch);
             __mmask16 k0 = (__mmask16)(nr >= 16 ? 0xffff : (1u << nr) - 1);
             __mmask16 k1 = (__mmask16)(nr >= 32 ? 0xffff : nr <= 16 ? 0 : (1u << (nr - 16)) - 1);
             /* Tiles of at most QT_MAXM rows, sized evenly (32 rows: 6,6,5,5,5,5). */
@@ -716,7 +731,9 @@ INLINE void qpacked(const cpu__mm *mm, td_type t, int n0, int n1, uint8_t *panel
 
 static void matmul_q8_0(const cpu__mm *mm, int n0, int n1, void *scratch)
 {
-    if (mm->M < QPACK_MIN_M)
+    /* Packed at load time: the panel tiles serve every M (for M = 1 they need no
+     * horizontal reduction, unlike the direct path). */
+    if (mm->M < QPACK_MIN_M && !mm->packed)
         qdirect(mm, TD_TYPE_Q8_0, n0, n1);
     else
         qpacked(mm, TD_TYPE_Q8_0, n0, n1, scratch);
@@ -759,7 +776,7 @@ void cpu__avx512_matmul(const cpu__mm *mm, int n0, int n1, void *scratch)
 size_t cpu__avx512_matmul_scratch(td_type wtype, int M, int K)
 {
     (void)M;
-    if (cpu__is_quantized(wtype)) return (size_t)(K / 32) * (1024 + QP_ROWS * 4);
+    if (cpu__is_quantized(wtype)) return (size_t)(K / 32) * QP_BB;
     return (size_t)FP_NR * (TD_ALIGN_UP((size_t)K, 16) + 16) * 4 +
            (size_t)FP_MB_CHUNKED * FP_NR * 64;
 }

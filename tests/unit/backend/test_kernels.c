@@ -290,12 +290,34 @@ static void check_output(const weights *w, const float *x, float y, int m, int n
                  td_type_name(w->t), m, n, K, y, exact, bound, cpu_isa_name(cpu_get_isa()));
 }
 
+/*
+ * cpu_matmul; for types with a packed layout, also the same product from the packed
+ * weight (packed in two row ranges, as threads would), which must match bit for bit.
+ */
 static void run_matmul(td_pool *pool, const weights *w, float *y, int64_t ldy, const float *x,
                        int64_t ldx, int M)
 {
     size_t sz = cpu_matmul_scratch_size(w->t, M, w->K, td_pool_size(pool));
     void *scratch = td_aligned_alloc(sz);
     cpu_matmul(pool, y, ldy, x, ldx, w->w, w->row_bytes, w->t, M, w->N, w->K, scratch);
+    if (cpu_pack_supported(w->t) && w->N > 0) {
+        size_t rb = td_row_bytes(w->t, w->K);
+        uint8_t *p = td_aligned_alloc(cpu_pack_bytes(w->t, w->N, w->K));
+        memset(p, 0xa5, cpu_pack_bytes(w->t, w->N, w->K));
+        int64_t mid = TD_MIN((int64_t)w->N, 32);
+        cpu_pack_rows(w->t, p, w->w, w->row_bytes, w->N, w->K, 0, mid);
+        if (mid < w->N) cpu_pack_rows(w->t, p, w->w, w->row_bytes, w->N, w->K, mid, w->N);
+        float *yp = td_xmalloc(sizeof(float) * (size_t)M * (size_t)ldy);
+        memset(yp, 0xff, sizeof(float) * (size_t)M * (size_t)ldy);
+        cpu_mm_out o = {.y = yp, .ldy = ldy, .w = p, .w_row_bytes = rb, .N = w->N, .packed = true};
+        cpu_matmul_multi(pool, &o, 1, x, ldx, w->t, M, w->K, scratch);
+        for (int m = 0; m < M; m++)
+            if (memcmp(yp + m * ldy, y + m * ldy, sizeof(float) * (size_t)w->N) != 0)
+                fail_msg("%s packed differs: M=%d N=%d K=%d row %d isa=%s", td_type_name(w->t), M,
+                         w->N, w->K, m, cpu_isa_name(cpu_get_isa()));
+        free(yp);
+        td_aligned_free(p);
+    }
     td_aligned_free(scratch);
 }
 
