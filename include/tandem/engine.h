@@ -101,21 +101,47 @@ typedef struct td_request_kv {
                             blocks until td_engine_kv_release(id) */
     bool remote;         /* consumer: the prompt's KV is loaded by the caller (kv_load) */
     int32_t first_token; /* with remote: the token the producer sampled; it is appended as
-                            the first generated token, not sampled again */
+                            the first generated token, not sampled again. -1: not known
+                            yet (push mode): td_engine_kv_loaded gives it */
+    bool stream_layers;  /* producer, push mode: report the prompt's KV layer by layer as
+                            it is computed (td_engine_set_layer_fn) */
 } td_request_kv;
+
+/**
+ * Progress of one streaming request (td_request_kv.stream_layers) after one layer of one
+ * step: its prompt's KV in that layer is final for tokens [0, n_done), held in blocks[0 ..
+ * ceil(n_done / block_size)). A block past the last full one is final only once n_done ==
+ * n_prompt. n_done 0 (layer -1): the request was preempted, its blocks went back to the
+ * pool, and everything reported before is void.
+ */
+typedef struct td_layer_progress {
+    uint64_t id;
+    int n_done, n_prompt;
+    const int32_t *blocks;
+} td_layer_progress;
+
+/**
+ * Called on the engine's thread inside td_engine_step, right after layer `layer` stored
+ * the K and V of a step that prefilled streaming requests (those listed), while the rest
+ * of the step still runs: keep it short (queue the note, do not copy). NULL turns it off.
+ */
+typedef void (*td_layer_fn)(void *user, int layer, const td_layer_progress *p, int n);
+void td_engine_set_layer_fn(td_engine *e, td_layer_fn fn, void *user);
 
 /** td_engine_add_request with a KV role; kv may be NULL (a plain request). */
 int td_engine_add_request_kv(td_engine *e, uint64_t *out_id, const int32_t *prompt, int n_prompt,
                              const td_sampling *sp, const td_request_kv *kv, td_err *err);
 
 /**
- * A remote request's copy ended. status 0: the KV is in place; the first token is emitted
- * now and decoding continues. Otherwise, with recompute the request computes its prompt
+ * A remote request's copy ended. status 0: the KV is in place; the first token (the one
+ * given at add time, or first_token here when that was -1) is emitted now and decoding
+ * continues; first_token -1 keeps the one given at add time. Otherwise, with recompute the request computes its prompt
  * locally (still emitting the producer's first token), else it ends with TD_FINISH_ERROR
  * and msg. An abort that arrived during the copy takes effect here. TD_ENOTFOUND if id is
  * not loading.
  */
-int td_engine_kv_loaded(td_engine *e, uint64_t id, int status, bool recompute, const char *msg);
+int td_engine_kv_loaded(td_engine *e, uint64_t id, int status, bool recompute, const char *msg,
+                        int32_t first_token);
 
 /** Give back the blocks that a held request kept. TD_ENOTFOUND if it holds none. */
 int td_engine_kv_release(td_engine *e, uint64_t id);

@@ -52,7 +52,8 @@ static size_t on_body(char *p, size_t size, size_t n, void *arg)
 }
 
 /* POST every body to url at once; out[i] gets response i's parsed JSON (NULL on failure). */
-static int post_all(const char *url, char **bodies, int n, cJSON **out)
+/* POST bodies[i] to urls[i] (or all to urls[0] when one_url), all at once. */
+static int post_all_to(const char *const *urls, bool one_url, char **bodies, int n, cJSON **out)
 {
     CURLM *multi = curl_multi_init();
     CURL **easy = calloc((size_t)n, sizeof(CURL *));
@@ -61,7 +62,7 @@ static int post_all(const char *url, char **bodies, int n, cJSON **out)
     curl_multi_setopt(multi, CURLMOPT_MAX_TOTAL_CONNECTIONS, (long)n);
     for (int i = 0; i < n; i++) {
         easy[i] = curl_easy_init();
-        curl_easy_setopt(easy[i], CURLOPT_URL, url);
+        curl_easy_setopt(easy[i], CURLOPT_URL, urls[one_url ? 0 : i]);
         curl_easy_setopt(easy[i], CURLOPT_POSTFIELDS, bodies[i]);
         curl_easy_setopt(easy[i], CURLOPT_HTTPHEADER, hdr);
         curl_easy_setopt(easy[i], CURLOPT_WRITEFUNCTION, on_body);
@@ -80,7 +81,7 @@ static int post_all(const char *url, char **bodies, int n, cJSON **out)
         curl_easy_getinfo(easy[i], CURLINFO_RESPONSE_CODE, &code);
         out[i] = code == 200 && bufs[i].data ? cJSON_Parse(bufs[i].data) : NULL;
         if (!out[i] && !failed++)
-            fprintf(stderr, "request %d to %s failed: HTTP %ld: %.300s\n", i, url, code,
+            fprintf(stderr, "request %d to %s failed: HTTP %ld: %.300s\n", i, urls[one_url ? 0 : i], code,
                     bufs[i].data ? bufs[i].data : "(no body)");
         curl_multi_remove_handle(multi, easy[i]);
         curl_easy_cleanup(easy[i]);
@@ -91,6 +92,39 @@ static int post_all(const char *url, char **bodies, int n, cJSON **out)
     free(easy);
     free(bufs);
     return failed;
+}
+
+static int post_all(const char *url, char **bodies, int n, cJSON **out)
+{
+    return post_all_to(&url, true, bodies, n, out);
+}
+
+/* GET a JSON document (the producer's /kv_transfer_info). */
+static cJSON *get_json(const char *url)
+{
+    CURL *e = curl_easy_init();
+    body_buf b = {0};
+    curl_easy_setopt(e, CURLOPT_URL, url);
+    curl_easy_setopt(e, CURLOPT_WRITEFUNCTION, on_body);
+    curl_easy_setopt(e, CURLOPT_WRITEDATA, &b);
+    cJSON *j = curl_easy_perform(e) == CURLE_OK && b.data ? cJSON_Parse(b.data) : NULL;
+    curl_easy_cleanup(e);
+    free(b.data);
+    return j;
+}
+
+/* Write mode: the router's part, drawing one transfer id per request. */
+static void random_hex(char out[33])
+{
+    uint8_t r[16] = {0};
+    FILE *f = fopen("/dev/urandom", "rb");
+    if (!f || fread(r, 1, sizeof(r), f) != sizeof(r)) {
+        for (int i = 0; i < 16; i++)
+            r[i] = (uint8_t)(td_now_ns() >> (i % 8 * 8)) ^ (uint8_t)(i * 37);
+    }
+    if (f) fclose(f);
+    for (int i = 0; i < 16; i++)
+        snprintf(out + 2 * i, 3, "%02x", r[i]);
 }
 
 static double num_at(const cJSON *o, const char *a, const char *b)
@@ -119,8 +153,8 @@ static char *prompt_json(int len, int n_vocab, int salt)
     return s;
 }
 
-static int run_level(const char *prod, const char *cons, int c, int prompt_len, int max_tokens,
-                     int n_vocab, int salt)
+static int run_level(const char *prod, const char *cons, const cJSON *pinfo, int c, int prompt_len,
+                     int max_tokens, int n_vocab, int salt)
 {
     char **pre = calloc((size_t)c, sizeof(char *)), **dec = calloc((size_t)c, sizeof(char *));
     char **prompts = calloc((size_t)c, sizeof(char *));
@@ -128,6 +162,52 @@ static int run_level(const char *prod, const char *cons, int c, int prompt_len, 
     double *xfer = calloc((size_t)c, sizeof(double)), *wire = calloc((size_t)c, sizeof(double));
     double *ttft = calloc((size_t)c, sizeof(double));
     int rc = 1;
+    double e2e;
+    if (pinfo) { /* write mode: prefill and decode dispatched at once, one id each */
+        const cJSON *eid = cJSON_GetObjectItemCaseSensitive(pinfo, "engine_id");
+        const cJSON *host = cJSON_GetObjectItemCaseSensitive(pinfo, "kv_host");
+        double port = num_at(pinfo, "handshake_port", NULL);
+        char **all = calloc(2 * (size_t)c, sizeof(char *));
+        cJSON **res = calloc(2 * (size_t)c, sizeof(cJSON *));
+        const char **urls = calloc(2 * (size_t)c, sizeof(char *));
+        char pu[512], cu[512];
+        snprintf(pu, sizeof(pu), "%s/v1/completions", prod);
+        snprintf(cu, sizeof(cu), "%s/v1/completions", cons);
+        for (int i = 0; i < c; i++) {
+            char tid[33];
+            random_hex(tid);
+            prompts[i] = prompt_json(prompt_len, n_vocab, salt + i);
+            size_t cap = strlen(prompts[i]) + 512;
+            all[2 * i] = malloc(cap);
+            all[2 * i + 1] = malloc(cap);
+            snprintf(all[2 * i], cap,
+                     "{\"prompt\":%s,\"max_tokens\":1,\"temperature\":0,\"kv_transfer_params\":"
+                     "{\"do_remote_decode\":true,\"transfer_mode\":\"write\",\"transfer_id\":\"%s\"}}",
+                     prompts[i], tid);
+            snprintf(all[2 * i + 1], cap,
+                     "{\"prompt\":%s,\"max_tokens\":%d,\"temperature\":0,\"ignore_eos\":true,"
+                     "\"kv_transfer_params\":{\"do_remote_prefill\":true,\"transfer_mode\":\"write\","
+                     "\"transfer_id\":\"%s\",\"remote_engine_id\":\"%s\",\"remote_host\":\"%s\","
+                     "\"remote_handshake_port\":%d}}",
+                     prompts[i], max_tokens, tid, cJSON_IsString(eid) ? eid->valuestring : "",
+                     cJSON_IsString(host) ? host->valuestring : "127.0.0.1", (int)port);
+            urls[2 * i] = pu;
+            urls[2 * i + 1] = cu;
+        }
+        double t0 = td_now_s();
+        int failed = post_all_to(urls, false, all, 2 * c, res);
+        e2e = td_now_s() - t0;
+        for (int i = 0; i < c; i++) {
+            pr[i] = res[2 * i];
+            dr[i] = res[2 * i + 1];
+            free(all[2 * i]);
+            free(all[2 * i + 1]);
+        }
+        free(all);
+        free(res);
+        free(urls);
+        if (failed) goto out;
+    } else {
     for (int i = 0; i < c; i++) {
         prompts[i] = prompt_json(prompt_len, n_vocab, salt + i);
         size_t cap = strlen(prompts[i]) + 256;
@@ -139,7 +219,9 @@ static int run_level(const char *prod, const char *cons, int c, int prompt_len, 
     }
     char url[512];
     snprintf(url, sizeof(url), "%s/v1/completions", prod);
+    double t_pre = td_now_s();
     if (post_all(url, pre, c, pr)) goto out;
+    t_pre = td_now_s() - t_pre;
     for (int i = 0; i < c; i++) {
         char *kv = cJSON_PrintUnformatted(cJSON_GetObjectItemCaseSensitive(pr[i], "kv_transfer_params"));
         size_t cap = strlen(prompts[i]) + (kv ? strlen(kv) : 0) + 256;
@@ -153,7 +235,8 @@ static int run_level(const char *prod, const char *cons, int c, int prompt_len, 
     snprintf(url, sizeof(url), "%s/v1/completions", cons);
     double t0 = td_now_s();
     if (post_all(url, dec, c, dr)) goto out;
-    double wall = td_now_s() - t0;
+    e2e = t_pre + (td_now_s() - t0); /* a router's sequence: all prefills, then the decodes */
+    }
     double bytes = 0;
     for (int i = 0; i < c; i++) {
         const cJSON *kv = cJSON_GetObjectItemCaseSensitive(dr[i], "kv_transfer_params");
@@ -176,7 +259,7 @@ static int run_level(const char *prod, const char *cons, int c, int prompt_len, 
     double span = wire[c - 1] / 1e3;
     printf("%4d  %9.2f  %9.2f %9.2f  %9.2f %9.2f  %9.2f  %9.2f %9.2f  %9.1f\n", c,
            bytes / c / 1e6, xfer[c / 2], xfer[c - 1], wire[c / 2], wire[c - 1],
-           span > 0 ? bytes / span / 1e9 : 0.0, ttft[c / 2], ttft[c - 1], wall * 1e3);
+           span > 0 ? bytes / span / 1e9 : 0.0, ttft[c / 2], ttft[c - 1], e2e * 1e3);
     fflush(stdout);
     rc = 0;
 out:
@@ -204,11 +287,13 @@ int cli_bench_pd(int argc, char **argv)
     cli_flag flags[ENGINE_OPTS_MAX_FLAGS + 8];
     int nf = engine_opts_register(&eo, flags);
     int64_t prompt_len = 512, max_tokens = 4, vocab = 32000;
-    const char *levels = "1,4,16", *protocol = "tcp";
+    const char *levels = "1,4,16", *protocol = "tcp", *mode = "read";
     flags[nf++] = CLI_FLAG("prompt-len", CLI_FLAG_INT, &prompt_len, "prompt tokens (512)");
     flags[nf++] = CLI_FLAG("max-tokens", CLI_FLAG_INT, &max_tokens, "tokens decoded each (4)");
     flags[nf++] = CLI_FLAG("concurrency", CLI_FLAG_STR, &levels, "comma-separated levels (1,4,16)");
     flags[nf++] = CLI_FLAG("protocol", CLI_FLAG_STR, &protocol, "kv transfer protocol (tcp)");
+    flags[nf++] = CLI_FLAG("transfer-mode", CLI_FLAG_STR, &mode,
+                           "read (prefill, then decode) or write (both at once, push) (read)");
     flags[nf++] = CLI_FLAG("vocab", CLI_FLAG_INT, &vocab,
                            "prompt ids are drawn below this (32000; lower it for small vocabularies)");
     int rc = cli_flags_parse(flags, nf, argc, argv, "tandem bench-pd --model M [options]");
@@ -229,11 +314,19 @@ int cli_bench_pd(int argc, char **argv)
         fprintf(stderr, "error: --prompt-len, --max-tokens and --vocab must be positive\n");
         return 2;
     }
-    char pcfg[160], ccfg[160];
+    bool write = !strcmp(mode, "write");
+    if (!write && strcmp(mode, "read")) {
+        fprintf(stderr, "error: --transfer-mode must be read or write, got '%s'\n", mode);
+        return 2;
+    }
+    char pcfg[200], ccfg[200];
     /* All C prefills finish before the decodes start: the lease must outlast them. */
-    snprintf(pcfg, sizeof(pcfg), "{\"kv_role\":\"kv_producer\",\"protocol\":\"%s\",\"lease_ms\":3600000}",
-             protocol);
-    snprintf(ccfg, sizeof(ccfg), "{\"kv_role\":\"kv_consumer\",\"protocol\":\"%s\"}", protocol);
+    snprintf(pcfg, sizeof(pcfg),
+             "{\"kv_role\":\"kv_producer\",\"protocol\":\"%s\",\"lease_ms\":3600000,"
+             "\"transfer_mode\":\"%s\"}",
+             protocol, mode);
+    snprintf(ccfg, sizeof(ccfg), "{\"kv_role\":\"kv_consumer\",\"protocol\":\"%s\",\"transfer_mode\":\"%s\"}",
+             protocol, mode);
     const char *pex[] = {"--kv-transfer-config", pcfg, NULL};
     const char *cex[] = {"--kv-transfer-config", ccfg, NULL};
     char purl[256], curl_[256];
@@ -245,18 +338,31 @@ int cli_bench_pd(int argc, char **argv)
         return 1;
     }
     curl_global_init(CURL_GLOBAL_DEFAULT);
-    printf("bench-pd: %s, prompt %lld tokens, protocol %s; producer %s, consumer %s\n",
-           eo.model ? eo.model : "?", (long long)prompt_len, protocol, purl, curl_);
-    printf("   C   MB/req   xfer p50   xfer max  wire p50  wire max   agg GB/s   TTFT p50  TTFT max  wall ms\n");
+    cJSON *pinfo = NULL;
+    if (write) {
+        char iu[300];
+        snprintf(iu, sizeof(iu), "%s/kv_transfer_info", purl);
+        pinfo = get_json(iu);
+    }
+    printf("bench-pd: %s, prompt %lld tokens, protocol %s, transfer mode %s; producer %s, "
+           "consumer %s\n",
+           eo.model ? eo.model : "?", (long long)prompt_len, protocol, mode, purl, curl_);
+    printf("   C   MB/req   xfer p50   xfer max  wire p50  wire max   agg GB/s   TTFT p50  TTFT max   e2e ms\n");
+    rc = write && !pinfo ? 1 : 0;
+    if (rc) fprintf(stderr, "error: no /kv_transfer_info from the producer\n");
     /* A warm-up request opens the transfer session (connections, handshake). */
-    rc = run_level(purl, curl_, 1, (int)prompt_len, (int)max_tokens, (int)vocab, 1 << 20);
+    if (!rc) rc = run_level(purl, curl_, pinfo, 1, (int)prompt_len, (int)max_tokens, (int)vocab, 1 << 20);
     int salt = 0;
     for (int i = 0; i < n_lv && rc == 0; i++) {
-        rc = run_level(purl, curl_, lv[i], (int)prompt_len, (int)max_tokens, (int)vocab, salt);
+        rc = run_level(purl, curl_, pinfo, lv[i], (int)prompt_len, (int)max_tokens, (int)vocab, salt);
         salt += lv[i];
     }
-    printf("(times in ms; xfer: consumer-side time from blocks allocated to KV in place; wire: the "
-           "transfer engine's own time; the first row is a warm-up)\n");
+    cJSON_Delete(pinfo);
+    printf("(times in ms; xfer: consumer-side time from blocks allocated to KV in place (in write "
+           "mode it includes waiting for the prefill); wire: the transfer engine's own time; TTFT: "
+           "the decode server's; e2e: a router's view, from dispatch to the last decode's end "
+           "(read: all prefills, then all decodes; write: both at once); the first row is a "
+           "warm-up)\n");
     curl_global_cleanup();
     kill(prod, SIGTERM);
     kill(cons, SIGTERM);

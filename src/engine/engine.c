@@ -176,9 +176,10 @@ int td_engine_create(td_engine **out, const td_engine_config *cfg, td_err *err)
     e->b_tables = malloc((size_t)S * sizeof(*e->b_tables));
     e->b_reqs = malloc((size_t)S * sizeof(*e->b_reqs));
     e->b_n = malloc((size_t)S * sizeof(int));
+    e->lp = malloc((size_t)S * sizeof(*e->lp));
     e->logits = td_aligned_alloc((size_t)S * (size_t)s->n_vocab * sizeof(float));
     if (!e->b_tokens || !e->b_pos || !e->b_seq || !e->b_logit_rows || !e->b_tables ||
-        !e->b_reqs || !e->b_n || !e->logits) {
+        !e->b_reqs || !e->b_n || !e->lp || !e->logits) {
         rc = td_err_set(err, TD_ENOMEM, "engine: out of memory for batch buffers");
         goto fail;
     }
@@ -228,6 +229,7 @@ void td_engine_free(td_engine *e)
     free(e->b_tables);
     free(e->b_reqs);
     free(e->b_n);
+    free(e->lp);
     td_aligned_free(e->logits);
     free(e->outs);
     free(e->arena);
@@ -268,9 +270,16 @@ bool td_engine_has_work(const td_engine *e)
     return e->n_waiting > 0 || e->n_running > e->n_loading;
 }
 
-int td_engine_kv_loaded(td_engine *e, uint64_t id, int status, bool recompute, const char *msg)
+int td_engine_kv_loaded(td_engine *e, uint64_t id, int status, bool recompute, const char *msg,
+                        int32_t first_token)
 {
-    return sched__kv_loaded(e, id, status, recompute, msg);
+    return sched__kv_loaded(e, id, status, recompute, msg, first_token);
+}
+
+void td_engine_set_layer_fn(td_engine *e, td_layer_fn fn, void *user)
+{
+    e->layer_fn = fn;
+    e->layer_user = user;
 }
 
 int td_engine_kv_release(td_engine *e, uint64_t id)
@@ -356,7 +365,7 @@ int td_engine_add_request_kv(td_engine *e, uint64_t *out_id, const int32_t *prom
     const int n_vocab = e->model->shape.n_vocab;
     if (kv && kv->hold && kv->remote)
         return td_err_set(err, TD_EINVAL, "a request cannot both hold its KV and load it remotely");
-    if (kv && kv->remote && (kv->first_token < 0 || kv->first_token >= n_vocab))
+    if (kv && kv->remote && (kv->first_token < -1 || kv->first_token >= n_vocab))
         return td_err_set(err, TD_EINVAL, "the remote first token %d is outside the vocabulary [0, %d)",
                           kv->first_token, n_vocab);
     if (n_prompt < 1) return td_err_set(err, TD_EINVAL, "the prompt is empty");
@@ -429,6 +438,7 @@ int td_engine_add_request_kv(td_engine *e, uint64_t *out_id, const int32_t *prom
         r->hold = kv->hold;
         r->remote = kv->remote;
         r->first_token = kv->first_token;
+        r->stream_layers = kv->stream_layers && kv->hold;
     }
     r->t_arrival = td_now_s();
     td_rng_seed(&r->rng, sp->has_seed ? sp->seed : td_rng_next(&e->rng));

@@ -56,6 +56,7 @@ typedef struct req {
     bool abort_pending;  /* aborted while LOADING: ends when the copy ends */
     int32_t first_token; /* remote: the producer's token */
     int32_t forced_token;/* recompute after a failed load: emit this instead of sampling */
+    bool stream_layers;  /* producer, push mode: layer progress goes to layer_fn */
     int kv_skip;         /* remote: blocks found in the local prefix cache */
 } req;
 
@@ -110,6 +111,11 @@ struct td_engine {
     int n_holds, cap_holds;
     int n_loading;       /* running requests in REQ_LOADING */
 
+    td_layer_fn layer_fn; /* td_engine_set_layer_fn */
+    void *layer_user;
+    td_layer_progress *lp; /* [max_num_seqs] this step's streaming requests */
+    int n_lp;
+
     td_engine_stats stats;
 };
 
@@ -117,7 +123,8 @@ struct td_engine {
 void sched__release_blocks(td_engine *e, req *r);
 void sched__finish(td_engine *e, req *r, td_finish why, const char *error);
 int sched__step(td_engine *e, td_err *err);
-int sched__kv_loaded(td_engine *e, uint64_t id, int status, bool recompute, const char *msg);
+int sched__kv_loaded(td_engine *e, uint64_t id, int status, bool recompute, const char *msg,
+                     int32_t first_token);
 int sched__kv_release(td_engine *e, uint64_t id);
 void req__free(req *r);
 

@@ -355,6 +355,7 @@ void fwd_run(fwd_ctx *f, const fwd_batch *b)
                       (const td_weight *const[]){&L->wq, &L->wk, &L->wv}, 3, T);
         tk.layer = L;
         td_pool_run(f->pool, task_rope_store, &tk);
+        if (b->kv_stored) b->kv_stored(b->kv_user, il);
         if (il == s->n_layer - 1 && b->n_logits < T) {
             /* The last layer's output matters only for the rows that produce logits, and
              * every row's K and V are already stored: finish just those rows. */

@@ -24,6 +24,9 @@ typedef struct fwd_batch {
     int n_logits;
     const int32_t *logit_rows;       /* [n_logits] batch rows whose next-token logits are needed */
     float *logits;                   /* out: [n_logits][n_vocab] */
+    /* Called after each layer has stored the batch's K and V (NULL: not called). */
+    void (*kv_stored)(void *user, int layer);
+    void *kv_user;
 } fwd_batch;
 
 typedef struct fwd_ctx {

@@ -148,6 +148,10 @@ static req *pop_victim(td_engine *e)
 
 static void preempt(td_engine *e, req *r)
 {
+    if (r->stream_layers && e->layer_fn) {
+        td_layer_progress p = {.id = r->id, .n_done = 0, .n_prompt = r->n_prompt};
+        e->layer_fn(e->layer_user, -1, &p, 1);
+    }
     sched__release_blocks(e, r);
     r->state = REQ_WAITING;
     r->n_preemptions++;
@@ -344,6 +348,12 @@ static void drop_polled_outputs(td_engine *e)
     }
 }
 
+static void step_kv_stored(void *user, int layer)
+{
+    td_engine *e = user;
+    e->layer_fn(e->layer_user, layer, e->lp, e->n_lp);
+}
+
 int sched__step(td_engine *e, td_err *err)
 {
     (void)err;
@@ -442,6 +452,21 @@ int sched__step(td_engine *e, td_err *err)
     fwd_batch b = {.n_tokens = T, .tokens = e->b_tokens, .pos = e->b_pos, .seq = e->b_seq,
                    .block_tables = e->b_tables, .n_logits = n_logits,
                    .logit_rows = e->b_logit_rows, .logits = e->logits};
+    /* Streaming producers: report each layer's progress while the step runs. */
+    e->n_lp = 0;
+    for (int s = 0; e->layer_fn && s < n_sched; s++) {
+        req *r = e->b_reqs[s];
+        if (!r->stream_layers || r->n_computed >= r->n_prompt) continue;
+        e->lp[e->n_lp++] = (td_layer_progress){.id = r->id,
+                                               .n_done = TD_MIN(r->n_computed + e->b_n[s],
+                                                                r->n_prompt),
+                                               .n_prompt = r->n_prompt,
+                                               .blocks = r->blocks};
+    }
+    if (e->n_lp) {
+        b.kv_stored = step_kv_stored;
+        b.kv_user = e;
+    }
     fwd_run(&e->fwd, &b);
     e->stats.steps++;
 
@@ -491,11 +516,18 @@ static void drop_running(td_engine *e, int i)
     e->n_running--;
 }
 
-int sched__kv_loaded(td_engine *e, uint64_t id, int status, bool recompute, const char *msg)
+int sched__kv_loaded(td_engine *e, uint64_t id, int status, bool recompute, const char *msg,
+                     int32_t first_token)
 {
     int i = find_running(e, id);
     if (i < 0 || e->running[i]->state != REQ_LOADING) return TD_ENOTFOUND;
     req *r = e->running[i];
+    if (first_token >= e->model->shape.n_vocab) first_token = -1;
+    if (first_token >= 0) r->first_token = first_token;
+    if (status == 0 && r->first_token < 0) {
+        status = TD_EPROTO;
+        msg = "the KV arrived without the producer's first token";
+    }
     e->n_loading--;
     r->remote = false;
     r->t_kv_loaded = td_now_s();

@@ -41,6 +41,15 @@ typedef struct lease {
     bool dead;
     kvx_release_reason reason;
     void *user;
+    /* Push transfers (kvx_agent_push_open): blocks[0 .. n_known) are known; in segment s,
+     * prompt blocks [0, ready[s]) are final. index holds (block id << 32 | prompt index)
+     * of the known blocks, sorted, for checking reads. All under agent->mu. */
+    bool push, finished, claimed;
+    uint32_t *ready;
+    uint64_t *index;
+    uint32_t n_known;
+    uint8_t note[KVX_MAX_NOTE];
+    uint32_t note_len;
 } lease;
 
 typedef struct conn {
@@ -112,6 +121,8 @@ static void lease_free(lease *l)
 {
     free(l->blocks);
     free(l->sorted);
+    free(l->ready);
+    free(l->index);
     free(l);
 }
 
@@ -280,6 +291,25 @@ static int send_error(int fd, conn_bufs *b, uint32_t tag, int code, const char *
     return kvx__send_all(fd, b->out, n, td_now_ns() + SEND_TIMEOUT_NS, &e);
 }
 
+static int cmp_u64(const void *x, const void *y)
+{
+    uint64_t a = *(const uint64_t *)x, b = *(const uint64_t *)y;
+    return (a > b) - (a < b);
+}
+
+/* Under a->mu: whether block b of a push transfer is final in segment seg. */
+static bool push_block_ready(const lease *l, uint32_t seg, uint32_t b)
+{
+    size_t lo = 0, hi = l->n_known;
+    while (lo < hi) {
+        size_t mid = (lo + hi) / 2;
+        if ((l->index[mid] >> 32) < b) lo = mid + 1;
+        else hi = mid;
+    }
+    if (lo == l->n_known || (l->index[lo] >> 32) != b) return false;
+    return (uint32_t)l->index[lo] < l->ready[seg];
+}
+
 static bool lease_has_block(const lease *l, uint32_t b)
 {
     int32_t key = (int32_t)b;
@@ -301,7 +331,8 @@ static lease *lease_pin(kvx_agent *a, const uint8_t id[KVX_ID_BYTES])
     lease *l = i >= 0 ? a->leases[i] : NULL;
     if (l) {
         l->inflight++;
-        l->expires_ns = td_now_ns() + l->lease_ns; /* a read is a sign of life */
+        if (!l->push || l->finished) /* an unfinished push has no lease yet */
+            l->expires_ns = td_now_ns() + l->lease_ns; /* a read is a sign of life */
     } else {
         a->stats.unknown_transfer++;
     }
@@ -332,6 +363,7 @@ static bool ranges_ok(kvx_agent *a, const lease *l, const kvx_msg *m, bool want_
     const kvx_region *r = &a->opts.region;
     uint64_t total = 0, n_blocks = 0;
     msg[0] = 0;
+    if (l->push) pthread_mutex_lock(&a->mu); /* its progress moves under the lock */
     for (uint32_t k = 0; k < m->u.read.n_desc && !msg[0]; k++) {
         kvx_wire_desc d = kvx_wire_get_desc(m, k);
         if (d.segment >= r->n_segments || d.block >= r->n_blocks ||
@@ -343,13 +375,16 @@ static bool ranges_ok(kvx_agent *a, const lease *l, const kvx_msg *m, bool want_
             break;
         }
         for (uint32_t j = 0; j < d.n_blocks; j++)
-            if (!lease_has_block(l, d.block + j)) {
-                snprintf(msg, cap, "block %u is not part of this transfer", d.block + j);
+            if (l->push ? !push_block_ready(l, d.segment, d.block + j)
+                        : !lease_has_block(l, d.block + j)) {
+                snprintf(msg, cap, "block %u is not part of this transfer%s", d.block + j,
+                         l->push ? " or not computed yet in that segment" : "");
                 break;
             }
         n_blocks += d.n_blocks;
         total += (uint64_t)d.n_blocks * r->block_bytes;
     }
+    if (l->push) pthread_mutex_unlock(&a->mu);
     if (!msg[0] && want_crc && n_blocks > KVX_MAX_CRC)
         snprintf(msg, cap, "%s covers more than %u blocks", kvx_wire_type_name(m->hdr.type),
                  KVX_MAX_CRC);
@@ -549,7 +584,8 @@ static int serve_heartbeat(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m)
     for (uint32_t k = 0; k < m->u.heartbeat.n_ids; k++) {
         int i = lease_find(a, kvx_wire_get_id(m, k));
         if (i >= 0) {
-            a->leases[i]->expires_ns = now + a->leases[i]->lease_ns;
+            if (!a->leases[i]->push || a->leases[i]->finished)
+                a->leases[i]->expires_ns = now + a->leases[i]->lease_ns;
             found++;
         }
     }
@@ -606,6 +642,260 @@ static int serve_auth(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m,
     size_t n = kvx_wire_encode_auth(b->out, b->out_cap, m->hdr.tag, want);
     td_err e;
     return kvx__send_all(fd, b->out, n, td_now_ns() + SEND_TIMEOUT_NS, &e);
+}
+
+
+/* ---------------------------------------------------------------- push (transfer_mode write) */
+
+int kvx_agent_push_open(kvx_agent *a, const char *transfer_id, int n_blocks, void *transfer_user,
+                        td_err *err)
+{
+    uint8_t id[KVX_ID_BYTES];
+    if (!transfer_id || kvx_id_from_hex(transfer_id, id))
+        return td_err_set(err, TD_EINVAL, "kvx: a push transfer id must be 32 hex digits");
+    if (n_blocks < 1 || (uint32_t)n_blocks > a->opts.region.n_blocks)
+        return td_err_set(err, TD_EINVAL, "kvx: a push transfer of %d blocks (region: %u)",
+                          n_blocks, a->opts.region.n_blocks);
+    lease *l = calloc(1, sizeof(*l));
+    if (l) {
+        l->blocks = malloc((size_t)n_blocks * sizeof(int32_t));
+        l->index = malloc((size_t)n_blocks * sizeof(uint64_t));
+        l->ready = calloc(a->opts.region.n_segments, sizeof(uint32_t));
+    }
+    if (!l || !l->blocks || !l->index || !l->ready) {
+        if (l) lease_free(l);
+        return td_err_set(err, TD_ENOMEM, "kvx: out of memory");
+    }
+    memcpy(l->id, id, KVX_ID_BYTES);
+    kvx_id_to_hex(l->id, l->hex);
+    l->n_blocks = n_blocks;
+    l->push = true;
+    l->lease_ns = (uint64_t)a->opts.lease_ms * 1000000ull;
+    l->expires_ns = UINT64_MAX; /* the lease starts at kvx_agent_push_finish */
+    l->user = transfer_user;
+    pthread_mutex_lock(&a->mu);
+    int rc = 0;
+    if (lease_find(a, id) >= 0) {
+        rc = td_err_set(err, TD_ESTATE, "kvx: transfer id %s is already in use", l->hex);
+    } else if (a->n_leases == a->cap_leases) {
+        int cap = a->cap_leases ? 2 * a->cap_leases : 64;
+        lease **nl = realloc(a->leases, (size_t)cap * sizeof(*nl));
+        if (!nl) rc = td_err_set(err, TD_ENOMEM, "kvx: out of memory");
+        else {
+            a->leases = nl;
+            a->cap_leases = cap;
+        }
+    }
+    if (!rc) {
+        a->leases[a->n_leases++] = l;
+        pthread_cond_broadcast(&a->cv); /* a WRITE may be waiting for this id */
+    }
+    pthread_mutex_unlock(&a->mu);
+    if (rc) lease_free(l);
+    return rc;
+}
+
+/* Under a->mu: learn blocks[n_known .. n) of a push transfer. 0, or TD_EINVAL for an id
+ * outside the region. */
+static int push_learn(kvx_agent *a, lease *l, const int32_t *blocks, uint32_t n)
+{
+    if (n <= l->n_known) return 0;
+    for (uint32_t i = l->n_known; i < n; i++)
+        if (blocks[i] < 0 || (uint32_t)blocks[i] >= a->opts.region.n_blocks) return TD_EINVAL;
+    for (uint32_t i = l->n_known; i < n; i++) {
+        l->blocks[i] = blocks[i];
+        l->index[i] = (uint64_t)(uint32_t)blocks[i] << 32 | i;
+    }
+    l->n_known = n;
+    qsort(l->index, n, sizeof(uint64_t), cmp_u64);
+    return 0;
+}
+
+/* Under a->mu: the push transfer with this id, or NULL. */
+static lease *push_find(kvx_agent *a, const char *transfer_id)
+{
+    uint8_t id[KVX_ID_BYTES];
+    if (!transfer_id || kvx_id_from_hex(transfer_id, id)) return NULL;
+    int i = lease_find(a, id);
+    return i >= 0 && a->leases[i]->push ? a->leases[i] : NULL;
+}
+
+int kvx_agent_push_ready(kvx_agent *a, const char *transfer_id, uint32_t seg, int n_ready,
+                         const int32_t *blocks)
+{
+    pthread_mutex_lock(&a->mu);
+    lease *l = push_find(a, transfer_id);
+    int rc = l ? 0 : TD_ENOTFOUND;
+    if (l && (seg >= a->opts.region.n_segments || n_ready < 0)) rc = TD_EINVAL;
+    if (!rc) {
+        uint32_t n = TD_MIN((uint32_t)n_ready, (uint32_t)l->n_blocks);
+        rc = push_learn(a, l, blocks, n);
+        if (!rc && n > l->ready[seg]) {
+            l->ready[seg] = n;
+            pthread_cond_broadcast(&a->cv);
+        }
+    }
+    pthread_mutex_unlock(&a->mu);
+    return rc;
+}
+
+int kvx_agent_push_finish(kvx_agent *a, const char *transfer_id, const int32_t *blocks,
+                          const void *note, size_t note_len)
+{
+    if (note_len > KVX_MAX_NOTE) return TD_EINVAL;
+    pthread_mutex_lock(&a->mu);
+    lease *l = push_find(a, transfer_id);
+    int rc = l ? push_learn(a, l, blocks, (uint32_t)l->n_blocks) : TD_ENOTFOUND;
+    if (!rc) {
+        for (uint32_t s = 0; s < a->opts.region.n_segments; s++)
+            l->ready[s] = (uint32_t)l->n_blocks;
+        if (note_len) memcpy(l->note, note, note_len);
+        l->note_len = (uint32_t)note_len;
+        l->finished = true;
+        l->expires_ns = td_now_ns() + l->lease_ns;
+        pthread_cond_broadcast(&a->cv);
+    }
+    pthread_mutex_unlock(&a->mu);
+    return rc;
+}
+
+/* A push connection says something at least this often (and at least 4 times per the
+ * consumer's allowed silence) while it waits, so that the consumer can tell a slow prefill
+ * from a dead producer. */
+#define PUSH_KEEPALIVE_NS 1000000000ull
+
+/* Under a->mu: wait for a change until the next keep-alive is due; send it if it is. */
+static int push_wait(kvx_agent *a, int fd, conn_bufs *b, uint32_t tag, uint64_t *next_keepalive,
+                     uint64_t period_ns)
+{
+    uint64_t now = td_now_ns();
+    if (now < *next_keepalive) {
+        struct timespec ts = {(time_t)(*next_keepalive / 1000000000ull),
+                              (long)(*next_keepalive % 1000000000ull)};
+        pthread_cond_timedwait(&a->cv, &a->mu, &ts);
+        return 0;
+    }
+    size_t n = kvx_wire_encode_push_ready(b->out, b->out_cap, tag, 0, 0, 0, NULL, 0);
+    pthread_mutex_unlock(&a->mu);
+    td_err e;
+    int rc = kvx__send_all(fd, b->out, n, td_now_ns() + SEND_TIMEOUT_NS, &e);
+    pthread_mutex_lock(&a->mu);
+    *next_keepalive = td_now_ns() + period_ns;
+    return rc;
+}
+
+/*
+ * WRITE: wait (up to the consumer's timeout) for the producer to open this push transfer,
+ * claim it, then announce each segment's newly final blocks as the prefill reports them,
+ * and end with PUSH_DONE and the producer's note. The transfer stays pinned meanwhile, so
+ * its blocks cannot go back to the engine under the consumer's reads.
+ */
+static int serve_write(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m)
+{
+    uint32_t tag = m->hdr.tag;
+    uint32_t n_seg = a->opts.region.n_segments;
+    uint32_t *sent = malloc(n_seg * sizeof(uint32_t));
+    if (!sent) return send_error(fd, b, tag, TD_ENOMEM, "producer: out of memory");
+    uint64_t silence_ns =
+        (uint64_t)(m->u.write.timeout_ms ? m->u.write.timeout_ms : 30000) * 1000000ull;
+    uint64_t give_up = td_now_ns() + silence_ns;
+    uint64_t period = TD_MIN(PUSH_KEEPALIVE_NS, silence_ns / 4);
+    uint64_t keepalive = td_now_ns() + period;
+    int rc = 0, code = 0;
+    char msg[240] = "";
+    lease *l = NULL;
+    pthread_mutex_lock(&a->mu);
+    while (!rc) {
+        int i = lease_find(a, m->u.write.transfer_id);
+        if (i >= 0) {
+            l = a->leases[i];
+            break;
+        }
+        if (a->stopping) {
+            code = TD_ECONN;
+            snprintf(msg, sizeof(msg), "producer is shutting down");
+            break;
+        }
+        if (td_now_ns() >= give_up) {
+            code = TD_ENOTFOUND;
+            snprintf(msg, sizeof(msg),
+                     "no prefill with this transfer id came to the producer within %u ms",
+                     m->u.write.timeout_ms);
+            a->stats.unknown_transfer++;
+            break;
+        }
+        rc = push_wait(a, fd, b, tag, &keepalive, period);
+    }
+    if (l && !l->push) {
+        code = TD_EPROTO;
+        snprintf(msg, sizeof(msg), "transfer %s is not a push transfer", l->hex);
+    } else if (l && l->claimed) {
+        code = TD_ESTATE;
+        snprintf(msg, sizeof(msg), "transfer %s was already claimed by a consumer", l->hex);
+    } else if (l && m->u.write.n_blocks != (uint32_t)l->n_blocks) {
+        code = TD_EPROTO;
+        snprintf(msg, sizeof(msg),
+                 "the prompt takes %d blocks here and %u at the consumer (tokenized "
+                 "differently?)",
+                 l->n_blocks, m->u.write.n_blocks);
+    }
+    if (code || rc || !l) {
+        pthread_mutex_unlock(&a->mu);
+        free(sent);
+        if (code) set_last_error(a, msg);
+        return rc ? rc : send_error(fd, b, tag, code ? code : TD_ENOTFOUND, msg);
+    }
+    l->claimed = true;
+    l->inflight++; /* pinned until the last announcement is out */
+    a->stats.pushes++;
+    for (uint32_t s = 0; s < n_seg; s++)
+        sent[s] = m->u.write.skip;
+    bool done = false;
+    while (!rc) {
+        if (l->dead || a->stopping) {
+            code = a->stopping ? TD_ECONN : TD_ECANCELED;
+            snprintf(msg, sizeof(msg), "%s",
+                     a->stopping ? "producer is shutting down"
+                                 : "the producer dropped this transfer (its request was "
+                                   "aborted or preempted, or the lease expired)");
+            break;
+        }
+        uint32_t s0 = 0;
+        while (s0 < n_seg && l->ready[s0] <= sent[s0])
+            s0++;
+        if (s0 < n_seg) {
+            /* One announcement for the run of segments with the same new range. */
+            uint32_t from = sent[s0], to = TD_MIN(l->ready[s0], from + KVX_MAX_DESC);
+            uint32_t s1 = s0 + 1;
+            while (s1 < n_seg && sent[s1] == from && TD_MIN(l->ready[s1], from + KVX_MAX_DESC) == to)
+                s1++;
+            size_t n = kvx_wire_encode_push_ready(b->out, b->out_cap, tag, s0, s1 - s0, from,
+                                                  l->blocks + from, to - from);
+            for (uint32_t s = s0; s < s1; s++)
+                sent[s] = to;
+            pthread_mutex_unlock(&a->mu);
+            td_err e;
+            rc = kvx__send_all(fd, b->out, n, td_now_ns() + SEND_TIMEOUT_NS, &e);
+            pthread_mutex_lock(&a->mu);
+            keepalive = td_now_ns() + period;
+            continue;
+        }
+        if (l->finished) {
+            done = true;
+            break;
+        }
+        rc = push_wait(a, fd, b, tag, &keepalive, period);
+    }
+    size_t n = done ? kvx_wire_encode_push_done(b->out, b->out_cap, tag, l->note, l->note_len)
+                    : 0;
+    if (done) l->expires_ns = td_now_ns() + l->lease_ns; /* the consumer's reads follow */
+    pthread_mutex_unlock(&a->mu);
+    td_err e;
+    if (done) rc = kvx__send_all(fd, b->out, n, td_now_ns() + SEND_TIMEOUT_NS, &e);
+    else if (!rc) rc = send_error(fd, b, tag, code, msg);
+    lease_unpin(a, l, 0);
+    free(sent);
+    return rc;
 }
 
 static int serve_hello(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m,
@@ -736,6 +1026,9 @@ static void *conn_main(void *arg)
             break;
         case KVX_MSG_READ:
             rc = serve_read(a, c->fd, &b, &m);
+            break;
+        case KVX_MSG_WRITE:
+            rc = serve_write(a, c->fd, &b, &m);
             break;
         case KVX_MSG_RELEASE:
             rc = serve_release(a, c->fd, &b, &m);

@@ -20,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include "kvx/kvx_internal.h"
@@ -70,6 +71,18 @@ struct kvx_xfer {
     kvx_done_fn cb;
     void *user;
     kvx_xfer_info info;
+    /* A push transfer (kvx_write_start): its thread, the reads it started and not yet
+     * finished, the first of their errors, the producer's note. Under client->mu. */
+    bool push;
+    int32_t *dst;
+    int n_blocks, skip;
+    uint32_t timeout_ms;
+    int fd; /* the push connection, -1 when none (kvx_client_destroy shuts it down) */
+    int outstanding, sub_code;
+    td_err sub_err;
+    uint8_t note[KVX_MAX_NOTE];
+    uint32_t note_len;
+    struct kvx_xfer *next_push;
 };
 
 struct kvx_client {
@@ -89,6 +102,7 @@ struct kvx_client {
     int n_workers;
     kvx__session *sessions;
     char token[256]; /* auth_token ("" = none), wiped at destroy */
+    struct kvx_xfer *pushes; /* push transfers whose thread runs */
 };
 
 static const kvx__transport tcp_transport;
@@ -552,6 +566,7 @@ int kvx__session_control(kvx__session *s, uint8_t type, const uint8_t id[KVX_ID_
 
 static void xfer_free_mem(struct kvx_xfer *x)
 {
+    free(x->dst);
     free(x->pd);
     free(x->pieces);
     free(x);
@@ -567,6 +582,11 @@ static void xfer_complete(struct kvx_xfer *x)
     if (x->cb) x->cb(x->user, x, &x->result);
     pthread_mutex_lock(&c->mu);
     x->done = true;
+    for (struct kvx_xfer **pp = &c->pushes; x->push && *pp; pp = &(*pp)->next_push)
+        if (*pp == x) { /* kvx_client_destroy waits for this */
+            *pp = x->next_push;
+            break;
+        }
     bool free_now = x->detached;
     pthread_cond_broadcast(&c->done_cv);
     pthread_mutex_unlock(&c->mu);
@@ -746,6 +766,8 @@ void kvx_client_destroy(kvx_client *c)
     if (!c) return;
     pthread_mutex_lock(&c->mu);
     c->stopping = true;
+    for (struct kvx_xfer *x = c->pushes; x; x = x->next_push)
+        if (x->fd >= 0) shutdown(x->fd, SHUT_RDWR); /* its thread ends the push */
     kvx__piece *q = c->qhead;
     c->qhead = c->qtail = NULL;
     pthread_cond_broadcast(&c->work_cv);
@@ -762,6 +784,10 @@ void kvx_client_destroy(kvx_client *c)
     for (int i = 0; i < c->n_workers; i++)
         pthread_join(c->workers[i], NULL);
     free(c->workers);
+    pthread_mutex_lock(&c->mu);
+    while (c->pushes)
+        pthread_cond_wait(&c->done_cv, &c->mu);
+    pthread_mutex_unlock(&c->mu);
     while (c->sessions) {
         kvx__session *s = c->sessions;
         c->sessions = s->next;
@@ -807,12 +833,12 @@ static int piece_push(struct kvx_xfer *x, int *cap, kvx__piece p)
 
 /* Cut the runs into pieces of about piece_blocks blocks (and at most KVX_MAX_DESC ranges). */
 static int xfer_plan(struct kvx_xfer *x, const kvx_run *runs, int n_runs, const kvx_region *r,
-                     uint32_t qp)
+                     uint32_t qp, uint32_t seg0, uint32_t seg1)
 {
     uint64_t total_blocks = 0;
     for (int i = 0; i < n_runs; i++)
         total_blocks += runs[i].n_blocks;
-    total_blocks *= r->n_segments;
+    total_blocks *= seg1 - seg0;
     uint64_t total = total_blocks * r->block_bytes;
     uint64_t target = TD_MAX(TD_MIN(total / qp, (uint64_t)MAX_PIECE_BYTES), MIN_PIECE_BYTES);
     uint64_t piece_blocks = TD_MAX(target / r->block_bytes, 1);
@@ -820,7 +846,7 @@ static int xfer_plan(struct kvx_xfer *x, const kvx_run *runs, int n_runs, const 
     uint32_t pd_cap = 0;
     int pc_cap = 0;
     kvx__piece cur = {.x = x};
-    for (uint32_t seg = 0; seg < r->n_segments; seg++)
+    for (uint32_t seg = seg0; seg < seg1; seg++)
         for (int i = 0; i < n_runs; i++)
             for (uint32_t off = 0; off < runs[i].n_blocks;) {
                 uint32_t take =
@@ -842,25 +868,26 @@ static int xfer_plan(struct kvx_xfer *x, const kvx_run *runs, int n_runs, const 
     return 0;
 }
 
-int kvx_read_start(kvx_client *c, const kvx_read_req *req, kvx_xfer **out, td_err *err)
+/*
+ * Start a read of src[i] -> dst[i] (i < n) in segments [seg0, seg1) on session s, whose
+ * reference the transfer takes over (it is dropped here on failure).
+ */
+static int read_begin(kvx_client *c, kvx__session *s, const uint8_t id[KVX_ID_BYTES],
+                      const int32_t *src, const int32_t *dst, int n, uint32_t seg0, uint32_t seg1,
+                      uint32_t timeout_ms, kvx_done_fn done, void *user, kvx_xfer **out,
+                      td_err *err)
 {
     *out = NULL;
-    if (!req->src_blocks || !req->dst_blocks || req->n_blocks < 1)
-        return td_err_set(err, TD_EINVAL, "kvx: a read needs at least one block");
     struct kvx_xfer *x = calloc(1, sizeof(*x));
-    kvx_run *runs = malloc((size_t)req->n_blocks * sizeof(*runs));
-    if (!x || !runs) {
-        free(x);
-        free(runs);
-        return td_err_set(err, TD_ENOMEM, "kvx: out of memory");
-    }
+    kvx_run *runs = malloc((size_t)n * sizeof(*runs));
     int rc = 0;
-    if (kvx_id_from_hex(req->transfer_id, x->transfer_id)) {
-        rc = td_err_set(err, TD_EINVAL, "kvx: transfer id must be 32 hex digits");
+    if (!x || !runs) {
+        rc = td_err_set(err, TD_ENOMEM, "kvx: out of memory");
         goto fail;
     }
-    int n_runs = kvx_coalesce(req->src_blocks, req->dst_blocks, req->n_blocks, INT32_MAX,
-                              c->opts.region.n_blocks, runs);
+    memcpy(x->transfer_id, id, KVX_ID_BYTES);
+    x->fd = -1;
+    int n_runs = kvx_coalesce(src, dst, n, INT32_MAX, c->opts.region.n_blocks, runs);
     if (n_runs < 0) {
         rc = td_err_set(err, TD_EINVAL,
                         "kvx: a block id is negative or outside the local region "
@@ -869,26 +896,27 @@ int kvx_read_start(kvx_client *c, const kvx_read_req *req, kvx_xfer **out, td_er
         goto fail;
     }
     x->c = c;
-    x->cb = req->done;
-    x->user = req->user;
+    x->cb = done;
+    x->user = user;
     x->info.n_runs = (uint32_t)n_runs;
-    x->info.n_descriptors = (uint32_t)n_runs * c->opts.region.n_segments;
-    if (xfer_plan(x, runs, n_runs, &c->opts.region, (uint32_t)c->opts.qp_per_transfer)) {
+    x->info.n_descriptors = (uint32_t)n_runs * (seg1 - seg0);
+    if (xfer_plan(x, runs, n_runs, &c->opts.region, (uint32_t)c->opts.qp_per_transfer, seg0,
+                  seg1)) {
         rc = td_err_set(err, TD_ENOMEM, "kvx: out of memory");
         goto fail;
     }
-    if ((rc = session_get(c, req->host, req->port, req->engine_id, &x->s, err))) goto fail;
     free(runs);
     runs = NULL;
+    x->s = s;
     x->start_ns = td_now_ns();
-    uint32_t timeout = req->timeout_ms ? req->timeout_ms : c->opts.transfer_timeout_ms;
+    uint32_t timeout = timeout_ms ? timeout_ms : c->opts.transfer_timeout_ms;
     x->deadline_ns = x->start_ns + (uint64_t)timeout * 1000000ull;
     x->pending = x->n_pieces;
 
     pthread_mutex_lock(&c->mu);
     if (c->stopping) {
         pthread_mutex_unlock(&c->mu);
-        session_put(x->s);
+        x->s = NULL;
         rc = td_err_set(err, TD_ESTATE, "kvx: the consumer is shutting down");
         goto fail;
     }
@@ -907,9 +935,237 @@ int kvx_read_start(kvx_client *c, const kvx_read_req *req, kvx_xfer **out, td_er
     *out = x;
     return 0;
 fail:
+    session_put(s);
     free(runs);
-    xfer_free_mem(x);
+    if (x) xfer_free_mem(x);
     return rc;
+}
+
+int kvx_read_start(kvx_client *c, const kvx_read_req *req, kvx_xfer **out, td_err *err)
+{
+    *out = NULL;
+    if (!req->src_blocks || !req->dst_blocks || req->n_blocks < 1)
+        return td_err_set(err, TD_EINVAL, "kvx: a read needs at least one block");
+    uint8_t id[KVX_ID_BYTES];
+    if (kvx_id_from_hex(req->transfer_id, id))
+        return td_err_set(err, TD_EINVAL, "kvx: transfer id must be 32 hex digits");
+    kvx__session *s;
+    int rc = session_get(c, req->host, req->port, req->engine_id, &s, err);
+    if (rc) return rc;
+    return read_begin(c, s, id, req->src_blocks, req->dst_blocks, req->n_blocks, 0,
+                      c->opts.region.n_segments, req->timeout_ms, req->done, req->user, out, err);
+}
+
+/* ---------------------------------------------------------------- push (kvx_write_start) */
+
+/* A read that a push started has ended. */
+static void push_sub_done(void *user, kvx_xfer *sub, const td_err *result)
+{
+    struct kvx_xfer *x = user;
+    kvx_client *c = x->c;
+    pthread_mutex_lock(&c->mu);
+    if (result->code && !x->sub_code) {
+        x->sub_code = result->code;
+        x->sub_err = *result;
+    }
+    x->info.bytes += sub->info.bytes;
+    x->info.n_descriptors += sub->info.n_descriptors;
+    x->outstanding--;
+    pthread_cond_broadcast(&c->done_cv);
+    pthread_mutex_unlock(&c->mu);
+}
+
+/* PUSH_READY: read the announced blocks that are wanted. */
+static int push_read(struct kvx_xfer *x, const kvx_msg *m, int32_t *src, int32_t *dst, td_err *err)
+{
+    kvx_client *c = x->c;
+    uint32_t seg = m->u.push_ready.seg, n_seg = m->u.push_ready.n_seg;
+    uint32_t index = m->u.push_ready.index, n = m->u.push_ready.n;
+    if (seg >= c->opts.region.n_segments || n_seg > c->opts.region.n_segments - seg ||
+        index > (uint32_t)x->n_blocks || n > (uint32_t)x->n_blocks - index)
+        return td_err_set(err, TD_EPROTO,
+                          "kvx: producer announced blocks %u+%u of segments %u+%u, outside "
+                          "the transfer (%d blocks, %u segments)",
+                          index, n, seg, n_seg, x->n_blocks, c->opts.region.n_segments);
+    int k = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        if ((int)(index + i) < x->skip) continue;
+        src[k] = (int32_t)kvx_wire_push_id(m, i);
+        dst[k] = x->dst[index + i];
+        k++;
+    }
+    if (k == 0) return 0;
+    pthread_mutex_lock(&c->mu);
+    x->s->refs++;
+    x->outstanding++;
+    x->info.n_runs++;
+    pthread_mutex_unlock(&c->mu);
+    kvx_xfer *sub;
+    int rc = read_begin(c, x->s, x->transfer_id, src, dst, k, seg, seg + n_seg, x->timeout_ms,
+                        push_sub_done, x, &sub, err);
+    if (rc) {
+        pthread_mutex_lock(&c->mu);
+        x->outstanding--;
+        x->info.n_runs--;
+        pthread_mutex_unlock(&c->mu);
+        return rc;
+    }
+    kvx_xfer_free(sub); /* freed when it ends */
+    return 0;
+}
+
+static void *push_main(void *arg)
+{
+    struct kvx_xfer *x = arg;
+    kvx_client *c = x->c;
+    kvx__session *s = x->s;
+    uint64_t idle_ns = (uint64_t)x->timeout_ms * 1000000ull;
+    td_err e;
+    td_err_clear(&e);
+    int fd = -1;
+    uint8_t *buf = malloc(KVX_HDR_BYTES + 16 + 4 * (size_t)KVX_MAX_DESC + KVX_MAX_NOTE);
+    int32_t *src = malloc(2 * sizeof(int32_t) * KVX_MAX_DESC);
+    size_t cap = KVX_HDR_BYTES + 16 + 4 * (size_t)KVX_MAX_DESC + KVX_MAX_NOTE;
+    int rc = buf && src ? 0 : td_err_set(&e, TD_ENOMEM, "kvx: out of memory");
+    /* A connection of its own: it stays busy for the whole prefill, and the session's
+     * pool serves the reads meanwhile. */
+    if (!rc) rc = kvx__session_connect(s, td_now_ns() + idle_ns, &fd, &e);
+    if (!rc) {
+        pthread_mutex_lock(&c->mu);
+        if (c->stopping) rc = td_err_set(&e, TD_ECANCELED, "kvx: the consumer shut down");
+        else x->fd = fd;
+        pthread_mutex_unlock(&c->mu);
+    }
+    if (!rc) {
+        size_t n = kvx_wire_encode_write(buf, cap, 1, x->transfer_id, (uint32_t)x->skip,
+                                         (uint32_t)x->n_blocks, x->timeout_ms);
+        rc = kvx__send_all(fd, buf, n, td_now_ns() + idle_ns, &e);
+    }
+    bool done = false;
+    while (!rc && !done) {
+        kvx_msg m;
+        rc = kvx__recv_frame(fd, buf, cap, &m, td_now_ns() + idle_ns, &e);
+        if (rc) {
+            if (rc == TD_ETIMEDOUT)
+                td_err_set(&e, TD_ETIMEDOUT,
+                           "kvx: producer %s:%u said nothing for %u ms during a push",
+                           kvx__session_host(s), kvx__session_port(s), x->timeout_ms);
+            break;
+        }
+        switch (m.hdr.type) {
+        case KVX_MSG_PUSH_READY:
+            rc = push_read(x, &m, src, src + KVX_MAX_DESC, &e);
+            break;
+        case KVX_MSG_PUSH_DONE:
+            memcpy(x->note, m.u.push_done.note, m.u.push_done.note_len);
+            x->note_len = m.u.push_done.note_len;
+            done = true;
+            break;
+        case KVX_MSG_ERROR:
+            rc = td_err_set(&e, m.u.error.code, "kvx: producer %s:%u: %s", kvx__session_host(s),
+                            kvx__session_port(s), m.u.error.msg);
+            break;
+        default:
+            rc = td_err_set(&e, TD_EPROTO, "kvx: producer answered WRITE with %s",
+                            kvx_wire_type_name(m.hdr.type));
+        }
+        pthread_mutex_lock(&c->mu);
+        if (!rc && x->sub_code) rc = x->sub_code; /* a read failed: stop listening */
+        pthread_mutex_unlock(&c->mu);
+    }
+    pthread_mutex_lock(&c->mu);
+    x->fd = -1;
+    while (x->outstanding > 0) /* every read ends by its deadline */
+        pthread_cond_wait(&c->done_cv, &c->mu);
+    if (x->sub_code) {
+        x->code = x->sub_code;
+        x->result = x->sub_err;
+    } else if (rc) {
+        x->code = rc;
+        x->result = e;
+        x->result.code = rc;
+    }
+    pthread_mutex_unlock(&c->mu);
+    if (fd >= 0) close(fd);
+    free(buf);
+    free(src);
+    xfer_complete(x); /* unlinks x from c->pushes: kvx_client_destroy waits for that */
+    return NULL;
+}
+
+int kvx_write_start(kvx_client *c, const kvx_write_req *req, kvx_xfer **out, td_err *err)
+{
+    *out = NULL;
+    if (!req->dst_blocks || req->n_blocks < 1 || req->skip < 0 || req->skip >= req->n_blocks)
+        return td_err_set(err, TD_EINVAL, "kvx: a push needs blocks past the skipped ones");
+    for (int i = 0; i < req->n_blocks; i++)
+        if (req->dst_blocks[i] < 0 || (uint32_t)req->dst_blocks[i] >= c->opts.region.n_blocks)
+            return td_err_set(err, TD_EINVAL, "kvx: block id %d outside the local region",
+                              req->dst_blocks[i]);
+    uint8_t id[KVX_ID_BYTES];
+    if (kvx_id_from_hex(req->transfer_id, id))
+        return td_err_set(err, TD_EINVAL, "kvx: transfer id must be 32 hex digits");
+    struct kvx_xfer *x = calloc(1, sizeof(*x));
+    if (x) x->dst = malloc((size_t)req->n_blocks * sizeof(int32_t));
+    if (!x || !x->dst) {
+        if (x) xfer_free_mem(x);
+        return td_err_set(err, TD_ENOMEM, "kvx: out of memory");
+    }
+    memcpy(x->dst, req->dst_blocks, (size_t)req->n_blocks * sizeof(int32_t));
+    memcpy(x->transfer_id, id, KVX_ID_BYTES);
+    x->c = c;
+    x->push = true;
+    x->fd = -1;
+    x->n_blocks = req->n_blocks;
+    x->skip = req->skip;
+    x->timeout_ms = req->timeout_ms ? req->timeout_ms : c->opts.transfer_timeout_ms;
+    x->cb = req->done;
+    x->user = req->user;
+    int rc = session_get(c, req->host, req->port, req->engine_id, &x->s, err);
+    if (rc) {
+        xfer_free_mem(x);
+        return rc;
+    }
+    x->start_ns = td_now_ns();
+    x->deadline_ns = UINT64_MAX; /* bounded by timeout_ms of silence instead */
+    pthread_mutex_lock(&c->mu);
+    if (c->stopping) {
+        pthread_mutex_unlock(&c->mu);
+        session_put(x->s);
+        xfer_free_mem(x);
+        return td_err_set(err, TD_ESTATE, "kvx: the consumer is shutting down");
+    }
+    x->next_push = c->pushes;
+    c->pushes = x;
+    pthread_mutex_unlock(&c->mu);
+    pthread_t t;
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    rc = pthread_create(&t, &attr, push_main, x);
+    pthread_attr_destroy(&attr);
+    if (rc) {
+        pthread_mutex_lock(&c->mu);
+        for (struct kvx_xfer **pp = &c->pushes; *pp; pp = &(*pp)->next_push)
+            if (*pp == x) {
+                *pp = x->next_push;
+                break;
+            }
+        pthread_mutex_unlock(&c->mu);
+        session_put(x->s);
+        xfer_free_mem(x);
+        return td_err_set(err, TD_ENOMEM, "kvx: cannot start a push thread");
+    }
+    *out = x;
+    return 0;
+}
+
+size_t kvx_xfer_note(kvx_xfer *x, void *buf, size_t cap)
+{
+    /* Written by the push thread before the transfer completes, never after. */
+    size_t n = x->note_len;
+    memcpy(buf, x->note, TD_MIN(n, cap));
+    return n;
 }
 
 int kvx_xfer_poll(kvx_xfer *x, td_err *result)

@@ -44,6 +44,8 @@
 /** 128-bit ids (engine ids, transfer ids) as 32 lowercase hex digits plus NUL. */
 #define KVX_ID_BYTES 16
 #define KVX_ID_HEX 33
+/** The most bytes of a push transfer's note (kvx_agent_push_finish). */
+#define KVX_MAX_NOTE 1024
 
 /**
  * What both sides must agree on before any byte moves. Opaque integers to kvx: they are
@@ -181,9 +183,42 @@ int kvx_agent_cancel(kvx_agent *a, const char *transfer_id);
 /** Transfers currently held (for tests and metrics). */
 int kvx_agent_n_leases(kvx_agent *a);
 
+/*
+ * Push (transfer_mode write). The router hands the producer and the consumer the same
+ * transfer id (a capability it drew) at once. The producer opens the transfer before its
+ * prefill runs and reports each segment's progress as it is computed; the consumer's WRITE
+ * (kvx_write_start) may come before or after the open. The agent announces every range
+ * the moment it is final and wanted, and the consumer reads it at once through its own
+ * transport, so the copy overlaps the prefill. After kvx_agent_push_finish and the last
+ * announcement, the consumer gets the producer's note (the first token, timings) and
+ * releases the transfer as after a read; the lease runs from the finish.
+ */
+
+/**
+ * Open a push transfer of n_blocks prompt blocks under transfer_id (32 hex digits, drawn
+ * by the router). Errors: TD_EINVAL (bad id or count), TD_ESTATE (the id is in use).
+ */
+int kvx_agent_push_open(kvx_agent *a, const char *transfer_id, int n_blocks, void *transfer_user,
+                        td_err *err);
+/**
+ * Prompt blocks [0, n_ready) of the transfer (ids blocks[0 .. n_ready)) are final in
+ * segment seg. Progress only grows; a smaller n_ready is ignored. TD_ENOTFOUND if the
+ * transfer is gone (cancelled, expired).
+ */
+int kvx_agent_push_ready(kvx_agent *a, const char *transfer_id, uint32_t seg, int n_ready,
+                         const int32_t *blocks);
+/**
+ * The prefill is done: every block is final in every segment (blocks[0 .. n_blocks) are
+ * their ids), and note (at most KVX_MAX_NOTE bytes) goes to the consumer with the last
+ * announcement. The lease starts now. TD_ENOTFOUND if the transfer is gone.
+ */
+int kvx_agent_push_finish(kvx_agent *a, const char *transfer_id, const int32_t *blocks,
+                          const void *note, size_t note_len);
+/* kvx_agent_cancel ends a push transfer too; its consumer gets an error. */
+
 typedef struct kvx_agent_stats {
     uint64_t bytes_sent, reads, leases_expired, leases_released, handshakes_refused,
-        unknown_transfer;
+        unknown_transfer, pushes;
 } kvx_agent_stats;
 void kvx_agent_get_stats(kvx_agent *a, kvx_agent_stats *out);
 
@@ -253,6 +288,34 @@ typedef struct kvx_xfer_info {
     double seconds;         /* start to completion */
 } kvx_xfer_info;
 void kvx_xfer_get_info(kvx_xfer *x, kvx_xfer_info *out);
+
+typedef struct kvx_write_req {
+    const char *host;
+    uint16_t port;
+    const char *engine_id;   /* the producer incarnation (hex), from its discovery endpoint */
+    const char *transfer_id; /* the capability both sides were given (hex) */
+    const int32_t *dst_blocks; /* consumer blocks for prompt blocks 0 .. n_blocks */
+    int n_blocks;
+    int skip;            /* prompt blocks [0, skip) are already here (prefix cache) */
+    uint32_t timeout_ms; /* longest wait with no sign of progress (0 = transfer_timeout_ms):
+                            for the producer to start the prefill, then between
+                            announcements (the producer sends keep-alives every second) */
+    kvx_done_fn done;
+    void *user;
+} kvx_write_req;
+
+/**
+ * Start a push transfer (see kvx_agent_push_open): ask the producer for the blocks as it
+ * computes them, read each announced range at once (protocol as configured), and end
+ * when the producer's note has come and every read has finished. Same handle and failure
+ * contract as kvx_read_start; the note is read with kvx_xfer_note.
+ */
+int kvx_write_start(kvx_client *c, const kvx_write_req *req, kvx_xfer **out, td_err *err);
+
+/** A finished push transfer's note from the producer (from its done callback on, or after
+ *  kvx_xfer_poll/wait saw the end): copies at most cap bytes, returns its length (0 for a
+ *  read, or when the push failed). */
+size_t kvx_xfer_note(kvx_xfer *x, void *buf, size_t cap);
 
 /**
  * Synchronous control messages over the session (blocking, bounded by the client's

@@ -51,6 +51,9 @@ const char *kvx_wire_type_name(int type)
     case KVX_MSG_UCX_DONE: return "UCX_DONE";
     case KVX_MSG_SHM_INFO: return "SHM_INFO";
     case KVX_MSG_SHM_INFO_ACK: return "SHM_INFO_ACK";
+    case KVX_MSG_WRITE: return "WRITE";
+    case KVX_MSG_PUSH_READY: return "PUSH_READY";
+    case KVX_MSG_PUSH_DONE: return "PUSH_DONE";
     }
     return "unknown";
 }
@@ -174,6 +177,46 @@ int kvx_wire_decode(const kvx_hdr *h, const uint8_t *p, size_t len, kvx_msg *m, 
         if (m->u.data.n_crc > KVX_MAX_CRC)
             return td_err_set(err, TD_EFORMAT, "kvx: DATA with %u checksums (limit %u)",
                               m->u.data.n_crc, KVX_MAX_CRC);
+        return 0;
+    case KVX_MSG_WRITE:
+        if (len != 28) return bad_len(err, h, 28);
+        memcpy(m->u.write.transfer_id, p, 16);
+        m->u.write.skip = get32(p + 16);
+        m->u.write.n_blocks = get32(p + 20);
+        m->u.write.timeout_ms = get32(p + 24);
+        if (m->u.write.n_blocks == 0 || m->u.write.skip >= m->u.write.n_blocks)
+            return td_err_set(err, TD_EFORMAT, "kvx: WRITE of %u blocks from block %u",
+                              m->u.write.n_blocks, m->u.write.skip);
+        return 0;
+    case KVX_MSG_PUSH_READY: {
+        if (len < 16) return bad_len(err, h, 16);
+        m->u.push_ready.seg = get32(p);
+        m->u.push_ready.n_seg = get32(p + 4);
+        m->u.push_ready.index = get32(p + 8);
+        m->u.push_ready.n = get32(p + 12);
+        if (m->u.push_ready.n > KVX_MAX_DESC ||
+            (m->u.push_ready.n && (m->u.push_ready.n_seg == 0 ||
+                                   m->u.push_ready.seg + m->u.push_ready.n_seg <
+                                       m->u.push_ready.seg)))
+            return td_err_set(err, TD_EFORMAT,
+                              "kvx: PUSH_READY of %u blocks in %u segments from %u (limit %u "
+                              "blocks)",
+                              m->u.push_ready.n, m->u.push_ready.n_seg, m->u.push_ready.seg,
+                              KVX_MAX_DESC);
+        size_t want = 16 + 4 * (size_t)m->u.push_ready.n;
+        if (len != want) return bad_len(err, h, want);
+        m->u.push_ready.ids = p + 16;
+        return 0;
+    }
+    case KVX_MSG_PUSH_DONE:
+        if (len < 4) return bad_len(err, h, 4);
+        m->u.push_done.note_len = get32(p);
+        if (m->u.push_done.note_len > KVX_MAX_NOTE)
+            return td_err_set(err, TD_EFORMAT, "kvx: PUSH_DONE with a %u-byte note (limit %u)",
+                              m->u.push_done.note_len, KVX_MAX_NOTE);
+        if (len != 4 + (size_t)m->u.push_done.note_len)
+            return bad_len(err, h, 4 + (size_t)m->u.push_done.note_len);
+        m->u.push_done.note = p + 4;
         return 0;
     case KVX_MSG_RELEASE:
         if (len != 16) return bad_len(err, h, 16);
@@ -466,4 +509,49 @@ size_t kvx_wire_encode_error(uint8_t *buf, size_t cap, uint32_t tag, int32_t cod
     put16(buf + KVX_HDR_BYTES + 4, (uint16_t)len);
     memcpy(buf + KVX_HDR_BYTES + 6, msg, len);
     return n;
+}
+
+size_t kvx_wire_encode_write(uint8_t *buf, size_t cap, uint32_t tag,
+                             const uint8_t transfer_id[KVX_ID_BYTES], uint32_t skip,
+                             uint32_t n_blocks, uint32_t timeout_ms)
+{
+    size_t n = put_hdr(buf, cap, KVX_MSG_WRITE, tag, 28);
+    if (!n) return 0;
+    memcpy(buf + KVX_HDR_BYTES, transfer_id, 16);
+    put32(buf + KVX_HDR_BYTES + 16, skip);
+    put32(buf + KVX_HDR_BYTES + 20, n_blocks);
+    put32(buf + KVX_HDR_BYTES + 24, timeout_ms);
+    return n;
+}
+
+size_t kvx_wire_encode_push_ready(uint8_t *buf, size_t cap, uint32_t tag, uint32_t seg,
+                                  uint32_t n_seg, uint32_t index, const int32_t *ids, uint32_t n)
+{
+    if (n > KVX_MAX_DESC) return 0;
+    size_t len = put_hdr(buf, cap, KVX_MSG_PUSH_READY, tag, 16 + 4 * (size_t)n);
+    if (!len) return 0;
+    uint8_t *p = buf + KVX_HDR_BYTES;
+    put32(p, seg);
+    put32(p + 4, n_seg);
+    put32(p + 8, index);
+    put32(p + 12, n);
+    for (uint32_t i = 0; i < n; i++)
+        put32(p + 16 + 4 * i, (uint32_t)ids[i]);
+    return len;
+}
+
+size_t kvx_wire_encode_push_done(uint8_t *buf, size_t cap, uint32_t tag, const void *note,
+                                 uint32_t note_len)
+{
+    if (note_len > KVX_MAX_NOTE) return 0;
+    size_t n = put_hdr(buf, cap, KVX_MSG_PUSH_DONE, tag, 4 + (size_t)note_len);
+    if (!n) return 0;
+    put32(buf + KVX_HDR_BYTES, note_len);
+    if (note_len) memcpy(buf + KVX_HDR_BYTES + 4, note, note_len);
+    return n;
+}
+
+uint32_t kvx_wire_push_id(const kvx_msg *m, uint32_t i)
+{
+    return get32(m->u.push_ready.ids + 4 * (size_t)i);
 }

@@ -38,6 +38,7 @@
 #define KVX_DESC_BYTES 12
 #define KVX_MAX_UCX_BLOB 65536 /* a UCX worker address or packed rkey, bytes */
 
+
 typedef enum kvx_msg_type {
     KVX_MSG_HELLO = 1,     /* consumer -> producer: who I am, what I expect */
     KVX_MSG_HELLO_ACK = 2, /* producer -> consumer: who I am */
@@ -48,6 +49,12 @@ typedef enum kvx_msg_type {
     KVX_MSG_HEARTBEAT = 7, /* consumer -> producer: extend these leases */
     KVX_MSG_ACK = 8,       /* answer to RELEASE / HEARTBEAT */
     KVX_MSG_ERROR = 9,     /* answer to anything: code and message */
+    /* Push (transfer_mode write), agent.c / client.c: the consumer asks for a transfer's
+     * blocks as the producer computes them; the producer announces each layer's blocks
+     * the moment they are final, and the consumer reads them at once. Numbers from 10. */
+    KVX_MSG_WRITE = 10,      /* consumer -> producer: send me this transfer from block skip */
+    KVX_MSG_PUSH_READY = 11, /* producer -> consumer: these blocks are final in these segments */
+    KVX_MSG_PUSH_DONE = 12,  /* producer -> consumer: all announced; the producer's note */
     /* The ucx transport (ucx.c): the data moves by one-sided UCX get, these frames only
      * advertise the producer's memory and validate and pin ranges. Numbers from 20. */
     KVX_MSG_UCX_INFO = 20,    /* consumer -> producer: send me your worker address and rkey */
@@ -134,6 +141,21 @@ typedef struct kvx_msg {
             int32_t code;
             char msg[KVX_MAX_ERRMSG + 1]; /* NUL-terminated copy */
         } error;
+        struct {
+            uint8_t transfer_id[KVX_ID_BYTES];
+            uint32_t skip;       /* prompt blocks [0, skip) are not wanted */
+            uint32_t n_blocks;   /* the consumer's count of prompt blocks (checked) */
+            uint32_t timeout_ms; /* how long the producer may wait for the prefill to appear */
+        } write;
+        struct {
+            uint32_t seg, n_seg; /* segments [seg, seg + n_seg) */
+            uint32_t index, n;   /* prompt blocks [index, index + n); n 0 = keep-alive */
+            const uint8_t *ids;  /* n producer block ids (u32), inside the decoded buffer */
+        } push_ready;
+        struct {
+            uint32_t note_len;
+            const uint8_t *note; /* inside the decoded buffer */
+        } push_done;
     } u;
 } kvx_msg;
 
@@ -186,6 +208,17 @@ size_t kvx_wire_encode_shm_info(uint8_t *buf, size_t cap, uint32_t tag, uint32_t
                                 uint64_t dev, uint64_t ino);
 size_t kvx_wire_encode_ucx_granted(uint8_t *buf, size_t cap, uint32_t tag, uint32_t valid_ms,
                                    const uint32_t *crcs, uint32_t n_crc);
+
+/* Push frames (see KVX_MSG_WRITE). PUSH_READY carries at most KVX_MAX_DESC ids. */
+size_t kvx_wire_encode_write(uint8_t *buf, size_t cap, uint32_t tag,
+                             const uint8_t transfer_id[KVX_ID_BYTES], uint32_t skip,
+                             uint32_t n_blocks, uint32_t timeout_ms);
+size_t kvx_wire_encode_push_ready(uint8_t *buf, size_t cap, uint32_t tag, uint32_t seg,
+                                  uint32_t n_seg, uint32_t index, const int32_t *ids, uint32_t n);
+size_t kvx_wire_encode_push_done(uint8_t *buf, size_t cap, uint32_t tag, const void *note,
+                                 uint32_t note_len);
+/** Entry i of a PUSH_READY's ids. */
+uint32_t kvx_wire_push_id(const kvx_msg *m, uint32_t i);
 
 /** Name of a message type ("READ"), "unknown" otherwise. */
 const char *kvx_wire_type_name(int type);

@@ -60,9 +60,17 @@ struct pd_connector {
     watch_item *watches;
     bool stopping;
 
+    /* producer pushes under way (engine thread only): request id -> transfer id */
+    struct push_item {
+        uint64_t req_id;
+        char transfer_id[KVX_ID_HEX];
+        bool dropped; /* preempted: the transfer was cancelled */
+    } *pushes;
+    int n_pushes, cap_pushes;
+
     /* metrics, under mu */
     uint64_t loads_ok, failures[FAIL_N], bytes, descriptors, blocks, holds, heartbeats,
-        heartbeat_failures;
+        heartbeat_failures, push_loads, push_opened;
     uint64_t hist[N_BUCKETS + 1];
     double hist_sum;
 };
@@ -72,7 +80,46 @@ typedef struct load_ctx {
     uint64_t req_id;
     rel_item rel;
     uint32_t n_blocks;
+    bool push;
 } load_ctx;
+
+/* The note a push's producer sends with its last announcement: the first token and the
+ * producer's timing, little-endian (i32, f64, f64). */
+#define NOTE_BYTES 20
+
+static void note_encode(uint8_t out[NOTE_BYTES], int32_t first_token, double queue_ms,
+                        double compute_ms)
+{
+    uint32_t t = (uint32_t)first_token;
+    uint64_t q, c;
+    memcpy(&q, &queue_ms, 8);
+    memcpy(&c, &compute_ms, 8);
+    for (int i = 0; i < 4; i++)
+        out[i] = (uint8_t)(t >> (8 * i));
+    for (int i = 0; i < 8; i++) {
+        out[4 + i] = (uint8_t)(q >> (8 * i));
+        out[12 + i] = (uint8_t)(c >> (8 * i));
+    }
+}
+
+static void note_decode(const uint8_t *p, size_t n, pd_load_info *info)
+{
+    info->first_token = -1;
+    if (n != NOTE_BYTES) return;
+    uint32_t t = 0;
+    uint64_t q = 0, c = 0;
+    for (int i = 0; i < 4; i++)
+        t |= (uint32_t)p[i] << (8 * i);
+    for (int i = 0; i < 8; i++) {
+        q |= (uint64_t)p[4 + i] << (8 * i);
+        c |= (uint64_t)p[12 + i] << (8 * i);
+    }
+    info->first_token = (int32_t)t;
+    memcpy(&info->prod_queue_ms, &q, 8);
+    memcpy(&info->prod_compute_ms, &c, 8);
+    if (!(info->prod_queue_ms >= 0 && info->prod_queue_ms < 1e9)) info->prod_queue_ms = 0;
+    if (!(info->prod_compute_ms >= 0 && info->prod_compute_ms < 1e9)) info->prod_compute_ms = 0;
+}
 
 void pd_remote_free(pd_remote *r)
 {
@@ -203,6 +250,95 @@ void pd_cancel(pd_connector *pd, const char *transfer_id)
     if (pd->agent) (void)kvx_agent_cancel(pd->agent, transfer_id);
 }
 
+/* ---- producer: push ---- */
+
+static struct push_item *push_find(pd_connector *pd, uint64_t req_id)
+{
+    for (int i = 0; i < pd->n_pushes; i++)
+        if (pd->pushes[i].req_id == req_id) return &pd->pushes[i];
+    return NULL;
+}
+
+static void push_forget(pd_connector *pd, struct push_item *it)
+{
+    *it = pd->pushes[--pd->n_pushes];
+}
+
+int pd_push_open(pd_connector *pd, uint64_t req_id, const char *transfer_id, int n_blocks,
+                 td_err *err)
+{
+    if (!pd->agent) return td_err_set(err, TD_ESTATE, "this engine is not a KV producer");
+    if (pd->n_pushes == pd->cap_pushes) {
+        int cap = pd->cap_pushes ? 2 * pd->cap_pushes : 16;
+        struct push_item *np = realloc(pd->pushes, (size_t)cap * sizeof(*np));
+        if (!np) return td_err_set(err, TD_ENOMEM, "out of memory");
+        pd->pushes = np;
+        pd->cap_pushes = cap;
+    }
+    int rc = kvx_agent_push_open(pd->agent, transfer_id, n_blocks, (void *)(uintptr_t)req_id, err);
+    if (rc) return rc;
+    struct push_item *it = &pd->pushes[pd->n_pushes++];
+    it->req_id = req_id;
+    snprintf(it->transfer_id, sizeof(it->transfer_id), "%s", transfer_id);
+    it->dropped = false;
+    pthread_mutex_lock(&pd->mu);
+    pd->push_opened++;
+    pthread_mutex_unlock(&pd->mu);
+    return 0;
+}
+
+void pd_push_progress(void *user, int layer, const td_layer_progress *p, int n)
+{
+    pd_connector *pd = user;
+    int bs = pd->kv.block_size;
+    for (int i = 0; i < n; i++) {
+        struct push_item *it = push_find(pd, p[i].id);
+        if (!it || it->dropped) continue;
+        if (layer < 0) { /* preempted: its blocks are gone; the consumer recomputes */
+            it->dropped = true;
+            (void)kvx_agent_cancel(pd->agent, it->transfer_id);
+            continue;
+        }
+        int ready = p[i].n_done == p[i].n_prompt ? (p[i].n_done + bs - 1) / bs : p[i].n_done / bs;
+        if (ready > 0)
+            (void)kvx_agent_push_ready(pd->agent, it->transfer_id, (uint32_t)layer, ready,
+                                       p[i].blocks);
+    }
+}
+
+int pd_push_finish(pd_connector *pd, uint64_t req_id, const int32_t *blocks, int n_blocks,
+                   int32_t first_token, double queue_ms, double compute_ms,
+                   char transfer_id[KVX_ID_HEX])
+{
+    struct push_item *it = push_find(pd, req_id);
+    if (!it) return TD_ENOTFOUND;
+    bool dropped = it->dropped;
+    memcpy(transfer_id, it->transfer_id, KVX_ID_HEX);
+    push_forget(pd, it);
+    if (dropped) return TD_ENOTFOUND;
+    (void)n_blocks; /* the transfer was opened with this count */
+    uint8_t note[NOTE_BYTES];
+    note_encode(note, first_token, queue_ms, compute_ms);
+    int rc = kvx_agent_push_finish(pd->agent, transfer_id, blocks, note, sizeof(note));
+    if (rc == 0) {
+        pthread_mutex_lock(&pd->mu);
+        pd->holds++;
+        pthread_mutex_unlock(&pd->mu);
+    }
+    return rc;
+}
+
+void pd_push_abort(pd_connector *pd, uint64_t req_id)
+{
+    struct push_item *it = push_find(pd, req_id);
+    if (!it) return;
+    char id[KVX_ID_HEX];
+    memcpy(id, it->transfer_id, KVX_ID_HEX);
+    bool dropped = it->dropped;
+    push_forget(pd, it);
+    if (!dropped) (void)kvx_agent_cancel(pd->agent, id);
+}
+
 const char *pd_engine_id(const pd_connector *pd)
 {
     return pd->agent ? kvx_agent_engine_id(pd->agent) : "";
@@ -244,11 +380,22 @@ static void on_load_done(void *user, kvx_xfer *x, const td_err *result)
     pd_connector *pd = lc->pd;
     kvx_xfer_info xi;
     kvx_xfer_get_info(x, &xi);
-    pd_load_info info = {xi.bytes, xi.n_descriptors, lc->n_blocks, xi.seconds};
+    pd_load_info info = {xi.bytes, xi.n_descriptors, lc->n_blocks, xi.seconds, -1, 0, 0};
     int code = result ? result->code : 0;
+    td_err bad;
+    if (lc->push && code == 0) {
+        uint8_t note[KVX_MAX_NOTE];
+        size_t n = kvx_xfer_note(x, note, sizeof(note));
+        note_decode(note, TD_MIN(n, sizeof(note)), &info);
+        if (info.first_token < 0) {
+            code = td_err_set(&bad, TD_EPROTO, "the producer's push ended without its first token");
+            result = &bad;
+        }
+    }
     pthread_mutex_lock(&pd->mu);
     if (code == 0) {
         pd->loads_ok++;
+        if (lc->push) pd->push_loads++;
         pd->bytes += xi.bytes;
         pd->descriptors += xi.n_descriptors;
         pd->blocks += lc->n_blocks;
@@ -297,6 +444,39 @@ int pd_load(pd_connector *pd, uint64_t req_id, const pd_remote *src, const int32
     };
     kvx_xfer *x = NULL;
     int rc = kvx_read_start(pd->client, &rq, &x, err);
+    if (rc) free(lc);
+    return rc;
+}
+
+int pd_load_push(pd_connector *pd, uint64_t req_id, const pd_remote *src, const int32_t *dst,
+                 int n_dst, int skip, td_err *err)
+{
+    if (!pd->client) return td_err_set(err, TD_ESTATE, "this engine is not a KV consumer");
+    if (skip < 0 || skip >= n_dst)
+        return td_err_set(err, TD_EINVAL, "a push of %d blocks with %d cached", n_dst, skip);
+    load_ctx *lc = calloc(1, sizeof(*lc));
+    if (!lc) return td_err_set(err, TD_ENOMEM, "out of memory");
+    lc->pd = pd;
+    lc->req_id = req_id;
+    lc->push = true;
+    lc->n_blocks = (uint32_t)(n_dst - skip);
+    snprintf(lc->rel.host, sizeof(lc->rel.host), "%s", src->host);
+    lc->rel.port = src->port;
+    memcpy(lc->rel.engine_id, src->engine_id, KVX_ID_HEX);
+    memcpy(lc->rel.transfer_id, src->transfer_id, KVX_ID_HEX);
+    kvx_write_req rq = {
+        .host = src->host,
+        .port = src->port,
+        .engine_id = src->engine_id,
+        .transfer_id = src->transfer_id,
+        .dst_blocks = dst,
+        .n_blocks = n_dst,
+        .skip = skip,
+        .done = on_load_done,
+        .user = lc,
+    };
+    kvx_xfer *x = NULL;
+    int rc = kvx_write_start(pd->client, &rq, &x, err);
     if (rc) free(lc);
     return rc;
 }
@@ -454,6 +634,7 @@ void pd_destroy(pd_connector *pd)
     explicit_bzero(pd->token, sizeof(pd->token));
     pthread_mutex_destroy(&pd->mu);
     pthread_cond_destroy(&pd->cv);
+    free(pd->pushes);
     free(pd);
 }
 
@@ -494,6 +675,7 @@ char *pd_metrics_render(pd_connector *pd)
     memcpy(hist, pd->hist, sizeof(hist));
     uint64_t bytes = pd->bytes, desc = pd->descriptors, blocks = pd->blocks, holds = pd->holds;
     uint64_t beats = pd->heartbeats, beat_fails = pd->heartbeat_failures;
+    uint64_t push_loads = pd->push_loads, push_opened = pd->push_opened;
     double sum = pd->hist_sum;
     pthread_mutex_unlock(&pd->mu);
     if (pd->client) {
@@ -516,6 +698,11 @@ char *pd_metrics_render(pd_connector *pd)
                    "runs x layers).\n# TYPE tandem_kv_transfer_descriptors_total counter\n"
                    "tandem_kv_transfer_descriptors_total %llu\n",
                (unsigned long long)bytes, (unsigned long long)blocks, (unsigned long long)desc);
+        sb_add(&b, "# HELP tandem_kv_push_transfers_total Completed KV transfers in write "
+                   "(push) mode, included in tandem_kv_transfers_total.\n"
+                   "# TYPE tandem_kv_push_transfers_total counter\n"
+                   "tandem_kv_push_transfers_total %llu\n",
+               (unsigned long long)push_loads);
         sb_add(&b, "# HELP tandem_kv_heartbeats_total Lease heartbeats sent for requests waiting "
                    "here.\n# TYPE tandem_kv_heartbeats_total counter\ntandem_kv_heartbeats_total "
                    "%llu\n# HELP tandem_kv_heartbeat_failures_total Heartbeats that failed.\n"
@@ -560,12 +747,20 @@ char *pd_metrics_render(pd_connector *pd)
                "tandem_kv_handshakes_refused_total %llu\n"
                "# HELP tandem_kv_unknown_transfer_total Requests naming a transfer id this "
                "producer does not hold.\n# TYPE tandem_kv_unknown_transfer_total counter\n"
-               "tandem_kv_unknown_transfer_total %llu\n",
+               "tandem_kv_unknown_transfer_total %llu\n"
+               "# HELP tandem_kv_pushes_opened_total Prefills that streamed their KV to a "
+               "consumer layer by layer (write mode).\n"
+               "# TYPE tandem_kv_pushes_opened_total counter\ntandem_kv_pushes_opened_total "
+               "%llu\n"
+               "# HELP tandem_kv_pushes_claimed_total Push transfers a consumer claimed.\n"
+               "# TYPE tandem_kv_pushes_claimed_total counter\ntandem_kv_pushes_claimed_total "
+               "%llu\n",
                (unsigned long long)holds, kvx_agent_n_leases(pd->agent),
                (unsigned long long)st.leases_expired, (unsigned long long)st.leases_released,
                (unsigned long long)st.bytes_sent, (unsigned long long)st.reads,
                (unsigned long long)st.handshakes_refused,
-               (unsigned long long)st.unknown_transfer);
+               (unsigned long long)st.unknown_transfer, (unsigned long long)push_opened,
+               (unsigned long long)st.pushes);
     }
     if (!b.p) sb_add(&b, "%s", "");
     return b.p;

@@ -44,6 +44,7 @@ typedef struct pd_remote {
     int32_t *blocks; /* producer block ids (malloc'd; pd_remote_free) */
     int n_blocks;
     uint32_t lease_ms; /* the producer's lease (kv_transfer_params.lease_ms), 0 = unknown */
+    bool push;         /* transfer_mode write: no block ids; pd_load_push */
 } pd_remote;
 
 void pd_remote_free(pd_remote *r);
@@ -53,6 +54,9 @@ typedef struct pd_load_info {
     uint64_t bytes;
     uint32_t n_descriptors, n_blocks;
     double seconds;
+    /* push: what the producer's note said (first_token -1 otherwise, or when missing) */
+    int32_t first_token;
+    double prod_queue_ms, prod_compute_ms;
 } pd_load_info;
 
 /** Producer: the lease on req_id's blocks ended; the engine may reuse them. */
@@ -76,6 +80,22 @@ int pd_hold(pd_connector *pd, uint64_t req_id, const int32_t *blocks, int n_bloc
             char transfer_id[KVX_ID_HEX], td_err *err);
 /** End a lease now (release_cb runs). */
 void pd_cancel(pd_connector *pd, const char *transfer_id);
+
+/*
+ * Push (transfer_mode write), producer side. pd_push_open before the request's prefill can
+ * run (the request is added with td_request_kv.stream_layers); pd_push_progress is the
+ * engine's td_layer_fn (user = the connector); at the request's end pd_push_finish (its KV
+ * is held) or pd_push_abort (it ended without). All on the engine thread.
+ */
+int pd_push_open(pd_connector *pd, uint64_t req_id, const char *transfer_id, int n_blocks,
+                 td_err *err);
+void pd_push_progress(void *pd, int layer, const td_layer_progress *p, int n);
+/** TD_ENOTFOUND: the push was dropped meanwhile (preempted, released): give the blocks
+ *  back now. On success the lease ends through release_cb as after pd_hold. */
+int pd_push_finish(pd_connector *pd, uint64_t req_id, const int32_t *blocks, int n_blocks,
+                   int32_t first_token, double queue_ms, double compute_ms,
+                   char transfer_id[KVX_ID_HEX]);
+void pd_push_abort(pd_connector *pd, uint64_t req_id);
 const char *pd_engine_id(const pd_connector *pd);
 const char *pd_host(const pd_connector *pd);
 int pd_port(const pd_connector *pd);
@@ -89,6 +109,14 @@ uint32_t pd_lease_ms(const pd_connector *pd);
  */
 int pd_load(pd_connector *pd, uint64_t req_id, const pd_remote *src, const int32_t *dst, int n_dst,
             int skip, td_err *err);
+/**
+ * Push mode: ask the producer src (src->push, no block ids) for the prompt's KV as it is
+ * computed, into dst[skip..n_dst); loaded_cb reports the end, with the producer's first
+ * token and timing in its info.
+ */
+int pd_load_push(pd_connector *pd, uint64_t req_id, const pd_remote *src, const int32_t *dst,
+                 int n_dst, int skip, td_err *err);
+
 /**
  * Keep a producer's lease alive while req_id waits for blocks here: a heartbeat every
  * third of the lease, from the connector's own thread, until pd_unwatch (at the start of

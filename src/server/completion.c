@@ -62,6 +62,7 @@ typedef struct srv__req {
     pd_remote remote;           /* consumer: parsed, then moved to the engine thread */
     char kv_reason[200];        /* consumer: why the remote KV is not used ("" if it is) */
     double prod_queue_ms, prod_compute_ms; /* consumer: the producer's timing, if sent */
+    char push_id[KVX_ID_HEX];   /* producer in write mode: the router's transfer id */
     int32_t first_token;        /* the first generated token */
     srv__out kv_res;            /* the final output's KV fields (kv_blocks owned here) */
     double t_second;            /* when the second token arrived */
@@ -275,6 +276,7 @@ static cJSON *kv_producer_json(srv__req *q)
         return k;
     }
     cJSON_AddBoolToObject(k, "do_remote_prefill", true);
+    cJSON_AddStringToObject(k, "transfer_mode", q->push_id[0] ? "write" : "read");
     cJSON_AddStringToObject(k, "remote_engine_id", pd_engine_id(s->pd));
     cJSON_AddStringToObject(k, "remote_host", pd_host(s->pd));
     cJSON_AddNumberToObject(k, "remote_handshake_port", pd_port(s->pd));
@@ -305,6 +307,7 @@ static cJSON *kv_consumer_json(srv__req *q)
     const srv__out *o = &q->kv_res;
     cJSON *k = cJSON_CreateObject();
     cJSON_AddBoolToObject(k, "do_remote_prefill", true);
+    cJSON_AddStringToObject(k, "transfer_mode", q->remote.push ? "write" : "read");
     if (q->remote.engine_id[0]) cJSON_AddStringToObject(k, "remote_engine_id", q->remote.engine_id);
     const char *how = q->kv_reason[0]                 ? "recomputed"
                       : o->kv_state == SRV__KV_LOADED ? "transferred"
@@ -323,8 +326,11 @@ static cJSON *kv_consumer_json(srv__req *q)
         cJSON_AddNumberToObject(k, "descriptors", o->kv_info.n_descriptors);
     }
     cJSON *t = cJSON_AddObjectToObject(k, "timing");
-    cJSON_AddNumberToObject(t, "producer_queue_ms", q->prod_queue_ms);
-    cJSON_AddNumberToObject(t, "producer_compute_ms", q->prod_compute_ms);
+    bool pushed = q->remote.push && o->kv_state == SRV__KV_LOADED;
+    cJSON_AddNumberToObject(t, "producer_queue_ms",
+                            pushed ? o->kv_info.prod_queue_ms : q->prod_queue_ms);
+    cJSON_AddNumberToObject(t, "producer_compute_ms",
+                            pushed ? o->kv_info.prod_compute_ms : q->prod_compute_ms);
     bool loaded = o->t_kv_loaded > 0;
     cJSON_AddNumberToObject(t, "consumer_queue_ms", ms(o->t_arrival, o->t_first_scheduled));
     cJSON_AddNumberToObject(t, "transfer_ms", loaded ? ms(o->t_first_scheduled, o->t_kv_loaded) : 0);
@@ -760,6 +766,7 @@ static int kv_prepare(srv_server *s, srv__req *q, const prepared *p, int n_choic
                                "with --kv-transfer-config '{\"kv_role\":\"kv_producer\"}')");
         else
             q->kv_mode = KV_PRODUCE;
+        if (!rc && kp.write) memcpy(q->push_id, kp.transfer_id, KVX_ID_HEX);
         goto out;
     }
     if (!s->kv_consumer) {
@@ -778,7 +785,8 @@ static int kv_prepare(srv_server *s, srv__req *q, const prepared *p, int n_choic
     r->n_blocks = kp.n_blocks;
     kp.blocks = NULL;
     r->lease_ms = kp.lease_ms > 0 ? (uint32_t)kp.lease_ms : 0;
-    q->first_token = kp.first_token;
+    r->push = kp.write;
+    q->first_token = kp.first_token; /* -1 in write mode: it comes with the KV */
     q->prod_queue_ms = kp.prod_queue_ms;
     q->prod_compute_ms = kp.prod_compute_ms;
 
@@ -788,7 +796,7 @@ static int kv_prepare(srv_server *s, srv__req *q, const prepared *p, int n_choic
     snprintf(ours, sizeof(ours), "%016llx", (unsigned long long)s->model_fingerprint);
     char *why = q->kv_reason;
     size_t cap = sizeof(q->kv_reason);
-    if (kp.num_prompt_tokens != p[0].n_ids)
+    if (kp.num_prompt_tokens != p[0].n_ids && !(kp.write && kp.num_prompt_tokens < 0))
         snprintf(why, cap,
                  "the producer's prompt had %d tokens, this server tokenizes it to %d "
                  "(different model or tokenizer?)",
@@ -800,7 +808,7 @@ static int kv_prepare(srv_server *s, srv__req *q, const prepared *p, int n_choic
     else if (kp.fingerprint[0] && strcmp(kp.fingerprint, ours))
         snprintf(why, cap, "model_fingerprint differs: producer %s, consumer %s", kp.fingerprint,
                  ours);
-    else if (r->n_blocks != (p[0].n_ids + bs - 1) / bs)
+    else if (!r->push && r->n_blocks != (p[0].n_ids + bs - 1) / bs)
         snprintf(why, cap, "the producer sent %d block ids for %d prompt tokens (block size %d)",
                  r->n_blocks, p[0].n_ids, bs);
     if (!why[0]) goto out;
@@ -934,15 +942,19 @@ void srv__handle_generate(srv_server *s, struct evhttp_request *req, srv_endpoin
                 kv.remote = true;
                 kv.first_token = q->first_token;
                 moved = q->remote; /* the engine thread owns the block list from here */
-                moved.blocks = malloc((size_t)q->remote.n_blocks * sizeof(int32_t));
-                if (moved.blocks)
-                    memcpy(moved.blocks, q->remote.blocks,
-                           (size_t)q->remote.n_blocks * sizeof(int32_t));
-                else
-                    moved.n_blocks = 0, kv.remote = false;
+                moved.blocks = NULL;
+                if (!q->remote.push) {
+                    moved.blocks = malloc((size_t)q->remote.n_blocks * sizeof(int32_t));
+                    if (moved.blocks)
+                        memcpy(moved.blocks, q->remote.blocks,
+                               (size_t)q->remote.n_blocks * sizeof(int32_t));
+                    else
+                        moved.n_blocks = 0, kv.remote = false;
+                }
             }
-            if (srv__engine_add(&s->eng, q, pi * q->r.n + j, p[pi].ids, p[pi].n_ids, &sp, &kv,
-                                kv.remote ? &moved : NULL) != 0)
+            kv.stream_layers = q->push_id[0] != 0;
+            if (srv__engine_add(&s->eng, q, pi * q->r.n + j, q->push_id[0] ? q->push_id : NULL,
+                                p[pi].ids, p[pi].n_ids, &sp, &kv, kv.remote ? &moved : NULL) != 0)
                 goto posted_fail;
             posted++;
             q->outstanding++;

@@ -34,6 +34,7 @@ struct srv__cmd {
     int32_t *stop_ids;
     td_request_kv kv;
     pd_remote remote; /* owned; remote.blocks NULL when none */
+    char push_id[KVX_ID_HEX]; /* producer in write mode: the transfer id ("" otherwise) */
     /* KV_LOADED / KV_RELEASE */
     uint64_t engine_id;
     int status;
@@ -46,7 +47,8 @@ typedef struct srv__active {
     uint64_t engine_id;
     void *user;
     int choice;
-    pd_remote remote;  /* consumer: where the prompt's KV is (blocks NULL: none) */
+    pd_remote remote;  /* consumer: where the prompt's KV is (has_remote) */
+    bool push;         /* producer in write mode: the prefill streams to a consumer */
     bool load_started; /* consumer: pd_load ran, so pd releases the producer's lease */
     int kv_state;      /* SRV__KV_* */
     char kv_note[160];
@@ -138,6 +140,12 @@ static int active_find(const srv__engine *x, uint64_t id)
     return -1;
 }
 
+/* A consumer request whose KV comes from a producer (read: block ids; write: push). */
+static bool has_remote(const pd_remote *r)
+{
+    return r->blocks || r->push;
+}
+
 static void apply(srv__engine *x, srv__cmd *c, batch *b)
 {
     switch (c->kind) {
@@ -146,13 +154,24 @@ static void apply(srv__engine *x, srv__cmd *c, batch *b)
         td_err err = {0};
         if (td_engine_add_request_kv(x->engine, &id, c->ids, c->n_ids, &c->sp, &c->kv, &err)) {
             push_reject(b, c->user, c->choice, err.msg[0] ? err.msg : td_strerror(err.code));
-            if (c->remote.blocks && x->pd) pd_release_remote(x->pd, &c->remote);
-        } else {
-            srv__active *a = active_add(x, id, c->user, c->choice);
-            a->remote = c->remote; /* moved */
-            memset(&c->remote, 0, sizeof(c->remote));
-            if (a->remote.blocks && x->pd) pd_watch(x->pd, id, &a->remote);
+            if (has_remote(&c->remote) && x->pd) pd_release_remote(x->pd, &c->remote);
+            break;
         }
+        if (c->push_id[0]) { /* open the push before the prefill can run */
+            td_kv_info ki;
+            td_engine_kv_info(x->engine, &ki);
+            int n_blocks = (c->n_ids + ki.block_size - 1) / ki.block_size;
+            if (!x->pd || pd_push_open(x->pd, id, c->push_id, n_blocks, &err)) {
+                td_engine_abort(x->engine, id); /* its final output finds no active entry */
+                push_reject(b, c->user, c->choice, err.msg[0] ? err.msg : "no KV connector");
+                break;
+            }
+        }
+        srv__active *a = active_add(x, id, c->user, c->choice);
+        a->push = c->push_id[0] != 0;
+        a->remote = c->remote; /* moved */
+        memset(&c->remote, 0, sizeof(c->remote));
+        if (a->remote.blocks && x->pd) pd_watch(x->pd, id, &a->remote);
         break;
     }
     case CMD_ABORT:
@@ -171,7 +190,8 @@ static void apply(srv__engine *x, srv__cmd *c, batch *b)
         }
         char msg[240];
         snprintf(msg, sizeof(msg), "kv transfer failed: %s", c->msg);
-        td_engine_kv_loaded(x->engine, c->engine_id, c->status, x->kv_recompute, msg);
+        td_engine_kv_loaded(x->engine, c->engine_id, c->status, x->kv_recompute, msg,
+                            c->info.first_token);
         break;
     }
     case CMD_KV_RELEASE:
@@ -186,25 +206,51 @@ static void start_load(srv__engine *x, srv__active *a, const td_output *o)
     a->kv_blocks_cached = o->kv_skip;
     if (x->pd) pd_unwatch(x->pd, o->id); /* the read itself renews the lease */
     td_err err = {0};
-    int rc = x->pd && a->remote.blocks
-                 ? pd_load(x->pd, o->id, &a->remote, o->kv_blocks, o->n_kv_blocks, o->kv_skip, &err)
-                 : td_err_set(&err, TD_ESTATE, "no transfer connector");
+    int rc = !x->pd || !has_remote(&a->remote)
+                 ? td_err_set(&err, TD_ESTATE, "no transfer connector")
+             : a->remote.push
+                 ? pd_load_push(x->pd, o->id, &a->remote, o->kv_blocks, o->n_kv_blocks,
+                                o->kv_skip, &err)
+                 : pd_load(x->pd, o->id, &a->remote, o->kv_blocks, o->n_kv_blocks, o->kv_skip,
+                           &err);
     if (rc == 0) {
         a->load_started = true;
         return;
     }
-    if (x->pd && a->remote.blocks) pd_release_remote(x->pd, &a->remote);
+    if (x->pd && has_remote(&a->remote)) pd_release_remote(x->pd, &a->remote);
     a->kv_state = x->kv_recompute ? SRV__KV_RECOMPUTED : SRV__KV_FAILED;
     snprintf(a->kv_note, sizeof(a->kv_note), "%.150s", err.msg);
     char msg[240];
     snprintf(msg, sizeof(msg), "kv transfer failed: %.200s", err.msg);
-    td_engine_kv_loaded(x->engine, o->id, rc, x->kv_recompute, msg);
+    td_engine_kv_loaded(x->engine, o->id, rc, x->kv_recompute, msg, -1);
 }
 
-/* A held request ended: hand its blocks to the transfer agent under a lease. */
-static void hold(srv__engine *x, srv__out *d, const td_output *o)
+/* A held request ended: hand its blocks to the transfer agent under a lease (in write
+ * mode: finish the push that its prefill streamed). */
+static void hold(srv__engine *x, srv__out *d, const td_output *o, bool push)
 {
     td_err err = {0};
+    if (push) {
+        double q = o->t_first_scheduled > o->t_arrival ? o->t_first_scheduled - o->t_arrival : 0;
+        double c = o->t_first_token > o->t_first_scheduled ? o->t_first_token - o->t_first_scheduled
+                                                            : 0;
+        int rc = x->pd ? pd_push_finish(x->pd, o->id, o->kv_blocks, o->n_kv_blocks, o->token,
+                                        q * 1e3, c * 1e3, d->transfer_id)
+                       : TD_ESTATE;
+        if (rc == 0) {
+            d->kv_blocks = malloc((size_t)o->n_kv_blocks * sizeof(int32_t));
+            if (d->kv_blocks) {
+                memcpy(d->kv_blocks, o->kv_blocks, (size_t)o->n_kv_blocks * sizeof(int32_t));
+                d->n_kv_blocks = o->n_kv_blocks;
+            }
+            return; /* the lease ends through the release callback, as for a read */
+        }
+        /* The push was dropped (the request was preempted, or the consumer released it
+         * early): nobody will read these blocks. */
+        d->transfer_id[0] = '\0';
+        td_engine_kv_release(x->engine, o->id);
+        return;
+    }
     if (x->pd && pd_hold(x->pd, o->id, o->kv_blocks, o->n_kv_blocks, d->transfer_id, &err) == 0) {
         d->kv_blocks = malloc((size_t)o->n_kv_blocks * sizeof(int32_t));
         if (d->kv_blocks) {
@@ -259,9 +305,10 @@ static void drain_outputs(srv__engine *x, batch *b)
         d->kv_info = a->kv_info;
         d->kv_blocks_cached = a->kv_blocks_cached;
         if (o.finish != TD_FINISH_NONE) {
-            if (o.n_kv_blocks > 0) hold(x, d, &o);
+            if (o.n_kv_blocks > 0) hold(x, d, &o, a->push);
+            else if (a->push && x->pd) pd_push_abort(x->pd, o.id); /* ended without its KV */
             /* a remote request that never started its load: the producer may let go */
-            if (a->remote.blocks && !a->load_started && x->pd) {
+            if (has_remote(&a->remote) && !a->load_started && x->pd) {
                 pd_unwatch(x->pd, o.id);
                 pd_release_remote(x->pd, &a->remote);
             }
@@ -375,6 +422,7 @@ int srv__engine_start(srv__engine *x, td_engine *e, int step_delay_ms, pd_connec
     x->pd = pd;
     x->kv_recompute = kv_recompute;
     x->step_delay_ms = step_delay_ms;
+    if (pd) td_engine_set_layer_fn(e, pd_push_progress, pd); /* write mode's producers */
     x->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (x->wake_fd < 0) return td_err_set(err, TD_EIO, "eventfd: %s", strerror(errno));
     pthread_mutex_init(&x->mu, NULL);
@@ -435,7 +483,8 @@ static int post(srv__engine *x, srv__cmd *c)
     return 0;
 }
 
-int srv__engine_add(srv__engine *x, void *user, int choice, const int32_t *ids, int n_ids,
+int srv__engine_add(srv__engine *x, void *user, int choice, const char *push_id,
+                    const int32_t *ids, int n_ids,
                     const td_sampling *sp, const td_request_kv *kv, pd_remote *remote)
 {
     srv__cmd *c = calloc(1, sizeof(*c));
@@ -445,6 +494,7 @@ int srv__engine_add(srv__engine *x, void *user, int choice, const int32_t *ids, 
     }
     c->kind = CMD_ADD;
     if (kv) c->kv = *kv;
+    if (push_id) snprintf(c->push_id, sizeof(c->push_id), "%s", push_id);
     if (remote) { /* moved */
         c->remote = *remote;
         memset(remote, 0, sizeof(*remote));

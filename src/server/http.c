@@ -238,6 +238,9 @@ static cJSON *discovery(srv_server *s)
     cJSON_AddNumberToObject(root, "max_model_len", s->max_model_len);
     const srv_kv_config *kv = s->cfg.kv;
     cJSON_AddStringToObject(root, "kv_role", kv ? srv_kv_role_name(kv->role) : "none");
+    /* how a router should dispatch: read = prefill first, then decode with its answer;
+     * write = both at once with one transfer_id it draws (docs/ARCHITECTURE.md) */
+    if (kv) cJSON_AddStringToObject(root, "transfer_mode", kv->write_mode ? "write" : "read");
     if (s->pd && s->kv_producer) {
         cJSON_AddNumberToObject(root, "handshake_port", pd_port(s->pd));
         cJSON_AddStringToObject(root, "kv_host", pd_host(s->pd));

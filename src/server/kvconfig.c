@@ -255,13 +255,10 @@ int srv_kv_config_parse(srv_kv_config *c, const char *json, char *err, size_t ca
                   NULL);
     } else if (!strcmp(c->buffer_device, "cuda")) {
         rc = fail(err, cap, "'kv_buffer_device' cuda needs the GPU backend; use cpu", NULL);
-    } else if (mode_set && c->write_mode) {
-        rc = fail(err, cap,
-                  "'transfer_mode' write (push) is not built yet; use read (the default)", NULL);
     } else if (!mode_set && !strcmp(c->connector, "mooncake")) {
-        /* mooncake means push semantics; until push exists the alias pulls, and says so */
-        snprintf(c->notes, sizeof(c->notes),
-                 "kv_connector mooncake (push) runs in read mode: push is not built yet");
+        c->write_mode = true; /* mooncake means push semantics */
+    } else if (!mode_set && !strcmp(c->connector, "moriio")) {
+        c->write_mode = false; /* moriio means pull semantics */
     }
     if (!rc) {
         /* MORI-IO's RDMA queue settings have no counterpart in tcp or shm (nor in ucx,

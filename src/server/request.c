@@ -479,6 +479,16 @@ int srv_kv_params_parse(srv_kv_params *p, const void *kv_transfer_params, int n_
     if (p->decode && p->prefill)
         return srv_error_set(err, 400, "invalid_request_error", P,
                              "do_remote_decode and do_remote_prefill cannot both be true");
+    const cJSON *mode = kvp_get(k, "transfer_mode");
+    if (mode && !(cJSON_IsString(mode) && (!strcmp(mode->valuestring, "read") ||
+                                           !strcmp(mode->valuestring, "write"))))
+        return srv_error_set(err, 400, "invalid_request_error", P,
+                             "kv_transfer_params.transfer_mode must be \"read\" or \"write\"");
+    p->write = mode && !strcmp(mode->valuestring, "write");
+    if (p->decode && p->write && !kvp_hex_id(k, "transfer_id", p->transfer_id))
+        return srv_error_set(err, 400, "invalid_request_error", P,
+                             "kv_transfer_params.transfer_id must be 32 lowercase hex digits in "
+                             "write mode: the router draws it and gives it to both instances");
     if (!p->prefill) return 0;
 
     const cJSON *host = kvp_get(k, "remote_host");
@@ -497,7 +507,19 @@ int srv_kv_params_parse(srv_kv_params *p, const void *kv_transfer_params, int n_
     if (!kvp_hex_id(k, "remote_engine_id", p->engine_id) || !kvp_hex_id(k, "transfer_id", p->transfer_id))
         return srv_error_set(err, 400, "invalid_request_error", P,
                              "kv_transfer_params.remote_engine_id and transfer_id must be 32 "
-                             "lowercase hex digits, as the producer returned them");
+                             "lowercase hex digits, as the producer returned them%s",
+                             p->write ? " (write mode: the producer's engine id from its "
+                                        "/kv_transfer_info, the transfer id the router drew)"
+                                      : "");
+    if (p->write) { /* the producer's first token and timing come over the transfer */
+        rc = kvp_int(k, "num_prompt_tokens", 1, 1 << 30, &v);
+        if (rc == TD_EINVAL)
+            return srv_error_set(err, 400, "invalid_request_error", P,
+                                 "kv_transfer_params.num_prompt_tokens must be a positive "
+                                 "integer");
+        if (rc == 0) p->num_prompt_tokens = (int)v;
+        return 0;
+    }
     if (kvp_int(k, "first_token_id", 0, n_vocab - 1, &v))
         return srv_error_set(err, 400, "invalid_request_error", P,
                              "kv_transfer_params.first_token_id must be a token id below %d",

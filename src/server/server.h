@@ -102,6 +102,8 @@ void srv_request_free(srv_request *r);
  */
 typedef struct srv_kv_params {
     bool decode, prefill;
+    bool write; /* transfer_mode "write" (push): decode gets host, port, engine id and
+                   transfer_id only; prefill gets transfer_id (required) */
     char host[256];
     int port;
     char engine_id[33], transfer_id[33];

@@ -96,7 +96,8 @@ void srv__engine_free(srv__engine *x);
  * NULL, is moved into the command and emptied). Returns TD_ESTATE when the
  * loop has stopped. The result, accepted or not, arrives as outputs for (user, choice).
  */
-int srv__engine_add(srv__engine *x, void *user, int choice, const int32_t *ids, int n_ids,
+int srv__engine_add(srv__engine *x, void *user, int choice, const char *push_id,
+                    const int32_t *ids, int n_ids,
                     const td_sampling *sp, const td_request_kv *kv, pd_remote *remote);
 /** Abort every request of `user`. */
 void srv__engine_abort(srv__engine *x, void *user);

@@ -75,10 +75,13 @@ async function until(f, what, ms = 20000) {
 }
 
 async function noLeaks(base, what) {
+  let m = {};
   await until(async () => {
-    const m = await metrics(base);
+    m = await metrics(base);
     return m.tandem_kv_blocks_used === 0 && !(m.tandem_kv_leases_active > 0);
-  }, `${what}: KV blocks back to baseline`);
+  }, `${what}: KV blocks back to baseline`).catch((e) => {
+    throw new Error(`${e.message} (blocks used ${m.tandem_kv_blocks_used}, leases ${m.tandem_kv_leases_active})`);
+  });
 }
 
 const GEN = { max_tokens: 12, temperature: 0, ignore_eos: true };
@@ -199,6 +202,122 @@ for (const tls of ['tcp', 'sm']) {
     }
   });
 }
+
+// Push (transfer_mode write), driven as a router drives it: both instances at once, with
+// one transfer id the router draws. The producer announces each layer's blocks as its
+// prefill computes them and the consumer reads them at once; the first token and the
+// producer's timing come with the last announcement.
+async function info(base) {
+  return (await fetch(base + '/kv_transfer_info')).json();
+}
+
+async function pushPair(prod, pinfo, consUrl, prompt, extra = {}, tid = crypto.randomBytes(16).toString('hex')) {
+  const [p, d] = await Promise.all([
+    post(prod, { prompt, max_tokens: 1, temperature: 0,
+      kv_transfer_params: { do_remote_decode: true, transfer_mode: 'write', transfer_id: tid } }),
+    post(consUrl, { prompt, ...GEN, ...extra,
+      kv_transfer_params: { do_remote_prefill: true, transfer_mode: 'write', transfer_id: tid,
+        remote_engine_id: pinfo.engine_id, remote_host: pinfo.kv_host,
+        remote_handshake_port: pinfo.handshake_port } }),
+  ]);
+  return { p, d };
+}
+
+for (const proto of ['tcp', 'shm', 'ucx']) {
+  test(`equivalence in write mode over ${proto}: 40 prompts, 16 at a time, both dispatched at once`, async (t) => {
+    const env = proto === 'ucx' ? { UCX_TLS: 'sm' } : {};
+    const cons = await serve(['--kv-transfer-config',
+      `{"kv_role":"kv_consumer","protocol":"${proto}","transfer_mode":"write","transfer_timeout_ms":5000}`], env).catch((e) => e);
+    if (cons instanceof Error && /not available in this build/.test(cons.message)) {
+      t.skip(`this build has no ${proto} transport`);
+      return;
+    }
+    assert.ok(!(cons instanceof Error), String(cons));
+    const prod = await serve(['--kv-transfer-config', '{"kv_role":"kv_producer","protocol":"shm","kv_connector":"mooncake"}'], env);
+    const pinfo = await info(prod.url);
+    assert.equal(pinfo.transfer_mode, 'write'); /* mooncake means push */
+    assert.match(pinfo.engine_id, /^[0-9a-f]{32}$/);
+    const ps = prompts();
+    const res = await pool(ps, 16, async (p) => {
+      const { p: pr, d } = await pushPair(prod.url, pinfo, cons.url, p);
+      assert.equal(pr.status, 200, pr.text);
+      assert.equal(pr.json.kv_transfer_params.transfer_mode, 'write', pr.text);
+      assert.equal(d.status, 200, d.text);
+      return d.json;
+    });
+    for (let i = 0; i < ps.length; i++) {
+      const kv = res[i].kv_transfer_params;
+      assert.equal(kv.kv_load, 'transferred', JSON.stringify(kv));
+      assert.equal(kv.transfer_mode, 'write');
+      assert.ok(kv.timing.producer_compute_ms > 0, JSON.stringify(kv.timing));
+      assert.equal(res[i].choices[0].text, await expected(ps[i]), `prompt ${i} (${ps[i].length} tokens)`);
+    }
+    const cm = await metrics(cons.url), pm = await metrics(prod.url);
+    assert.equal(cm.tandem_kv_push_transfers_total, 40);
+    assert.equal(pm.tandem_kv_pushes_opened_total, 40);
+    assert.equal(pm.tandem_kv_pushes_claimed_total, 40);
+    // A consumer prefix-cache hit: only the tail moves, in write mode too.
+    const p = ps[13]; /* 100 tokens: 6 full blocks cached here now */
+    const before = await metrics(cons.url);
+    const { d } = await pushPair(prod.url, pinfo, cons.url, p);
+    const kv = d.json.kv_transfer_params;
+    assert.equal(kv.kv_load, 'transferred', JSON.stringify(kv));
+    assert.equal(kv.cached_blocks, 6);
+    assert.equal(kv.transferred_blocks, 1);
+    assert.equal(d.json.choices[0].text, await expected(p));
+    const after = await metrics(cons.url);
+    assert.equal(after.tandem_kv_transfer_blocks_total - before.tandem_kv_transfer_blocks_total, 1);
+    await noLeaks(prod.url, `${proto} push producer`);
+    await noLeaks(cons.url, `${proto} push consumer`);
+    for (const x of [prod, cons]) {
+      const code = await new Promise((r) => { x.proc.on('exit', (c) => r(c)); x.proc.kill('SIGTERM'); });
+      assert.equal(code, 0, x.stderr());
+    }
+  });
+}
+
+test('write mode failures: no prefill arrives, the producer dies mid-push, a reused transfer id', async () => {
+  // A short lease: a push that no consumer claims (the second prefill below may come after
+  // the first one's consumer released the id) is reclaimed when it expires.
+  const prod = await serve(['--kv-transfer-config', '{"kv_role":"kv_producer","transfer_mode":"write","lease_ms":1000}']);
+  const pinfo = await info(prod.url);
+  const cons = await serve(['--kv-transfer-config', '{"kv_role":"kv_consumer","transfer_timeout_ms":800}']);
+  const consFail = await serve(['--kv-transfer-config',
+    '{"kv_role":"kv_consumer","transfer_timeout_ms":800,"kv_load_failure_policy":"fail"}']);
+  const p = prompts()[12];
+  const params = (tid) => ({ do_remote_prefill: true, transfer_mode: 'write', transfer_id: tid,
+    remote_engine_id: pinfo.engine_id, remote_host: pinfo.kv_host, remote_handshake_port: pinfo.handshake_port });
+  // The router never reached the producer: the consumer gives up after its timeout and
+  // recomputes, or fails clearly.
+  let r = await post(cons.url, { prompt: p, ...GEN, kv_transfer_params: params(crypto.randomBytes(16).toString('hex')) });
+  assert.equal(r.status, 200, r.text);
+  assert.equal(r.json.kv_transfer_params.kv_load, 'recomputed', r.text);
+  assert.match(r.json.kv_transfer_params.kv_load_error, /no prefill with this transfer id/);
+  assert.equal(r.json.choices[0].text, await expected(p));
+  r = await post(consFail.url, { prompt: p, ...GEN, kv_transfer_params: params(crypto.randomBytes(16).toString('hex')) });
+  assert.ok(r.status >= 400 || r.json.choices[0].finish_reason === 'error', r.text);
+  assert.match(r.text, /kv transfer failed/);
+  // A transfer id that is in use is refused by the producer; the consumer still ends.
+  const tid = crypto.randomBytes(16).toString('hex');
+  const [a, b, c] = await Promise.all([
+    post(prod.url, { prompt: p, max_tokens: 1, temperature: 0, kv_transfer_params: { do_remote_decode: true, transfer_mode: 'write', transfer_id: tid } }),
+    post(prod.url, { prompt: p, max_tokens: 1, temperature: 0, kv_transfer_params: { do_remote_decode: true, transfer_mode: 'write', transfer_id: tid } }),
+    post(cons.url, { prompt: p, ...GEN, kv_transfer_params: params(tid) }),
+  ]);
+  assert.equal([a, b].filter((x) => x.status === 200).length >= 1, true);
+  assert.equal(c.status, 200, c.text);
+  assert.equal(c.json.choices[0].text, await expected(p));
+  await noLeaks(prod.url, 'push producer after a reused id');
+  // The producer killed while its prefill streams: the decode request still ends, right.
+  const long = prompts()[14];
+  const pending = post(cons.url, { prompt: long, ...GEN, kv_transfer_params: params(crypto.randomBytes(16).toString('hex')) });
+  await new Promise((res) => setTimeout(res, 30));
+  prod.proc.kill('SIGKILL');
+  r = await pending;
+  assert.equal(r.status, 200, r.text);
+  assert.equal(r.json.choices[0].text, await expected(long));
+  for (const x of [cons, consFail]) { await noLeaks(x.url, 'push consumer'); x.proc.kill('SIGKILL'); }
+});
 
 test('kv_both serves plain requests, and prefills or decodes for a peer', async () => {
   const [b1, b2] = await Promise.all([

@@ -177,14 +177,14 @@ static void run_consumer(td_engine *c, td_engine *p, const int32_t *prompt, int 
         switch (mode) {
         case LOAD_OK:
             copy_blocks(p, c, pblocks + skip, blocks + skip, nb - skip);
-            assert_int_equal(td_engine_kv_loaded(c, id, 0, true, NULL), 0);
+            assert_int_equal(td_engine_kv_loaded(c, id, 0, true, NULL, -1), 0);
             break;
         case LOAD_FAIL_RECOMPUTE:
             /* Leave garbage in the blocks: recompute must not read it. */
-            assert_int_equal(td_engine_kv_loaded(c, id, TD_ECONN, true, "peer died"), 0);
+            assert_int_equal(td_engine_kv_loaded(c, id, TD_ECONN, true, "peer died", -1), 0);
             break;
         case LOAD_FAIL:
-            assert_int_equal(td_engine_kv_loaded(c, id, TD_ECONN, false, "kv transfer failed: peer died"), 0);
+            assert_int_equal(td_engine_kv_loaded(c, id, TD_ECONN, false, "kv transfer failed: peer died", -1), 0);
             break;
         case LOAD_ABORT:
             assert_int_equal(td_engine_abort(c, id), 0);
@@ -192,10 +192,10 @@ static void run_consumer(td_engine *c, td_engine *p, const int32_t *prompt, int 
             td_engine_get_stats(c, &st2);
             assert_int_equal(st2.num_loading, 1); /* the copy is still writing */
             assert_false(td_engine_poll(c, &o));
-            assert_int_equal(td_engine_kv_loaded(c, id, 0, true, NULL), 0);
+            assert_int_equal(td_engine_kv_loaded(c, id, 0, true, NULL, -1), 0);
             break;
         }
-        assert_int_equal(td_engine_kv_loaded(c, id, 0, true, NULL), TD_ENOTFOUND);
+        assert_int_equal(td_engine_kv_loaded(c, id, 0, true, NULL, -1), TD_ENOTFOUND);
     }
 }
 

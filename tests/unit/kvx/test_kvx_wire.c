@@ -164,7 +164,7 @@ static void test_bad_headers(void **state)
     assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), TD_EUNSUPPORTED);
     assert_non_null(strstr(err.msg, "version 2"));
 
-    int bad_types[] = {0, 10, 77, 255};
+    int bad_types[] = {0, 13, 77, 255};
     for (size_t i = 0; i < TD_ARRAY_LEN(bad_types); i++) {
         memcpy(buf, good, n);
         buf[6] = (uint8_t)bad_types[i];
@@ -401,11 +401,74 @@ static void test_layout_and_ids(void **state)
     assert_int_equal(kvx_region_check(&r, &err), 0);
 }
 
+/* The push frames: round trips and the limits of each field. */
+static void test_push_frames(void **state)
+{
+    (void)state;
+    static uint8_t buf[KVX_HDR_BYTES + 16 + 4 * KVX_MAX_DESC + 64];
+    kvx_msg m;
+    td_err err;
+    uint8_t id[16];
+    for (int i = 0; i < 16; i++)
+        id[i] = (uint8_t)(i * 9);
+
+    size_t n = kvx_wire_encode_write(buf, sizeof(buf), 7, id, 2, 9, 1500);
+    assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), 0);
+    assert_int_equal(m.hdr.type, KVX_MSG_WRITE);
+    assert_memory_equal(m.u.write.transfer_id, id, 16);
+    assert_int_equal(m.u.write.skip, 2);
+    assert_int_equal(m.u.write.n_blocks, 9);
+    assert_int_equal(m.u.write.timeout_ms, 1500);
+    set32(buf + KVX_HDR_BYTES + 16, 9); /* skip == n_blocks: nothing wanted */
+    assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), TD_EFORMAT);
+    set32(buf + KVX_HDR_BYTES + 16, 0);
+    set32(buf + KVX_HDR_BYTES + 20, 0);
+    assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), TD_EFORMAT);
+    assert_int_equal(kvx_wire_decode_frame(buf, n - 1, &m, &err), TD_EFORMAT); /* truncated */
+
+    int32_t ids[3] = {5, 6, 70000};
+    n = kvx_wire_encode_push_ready(buf, sizeof(buf), 1, 3, 2, 10, ids, 3);
+    assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), 0);
+    assert_int_equal(m.u.push_ready.seg, 3);
+    assert_int_equal(m.u.push_ready.n_seg, 2);
+    assert_int_equal(m.u.push_ready.index, 10);
+    assert_int_equal(m.u.push_ready.n, 3);
+    assert_int_equal(kvx_wire_push_id(&m, 2), 70000);
+    n = kvx_wire_encode_push_ready(buf, sizeof(buf), 1, 0, 0, 0, NULL, 0); /* keep-alive */
+    assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), 0);
+    assert_int_equal(m.u.push_ready.n, 0);
+    n = kvx_wire_encode_push_ready(buf, sizeof(buf), 1, 3, 2, 10, ids, 3);
+    set32(buf + KVX_HDR_BYTES + 12, 4); /* count disagrees with the length */
+    assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), TD_EFORMAT);
+    set32(buf + KVX_HDR_BYTES + 12, KVX_MAX_DESC + 1); /* absurd count */
+    assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), TD_EFORMAT);
+    set32(buf + KVX_HDR_BYTES + 12, 3);
+    set32(buf + KVX_HDR_BYTES + 4, 0); /* blocks in no segment */
+    assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), TD_EFORMAT);
+    set32(buf + KVX_HDR_BYTES, 0xffffffffu); /* segments wrapping around */
+    set32(buf + KVX_HDR_BYTES + 4, 2);
+    assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), TD_EFORMAT);
+    assert_int_equal(kvx_wire_encode_push_ready(buf, sizeof(buf), 1, 0, 1, 0, ids,
+                                                KVX_MAX_DESC + 1),
+                     0);
+
+    n = kvx_wire_encode_push_done(buf, sizeof(buf), 1, "note", 4);
+    assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), 0);
+    assert_int_equal(m.u.push_done.note_len, 4);
+    assert_memory_equal(m.u.push_done.note, "note", 4);
+    set32(buf + KVX_HDR_BYTES, 5); /* longer than what follows */
+    assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), TD_EFORMAT);
+    set32(buf + KVX_HDR_BYTES, KVX_MAX_NOTE + 1);
+    assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), TD_EFORMAT);
+    assert_int_equal(kvx_wire_encode_push_done(buf, sizeof(buf), 1, buf, KVX_MAX_NOTE + 1), 0);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_roundtrip),      cmocka_unit_test(test_truncated),
         cmocka_unit_test(test_bad_headers),    cmocka_unit_test(test_bad_payloads),
+        cmocka_unit_test(test_push_frames),
         cmocka_unit_test(test_crc32c),         cmocka_unit_test(test_coalesce),
         cmocka_unit_test(test_layout_and_ids), cmocka_unit_test(test_auth_frame),
     };

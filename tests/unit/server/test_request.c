@@ -254,13 +254,27 @@ static void test_kv_config(void **state)
     assert_string_equal(c.auth_token, "s3cret");
     assert_non_null(strstr(c.notes, "max_send_wr is ignored for protocol ucx"));
     srv_kv_config_free(&c);
-    /* The seed recipe's mooncake alias runs (in read mode until push exists). */
+    /* The seed recipe's mooncake alias means push; an explicit transfer_mode wins. */
     assert_int_equal(srv_kv_config_parse(&c,
                                          "{\"kv_role\":\"kv_consumer\",\"kv_connector\":"
                                          "\"mooncake\",\"handshake_port\":6301}",
                                          msg, sizeof(msg)),
                      0);
-    assert_non_null(strstr(c.notes, "read mode"));
+    assert_true(c.write_mode);
+    srv_kv_config_free(&c);
+    assert_int_equal(srv_kv_config_parse(&c,
+                                         "{\"kv_role\":\"kv_consumer\",\"kv_connector\":"
+                                         "\"mooncake\",\"transfer_mode\":\"read\"}",
+                                         msg, sizeof(msg)),
+                     0);
+    assert_false(c.write_mode);
+    srv_kv_config_free(&c);
+    assert_int_equal(srv_kv_config_parse(&c,
+                                         "{\"kv_role\":\"kv_producer\",\"transfer_mode\":"
+                                         "\"write\"}",
+                                         msg, sizeof(msg)),
+                     0);
+    assert_true(c.write_mode);
     srv_kv_config_free(&c);
     static const char *const bad[] = {
         "{}",
@@ -363,6 +377,35 @@ static void test_kv_params(void **state)
     srv_kv_params_free(&kp);
     cJSON_Delete(b);
     cJSON_Delete(j);
+    /* Write mode: the producer needs the router's transfer id; the consumer needs no
+     * block ids or first token (they come over the transfer). */
+    b = cJSON_Parse("{\"do_remote_decode\":true,\"transfer_mode\":\"write\","
+                    "\"transfer_id\":\"fedcba9876543210fedcba9876543210\"}");
+    assert_int_equal(srv_kv_params_parse(&kp, b, 512, &err), 0);
+    assert_true(kp.decode && kp.write);
+    assert_string_equal(kp.transfer_id, "fedcba9876543210fedcba9876543210");
+    srv_kv_params_free(&kp);
+    cJSON_DeleteItemFromObject(b, "transfer_id");
+    assert_int_not_equal(srv_kv_params_parse(&kp, b, 512, &err), 0);
+    assert_non_null(strstr(err.message, "transfer_id"));
+    cJSON_ReplaceItemInObject(b, "transfer_mode", cJSON_CreateString("push"));
+    assert_int_not_equal(srv_kv_params_parse(&kp, b, 512, &err), 0);
+    assert_non_null(strstr(err.message, "transfer_mode"));
+    cJSON_Delete(b);
+    b = cJSON_Parse("{\"do_remote_prefill\":true,\"transfer_mode\":\"write\","
+                    "\"remote_host\":\"127.0.0.1\",\"remote_handshake_port\":6301,"
+                    "\"remote_engine_id\":\"0123456789abcdef0123456789abcdef\","
+                    "\"transfer_id\":\"fedcba9876543210fedcba9876543210\"}");
+    assert_int_equal(srv_kv_params_parse(&kp, b, 512, &err), 0);
+    assert_true(kp.prefill && kp.write);
+    assert_int_equal(kp.n_blocks, 0);
+    assert_int_equal(kp.first_token, -1);
+    assert_int_equal(kp.num_prompt_tokens, -1);
+    srv_kv_params_free(&kp);
+    cJSON_DeleteItemFromObject(b, "remote_engine_id");
+    assert_int_not_equal(srv_kv_params_parse(&kp, b, 512, &err), 0);
+    assert_non_null(strstr(err.message, "kv_transfer_info"));
+    cJSON_Delete(b);
 }
 
 /* Real templates from the shared folder: the families render, look-alikes are refused. */
