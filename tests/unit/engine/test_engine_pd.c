@@ -412,6 +412,129 @@ static void test_hold_edges(void **state)
     td_engine_free(p);
 }
 
+/* Push mode: a streaming producer reports each layer's progress during the steps of its
+ * (chunked) prefill, and a consumer that learns the first token only at the end of the
+ * load continues exactly as one engine. */
+typedef struct layer_log {
+    int calls, n_layers, n_prompt;
+    int done[16];      /* per layer: the latest n_done */
+    int32_t blocks[16]; /* the blocks reported with the whole prompt */
+    bool went_back, preempted;
+} layer_log;
+
+static void on_layer(void *user, int layer, const td_layer_progress *p, int n)
+{
+    layer_log *L = user;
+    assert_int_equal(n, 1);
+    if (layer < 0) {
+        L->preempted = true;
+        return;
+    }
+    assert_true(layer < L->n_layers);
+    assert_int_equal(p->n_prompt, L->n_prompt);
+    if (p->n_done < L->done[layer]) L->went_back = true;
+    L->done[layer] = p->n_done;
+    if (p->n_done == p->n_prompt)
+        memcpy(L->blocks, p->blocks, (size_t)((p->n_done + 15) / 16) * sizeof(int32_t));
+    L->calls++;
+}
+
+static void test_stream_layers_and_late_first_token(void **state)
+{
+    (void)state;
+    td_engine *agg = make_engine(16), *p = make_engine(16), *c = make_engine(16);
+    td_kv_info ki;
+    td_engine_kv_info(p, &ki);
+    const int n = 100; /* two chunks of at most 64 tokens */
+    int32_t prompt[128], want[MAX_OUT];
+    fill_prompt(prompt, n, 99);
+    td_sampling sp;
+    sampling(&sp, 8, 0.0f, 5);
+    assert_int_equal(run_plain(agg, prompt, n, &sp, want), 8);
+
+    layer_log L = {.n_layers = ki.n_layers, .n_prompt = n};
+    td_engine_set_layer_fn(p, on_layer, &L);
+    td_sampling one = sp;
+    one.max_tokens = 1;
+    td_request_kv kv = {.hold = true, .stream_layers = true};
+    uint64_t pid;
+    td_err err = {0};
+    assert_int_equal(td_engine_add_request_kv(p, &pid, prompt, n, &one, &kv, &err), 0);
+    int32_t first = -1, pblocks[16];
+    int npb = 0;
+    int steps = 0;
+    for (bool done = false; !done;) {
+        assert_true(td_engine_step(p, &err) >= 0);
+        steps++;
+        td_output o;
+        while (td_engine_poll(p, &o)) {
+            if (o.token >= 0) first = o.token;
+            if (o.finish != TD_FINISH_NONE) {
+                npb = o.n_kv_blocks;
+                memcpy(pblocks, o.kv_blocks, (size_t)npb * sizeof(int32_t));
+                done = true;
+            }
+        }
+    }
+    assert_int_equal(steps, 2);
+    assert_int_equal(L.calls, 2 * ki.n_layers); /* every layer of both chunks */
+    assert_false(L.went_back);
+    assert_false(L.preempted);
+    for (int l = 0; l < ki.n_layers; l++) assert_int_equal(L.done[l], n);
+    assert_int_equal(npb, 7);
+    assert_memory_equal(L.blocks, pblocks, (size_t)npb * sizeof(int32_t));
+    assert_int_equal(first, want[0]);
+
+    /* The consumer is told the first token with the end of the load. */
+    consumer_result r = {0};
+    td_request_kv ckv = {.remote = true, .first_token = -1};
+    uint64_t cid;
+    assert_int_equal(td_engine_add_request_kv(c, &cid, prompt, n, &sp, &ckv, &err), 0);
+    for (bool done = false; !done;) {
+        assert_true(td_engine_step(c, &err) >= 0);
+        td_output o;
+        while (td_engine_poll(c, &o)) {
+            if (o.kv_load) {
+                copy_blocks(p, c, pblocks, o.kv_blocks, o.n_kv_blocks);
+                assert_int_equal(td_engine_kv_loaded(c, cid, 0, true, NULL, first), 0);
+                continue;
+            }
+            if (o.token >= 0) r.out[r.n_out++] = o.token;
+            if (o.finish != TD_FINISH_NONE) done = true;
+        }
+    }
+    assert_int_equal(r.n_out, 8);
+    for (int i = 0; i < 8; i++) assert_int_equal(r.out[i], want[i]);
+    /* A load that "succeeds" without ever learning the first token recomputes instead. */
+    r.n_out = 0;
+    assert_int_equal(td_engine_add_request_kv(c, &cid, prompt, n, &sp, &ckv, &err), 0);
+    td_engine_stats before;
+    td_engine_get_stats(c, &before);
+    for (bool done = false; !done;) {
+        assert_true(td_engine_step(c, &err) >= 0);
+        td_output o;
+        while (td_engine_poll(c, &o)) {
+            if (o.kv_load) {
+                assert_int_equal(td_engine_kv_loaded(c, cid, 0, true, NULL, -1), 0);
+                continue;
+            }
+            if (o.token >= 0) r.out[r.n_out++] = o.token;
+            if (o.finish != TD_FINISH_NONE) done = true;
+        }
+    }
+    td_engine_stats after;
+    td_engine_get_stats(c, &after);
+    assert_int_equal(after.kv_load_failures - before.kv_load_failures, 1);
+    assert_int_equal(r.n_out, 8);
+    for (int i = 0; i < 8; i++) assert_int_equal(r.out[i], want[i]);
+    assert_int_equal(td_engine_kv_release(p, pid), 0);
+    assert_pools_idle(p);
+    assert_pools_idle(c);
+    td_engine_free(agg);
+    td_engine_free(p);
+    td_engine_free(c);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -421,6 +544,7 @@ int main(void)
         cmocka_unit_test(test_failed_load),
         cmocka_unit_test(test_first_token_ends),
         cmocka_unit_test(test_hold_edges),
+        cmocka_unit_test(test_stream_layers_and_late_first_token),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
