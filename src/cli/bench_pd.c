@@ -160,7 +160,7 @@ static int run_level(const char *prod, const char *cons, const cJSON *pinfo, int
     char **prompts = calloc((size_t)c, sizeof(char *));
     cJSON **pr = calloc((size_t)c, sizeof(cJSON *)), **dr = calloc((size_t)c, sizeof(cJSON *));
     double *xfer = calloc((size_t)c, sizeof(double)), *wire = calloc((size_t)c, sizeof(double));
-    double *ttft = calloc((size_t)c, sizeof(double));
+    double *ttft = calloc((size_t)c, sizeof(double)), *tail = calloc((size_t)c, sizeof(double));
     int rc = 1;
     double e2e;
     if (pinfo) { /* write mode: prefill and decode dispatched at once, one id each */
@@ -249,17 +249,19 @@ static int run_level(const char *prod, const char *cons, const cJSON *pinfo, int
         }
         xfer[i] = num_at(kv, "timing", "transfer_ms");
         wire[i] = num_at(kv, "timing", "transfer_wire_ms");
+        tail[i] = num_at(kv, "timing", "transfer_after_prefill_ms");
         ttft[i] = num_at(cJSON_GetObjectItemCaseSensitive(dr[i], "usage"), "timings", "ttft_ms");
         bytes += num_at(kv, "transferred_bytes", NULL);
     }
     qsort(xfer, (size_t)c, sizeof(double), cmp_d);
     qsort(wire, (size_t)c, sizeof(double), cmp_d);
     qsort(ttft, (size_t)c, sizeof(double), cmp_d);
+    qsort(tail, (size_t)c, sizeof(double), cmp_d);
     /* The transfers start together; the last one ends the span. */
     double span = wire[c - 1] / 1e3;
-    printf("%4d  %9.2f  %9.2f %9.2f  %9.2f %9.2f  %9.2f  %9.2f %9.2f  %9.1f\n", c,
-           bytes / c / 1e6, xfer[c / 2], xfer[c - 1], wire[c / 2], wire[c - 1],
-           span > 0 ? bytes / span / 1e9 : 0.0, ttft[c / 2], ttft[c - 1], e2e * 1e3);
+    printf("%4d  %9.2f  %9.2f %9.2f  %9.2f %9.2f  %9.2f %9.2f  %9.2f  %9.2f %9.2f  %9.1f\n", c,
+           bytes / c / 1e6, xfer[c / 2], xfer[c - 1], wire[c / 2], wire[c - 1], tail[c / 2],
+           tail[c - 1], span > 0 ? bytes / span / 1e9 : 0.0, ttft[c / 2], ttft[c - 1], e2e * 1e3);
     fflush(stdout);
     rc = 0;
 out:
@@ -278,6 +280,7 @@ out:
     free(xfer);
     free(wire);
     free(ttft);
+    free(tail);
     return rc;
 }
 
@@ -347,7 +350,7 @@ int cli_bench_pd(int argc, char **argv)
     printf("bench-pd: %s, prompt %lld tokens, protocol %s, transfer mode %s; producer %s, "
            "consumer %s\n",
            eo.model ? eo.model : "?", (long long)prompt_len, protocol, mode, purl, curl_);
-    printf("   C   MB/req   xfer p50   xfer max  wire p50  wire max   agg GB/s   TTFT p50  TTFT max   e2e ms\n");
+    printf("   C   MB/req   xfer p50   xfer max  wire p50  wire max  after p50 after max   agg GB/s   TTFT p50  TTFT max   e2e ms\n");
     rc = write && !pinfo ? 1 : 0;
     if (rc) fprintf(stderr, "error: no /kv_transfer_info from the producer\n");
     /* A warm-up request opens the transfer session (connections, handshake). */
@@ -359,7 +362,8 @@ int cli_bench_pd(int argc, char **argv)
     }
     cJSON_Delete(pinfo);
     printf("(times in ms; xfer: consumer-side time from blocks allocated to KV in place (in write "
-           "mode it includes waiting for the prefill); wire: the transfer engine's own time; TTFT: "
+           "mode it includes waiting for the prefill); wire: the transfer engine's own time; after: the part of the transfer after the "
+           "prefill ended, which push mode hides the rest of; TTFT: "
            "the decode server's; e2e: a router's view, from dispatch to the last decode's end "
            "(read: all prefills, then all decodes; write: both at once); the first row is a "
            "warm-up)\n");

@@ -82,6 +82,7 @@ struct kvx_xfer {
     td_err sub_err;
     uint8_t note[KVX_MAX_NOTE];
     uint32_t note_len;
+    uint64_t done_ns; /* when PUSH_DONE arrived */
     struct kvx_xfer *next_push;
 };
 
@@ -575,7 +576,10 @@ static void xfer_free_mem(struct kvx_xfer *x)
 static void xfer_complete(struct kvx_xfer *x)
 {
     kvx_client *c = x->c;
-    x->info.seconds = (double)(td_now_ns() - x->start_ns) * 1e-9;
+    uint64_t now = td_now_ns();
+    x->info.seconds = (double)(now - x->start_ns) * 1e-9;
+    x->info.tail_seconds = x->push ? (x->done_ns ? (double)(now - x->done_ns) * 1e-9 : 0)
+                                   : x->info.seconds;
     if (x->code == 0) td_err_clear(&x->result);
     session_put(x->s);
     x->s = NULL;
@@ -1059,6 +1063,7 @@ static void *push_main(void *arg)
         case KVX_MSG_PUSH_DONE:
             memcpy(x->note, m.u.push_done.note, m.u.push_done.note_len);
             x->note_len = m.u.push_done.note_len;
+            x->done_ns = td_now_ns();
             done = true;
             break;
         case KVX_MSG_ERROR:

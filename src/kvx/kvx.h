@@ -286,6 +286,8 @@ typedef struct kvx_xfer_info {
     uint32_t n_runs;        /* coalesced runs */
     uint32_t n_descriptors; /* byte ranges: runs x segments */
     double seconds;         /* start to completion */
+    double tail_seconds;    /* push: from the producer's last word (PUSH_DONE, sent when
+                               its prefill finished) to completion; read: = seconds */
 } kvx_xfer_info;
 void kvx_xfer_get_info(kvx_xfer *x, kvx_xfer_info *out);
 

@@ -380,7 +380,8 @@ static void on_load_done(void *user, kvx_xfer *x, const td_err *result)
     pd_connector *pd = lc->pd;
     kvx_xfer_info xi;
     kvx_xfer_get_info(x, &xi);
-    pd_load_info info = {xi.bytes, xi.n_descriptors, lc->n_blocks, xi.seconds, -1, 0, 0};
+    pd_load_info info = {xi.bytes, xi.n_descriptors, lc->n_blocks, xi.seconds, xi.tail_seconds,
+                         -1, 0, 0};
     int code = result ? result->code : 0;
     td_err bad;
     if (lc->push && code == 0) {

@@ -54,6 +54,7 @@ typedef struct pd_load_info {
     uint64_t bytes;
     uint32_t n_descriptors, n_blocks;
     double seconds;
+    double tail_seconds; /* push: the part after the producer's prefill ended (= seconds for a read) */
     /* push: what the producer's note said (first_token -1 otherwise, or when missing) */
     int32_t first_token;
     double prod_queue_ms, prod_compute_ms;

@@ -335,6 +335,9 @@ static cJSON *kv_consumer_json(srv__req *q)
     cJSON_AddNumberToObject(t, "consumer_queue_ms", ms(o->t_arrival, o->t_first_scheduled));
     cJSON_AddNumberToObject(t, "transfer_ms", loaded ? ms(o->t_first_scheduled, o->t_kv_loaded) : 0);
     cJSON_AddNumberToObject(t, "transfer_wire_ms", o->kv_info.seconds * 1e3);
+    /* the part of the transfer that the prefill did not hide: in write mode, from the
+     * producer's end of prefill to the KV in place; in read mode all of it */
+    cJSON_AddNumberToObject(t, "transfer_after_prefill_ms", o->kv_info.tail_seconds * 1e3);
     cJSON_AddNumberToObject(t, "first_decode_step_ms",
                             loaded && q->t_second > 0 ? ms(o->t_kv_loaded, q->t_second) : 0);
     return k;
