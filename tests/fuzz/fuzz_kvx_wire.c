@@ -66,6 +66,22 @@ static size_t reencode(const kvx_msg *m, uint8_t *out, size_t cap)
                                          m->u.heartbeat.n_ids);
     case KVX_MSG_ACK:
         return kvx_wire_encode_ack(out, cap, m->hdr.tag, m->u.ack.value);
+    case KVX_MSG_WRITE:
+        return kvx_wire_encode_write(out, cap, m->hdr.tag, m->u.write.transfer_id,
+                                     m->u.write.skip, m->u.write.n_blocks, m->u.write.timeout_ms);
+    case KVX_MSG_PUSH_READY: {
+        int32_t *ids = malloc(4 * (size_t)m->u.push_ready.n + 4);
+        for (uint32_t i = 0; i < m->u.push_ready.n; i++)
+            ids[i] = (int32_t)kvx_wire_push_id(m, i);
+        size_t n = kvx_wire_encode_push_ready(out, cap, m->hdr.tag, m->u.push_ready.seg,
+                                              m->u.push_ready.n_seg, m->u.push_ready.index, ids,
+                                              m->u.push_ready.n);
+        free(ids);
+        return n;
+    }
+    case KVX_MSG_PUSH_DONE:
+        return kvx_wire_encode_push_done(out, cap, m->hdr.tag, m->u.push_done.note,
+                                         m->u.push_done.note_len);
     }
     return 0; /* ERROR messages are sanitized on decode, so they do not round-trip */
 }
