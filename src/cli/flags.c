@@ -17,6 +17,7 @@ void cli_flags_usage(const cli_flag *flags, int n_flags, const char *usage_line,
         case CLI_FLAG_INT: arg = " N"; break;
         case CLI_FLAG_FLOAT: arg = " X"; break;
         case CLI_FLAG_SIZE: arg = " BYTES"; break;
+        case CLI_FLAG_LIST: arg = " S ..."; break;
         case CLI_FLAG_BOOL: break;
         }
         char left[64];
@@ -42,6 +43,12 @@ static int set_value(cli_flag *f, const char *v)
     case CLI_FLAG_INT: return td_parse_i64(v, f->dst);
     case CLI_FLAG_FLOAT: return td_parse_f64(v, f->dst);
     case CLI_FLAG_SIZE: return td_parse_size(v, f->dst);
+    case CLI_FLAG_LIST: {
+        cli_str_list *l = f->dst;
+        if (l->n >= CLI_LIST_MAX) return TD_EINVAL;
+        l->v[l->n++] = v;
+        return 0;
+    }
     case CLI_FLAG_BOOL:
         if (!strcmp(v, "true") || !strcmp(v, "1")) *(bool *)f->dst = true;
         else if (!strcmp(v, "false") || !strcmp(v, "0")) *(bool *)f->dst = false;

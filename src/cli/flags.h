@@ -16,7 +16,14 @@ typedef enum cli_flag_kind {
     CLI_FLAG_FLOAT, /* double * */
     CLI_FLAG_BOOL,  /* bool *, takes no value: presence sets true */
     CLI_FLAG_SIZE,  /* uint64_t *, with K/M/G suffixes */
+    CLI_FLAG_LIST,  /* cli_str_list *: every occurrence appends its value */
 } cli_flag_kind;
+
+#define CLI_LIST_MAX 64
+typedef struct cli_str_list {
+    const char *v[CLI_LIST_MAX];
+    int n;
+} cli_str_list;
 
 typedef struct cli_flag {
     const char *name;  /* without the leading "--" */

@@ -50,7 +50,7 @@ typedef struct srv__req {
     int n_choices, outstanding;
     bool started, failed, touched;
     srv_error err;
-    char id[48];
+    char id[80];
     long created;
     double t_recv;
     struct evbuffer *pending; /* SSE bytes not yet written */
@@ -63,6 +63,7 @@ typedef struct srv__req {
     char kv_reason[200];        /* consumer: why the remote KV is not used ("" if it is) */
     double prod_queue_ms, prod_compute_ms; /* consumer: the producer's timing, if sent */
     char push_id[KVX_ID_HEX];   /* producer in write mode: the router's transfer id */
+    bool skip_first;            /* consumer: the router streamed the first token already */
     int32_t first_token;        /* the first generated token */
     srv__out kv_res;            /* the final output's KV fields (kv_blocks owned here) */
     double t_second;            /* when the second token arrived */
@@ -605,8 +606,14 @@ void srv__handle_outputs(srv_server *s, srv__out *outs, int n)
             if (q->r.stream) {
                 /* one chunk per token, even when its text is still incomplete UTF-8,
                  * so that clients see progress (and count tokens) as they happen */
-                if (q->req && (o->token >= 0 || o->finish != TD_FINISH_NONE))
+                bool first = q->skip_first && o->token >= 0 && c->n_gen == 1;
+                if (first && o->finish == TD_FINISH_NONE) {
+                    /* the router streamed this token's text already */
+                } else if (first) {
+                    chunk(q, o->choice, "", 0, false, o->finish);
+                } else if (q->req && (o->token >= 0 || o->finish != TD_FINISH_NONE)) {
                     chunk(q, o->choice, o->text, (size_t)o->text_len, false, o->finish);
+                }
             } else if (o->text_len > 0) {
                 evbuffer_add(c->text, o->text, (size_t)o->text_len);
             }
@@ -779,6 +786,7 @@ static int kv_prepare(srv_server *s, srv__req *q, const prepared *p, int n_choic
         goto out;
     }
     q->kv_mode = KV_CONSUME;
+    q->skip_first = kp.first_token_streamed && q->r.stream;
     pd_remote *r = &q->remote;
     snprintf(r->host, sizeof(r->host), "%s", kp.host);
     r->port = (uint16_t)kp.port;
@@ -890,8 +898,18 @@ void srv__handle_generate(srv_server *s, struct evhttp_request *req, srv_endpoin
     int n_prompts = 0;
     if (prepare(s, &q->r, &p, &n_prompts, &err)) goto reject;
     int n_choices = n_prompts * q->r.n;
-    snprintf(q->id, sizeof(q->id), "%s-%llx%06llx", ep == SRV_EP_CHAT ? "chatcmpl" : "cmpl",
-             (unsigned long long)time(NULL), (unsigned long long)++s->next_id);
+    /* A router's X-Request-Id names the response, so that both legs of a disaggregated
+     * request (and what the router streams itself) carry the same id. */
+    const char *rid = evhttp_find_header(evhttp_request_get_input_headers(req), "X-Request-Id");
+    bool rid_ok = rid && rid[0] && strlen(rid) <= 64;
+    for (const char *c = rid; rid_ok && *c; c++)
+        rid_ok = (*c >= 'a' && *c <= 'z') || (*c >= 'A' && *c <= 'Z') || (*c >= '0' && *c <= '9') ||
+                 *c == '-' || *c == '_' || *c == '.';
+    if (rid_ok)
+        snprintf(q->id, sizeof(q->id), "%s-%s", ep == SRV_EP_CHAT ? "chatcmpl" : "cmpl", rid);
+    else
+        snprintf(q->id, sizeof(q->id), "%s-%llx%06llx", ep == SRV_EP_CHAT ? "chatcmpl" : "cmpl",
+                 (unsigned long long)time(NULL), (unsigned long long)++s->next_id);
     if (kv_prepare(s, q, p, n_choices, &err)) {
         prepared_free(p, n_prompts);
         goto reject;
@@ -930,7 +948,7 @@ void srv__handle_generate(srv_server *s, struct evhttp_request *req, srv_endpoin
                     evbuffer_add(c->text, p[pi].echo, p[pi].echo_len);
                 c->text_offset = p[pi].echo_len;
             }
-            if (q->r.stream && ep == SRV_EP_CHAT) chunk(q, ci, "", 0, true, TD_FINISH_NONE);
+            if (q->r.stream && ep == SRV_EP_CHAT && !q->skip_first) chunk(q, ci, "", 0, true, TD_FINISH_NONE);
         }
     }
     int posted = 0;

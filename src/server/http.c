@@ -186,6 +186,7 @@ static void handle_health(srv_server *s, struct evhttp_request *req)
         return;
     }
     cJSON_AddStringToObject(root, "status", "ok");
+    cJSON_AddNumberToObject(root, "load", s->outstanding); /* for routers' load balancing */
     send_cjson(s, req, 200, root);
 }
 
@@ -515,6 +516,10 @@ int srv_server_create(srv_server **out, td_engine *e, const srv_config *cfg, td_
     event_add(s->sigint_ev, NULL);
     event_add(s->sigterm_ev, NULL);
     srv__engine_take(&s->eng, &(srv__out *){NULL}, &(int){0}, &s->snap);
+    if (cfg->kv && srv__register_start(s, cfg->kv, err)) {
+        srv_server_free(s);
+        return err->code;
+    }
     fprintf(stderr, "listening on %s:%d\n", cfg->host, s->port);
     fflush(stderr);
     *out = s;
@@ -547,6 +552,7 @@ void srv_server_free(srv_server *s)
         free(outs);
     }
     srv__free_all_requests(s);
+    srv__register_stop(s);
     /* After the engine loop (which starts loads) and before the engine (whose pool the
      * transfers read and write); its callbacks now find a closed inbox. */
     pd_destroy(s->pd);

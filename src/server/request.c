@@ -476,6 +476,11 @@ int srv_kv_params_parse(srv_kv_params *p, const void *kv_transfer_params, int n_
                              "'kv_transfer_params' must be an object");
     p->decode = cJSON_IsTrue(kvp_get(k, "do_remote_decode"));
     p->prefill = cJSON_IsTrue(kvp_get(k, "do_remote_prefill"));
+    const cJSON *fts = kvp_get(k, "first_token_streamed");
+    if (fts && !cJSON_IsBool(fts))
+        return srv_error_set(err, 400, "invalid_request_error", P,
+                             "kv_transfer_params.first_token_streamed must be a boolean");
+    p->first_token_streamed = cJSON_IsTrue(fts);
     if (p->decode && p->prefill)
         return srv_error_set(err, 400, "invalid_request_error", P,
                              "do_remote_decode and do_remote_prefill cannot both be true");

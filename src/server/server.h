@@ -104,6 +104,8 @@ typedef struct srv_kv_params {
     bool decode, prefill;
     bool write; /* transfer_mode "write" (push): decode gets host, port, engine id and
                    transfer_id only; prefill gets transfer_id (required) */
+    bool first_token_streamed; /* decode: the router already streamed the first token's
+                                  text (and the chat role): the stream starts after it */
     char host[256];
     int port;
     char engine_id[33], transfer_id[33];

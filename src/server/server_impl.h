@@ -160,7 +160,13 @@ struct srv_server {
     uint64_t next_id;
     long started_at;       /* unix seconds */
     struct srv__req *live; /* every request object alive (for shutdown) */
+    struct srv__registrar *registrar; /* registration with a router (register.c), or NULL */
 };
+
+typedef struct srv__registrar srv__registrar;
+/** Start registering with the router the kv-transfer config names (none: nothing). */
+int srv__register_start(srv_server *s, const srv_kv_config *kv, td_err *err);
+void srv__register_stop(srv_server *s);
 
 /** Send an OpenAI error response and count it. */
 void srv__send_error(srv_server *s, struct evhttp_request *req, const srv_error *e);

@@ -1,0 +1,467 @@
+/*
+ * router/router.c - the router's HTTP server: its own endpoints, the worker API, the
+ * start-up and the shutdown (see router.h).
+ */
+#include <event2/buffer.h>
+#include <event2/keyvalq_struct.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "router/rt_impl.h"
+#include "server/server.h"
+
+void rt_config_default(rt_config *c)
+{
+    memset(c, 0, sizeof(*c));
+    c->host = "0.0.0.0";
+    c->port = 8000;
+    c->prefill_policy = c->decode_policy = c->worker_policy = RT_POLICY_ROUND_ROBIN;
+    c->request_timeout_s = 1800;
+    c->health_checks = true;
+    c->health_interval_s = 10;
+    c->health_timeout_s = 5;
+    c->health_failure_threshold = 3;
+    c->health_success_threshold = 2;
+    c->health_endpoint = "/health";
+    c->circuit_breaker = true;
+    c->cb_failure_threshold = 5;
+    c->cb_success_threshold = 2;
+    c->cb_timeout_s = 30;
+    c->retry_max_retries = 3;
+    c->retry_initial_backoff_s = 0.05;
+    c->retry_max_backoff_s = 2;
+    c->retry_backoff_multiplier = 1.5;
+    c->retry_jitter_factor = 0.2;
+    c->queue_size = 100;
+    c->queue_timeout_s = 60;
+    c->rank_mapping = "none";
+    c->backend = "atom";
+    c->worker_ttl_s = 15;
+}
+
+int rt_config_check(const rt_config *c, td_err *err)
+{
+    if (c->pd && (c->n_worker > 0))
+        return td_err_set(err, TD_EINVAL, "--worker is for aggregated mode; with "
+                                          "--pd-disaggregation use --prefill and --decode");
+    if (!c->pd && (c->n_prefill > 0 || c->n_decode > 0))
+        return td_err_set(err, TD_EINVAL,
+                          "--prefill and --decode need --pd-disaggregation (or use --worker)");
+    if (c->port < 0 || c->port > 65535) return td_err_set(err, TD_EINVAL, "--port out of range");
+    if (c->pd ? (c->n_prefill == 0 || c->n_decode == 0) : c->n_worker == 0) {
+        /* workers may also register themselves (POST /workers): allowed, but say so */
+        TD_WARN("router: no %s given; waiting for workers to register (POST /workers)",
+                c->pd ? "prefill or decode instance" : "worker");
+    }
+    const char *const *lists[3] = {c->prefill, c->decode, c->worker};
+    int counts[3] = {c->n_prefill, c->n_decode, c->n_worker};
+    for (int l = 0; l < 3; l++)
+        for (int i = 0; i < counts[l]; i++) {
+            int rc = rt_url_check(lists[l][i], err);
+            if (rc) return rc;
+        }
+    if (!(c->request_timeout_s > 0) || !(c->health_interval_s > 0) || !(c->health_timeout_s > 0) ||
+        !(c->cb_timeout_s >= 0) || !(c->queue_timeout_s > 0) || !(c->worker_ttl_s > 0))
+        return td_err_set(err, TD_EINVAL, "timeouts and intervals must be positive");
+    if (c->health_failure_threshold < 1 || c->health_success_threshold < 1 ||
+        c->cb_failure_threshold < 1 || c->cb_success_threshold < 1)
+        return td_err_set(err, TD_EINVAL, "thresholds must be at least 1");
+    if (c->retry_max_retries < 0 || c->retry_max_retries > 100 ||
+        !(c->retry_initial_backoff_s >= 0) || !(c->retry_max_backoff_s >= 0) ||
+        !(c->retry_backoff_multiplier >= 1) || !(c->retry_jitter_factor >= 0) ||
+        c->retry_jitter_factor > 1)
+        return td_err_set(err, TD_EINVAL,
+                          "retries: 0..100 retries, backoffs >= 0, multiplier >= 1, jitter 0..1");
+    if (c->max_concurrent_requests < 0 || c->queue_size < 0)
+        return td_err_set(err, TD_EINVAL, "--max-concurrent-requests and --queue-size must be >= 0");
+    if (strcmp(c->rank_mapping, "none") && strcmp(c->rank_mapping, "idx2idx"))
+        return td_err_set(err, TD_EINVAL, "--atom-pd-rank-mapping-policy must be none or idx2idx");
+    if (strcmp(c->backend, "atom") && strcmp(c->backend, "tandem") && strcmp(c->backend, "vllm") &&
+        strcmp(c->backend, "sglang"))
+        return td_err_set(err, TD_EINVAL, "--backend must be atom, tandem, vllm or sglang");
+    if (c->health_endpoint[0] != '/')
+        return td_err_set(err, TD_EINVAL, "--health-check-endpoint must start with /");
+    return 0;
+}
+
+/* ---------------------------------------------------------------- replies */
+
+void rt_send_json(struct evhttp_request *req, int status, const char *json)
+{
+    struct evbuffer *b = evbuffer_new();
+    evbuffer_add(b, json, strlen(json));
+    evhttp_add_header(evhttp_request_get_output_headers(req), "Content-Type", "application/json");
+    evhttp_send_reply(req, status, status < 300 ? "OK" : "Error", b);
+    evbuffer_free(b);
+}
+
+void rt_send_error(struct evhttp_request *req, int status, const char *type, const char *msg)
+{
+    cJSON *root = cJSON_CreateObject(), *e = cJSON_AddObjectToObject(root, "error");
+    cJSON_AddStringToObject(e, "message", msg);
+    cJSON_AddStringToObject(e, "type", type);
+    cJSON_AddNullToObject(e, "param");
+    cJSON_AddNumberToObject(e, "code", status);
+    char *json = cJSON_PrintUnformatted(root);
+    cJSON_Delete(root);
+    rt_send_json(req, status, json ? json : "{}");
+    free(json);
+}
+
+static void send_cjson(struct evhttp_request *req, int status, cJSON *root)
+{
+    char *json = cJSON_PrintUnformatted(root);
+    cJSON_Delete(root);
+    rt_send_json(req, status, json ? json : "{}");
+    free(json);
+}
+
+/* ---------------------------------------------------------------- endpoints */
+
+static bool authorized(rt_router *r, struct evhttp_request *req)
+{
+    if (!r->cfg.api_key || !r->cfg.api_key[0]) return true;
+    const char *h = evhttp_find_header(evhttp_request_get_input_headers(req), "Authorization");
+    if (h && !strncmp(h, "Bearer ", 7) && !strcmp(h + 7, r->cfg.api_key)) return true;
+    cJSON *root = cJSON_CreateObject(), *e = cJSON_AddObjectToObject(root, "error");
+    cJSON_AddStringToObject(e, "message",
+                            h ? "Incorrect API key provided" : "Missing API key: send "
+                                                               "'Authorization: Bearer KEY'");
+    cJSON_AddStringToObject(e, "type", "invalid_request_error");
+    cJSON_AddNullToObject(e, "param");
+    cJSON_AddStringToObject(e, "code", "invalid_api_key");
+    r->responses_by_class[4]++;
+    send_cjson(req, 401, root);
+    return false;
+}
+
+/* 200 while every role the mode needs has a worker that can take requests. */
+static void handle_health(rt_router *r, struct evhttp_request *req)
+{
+    rt_worker *ws[4];
+    cJSON *root = cJSON_CreateObject();
+    const char *missing = NULL;
+    if (r->cfg.pd) {
+        if (!rt_eligible(r, RT_ROLE_PREFILL, ws, 1, NULL))
+            missing = "no prefill instance can take requests";
+        else if (!rt_eligible(r, RT_ROLE_DECODE, ws, 1, NULL))
+            missing = "no decode instance can take requests";
+    } else if (!rt_eligible(r, RT_ROLE_WORKER, ws, 1, NULL)) {
+        missing = "no worker can take requests";
+    }
+    cJSON_AddStringToObject(root, "status", missing ? "error" : "ok");
+    if (missing) cJSON_AddStringToObject(root, "reason", missing);
+    send_cjson(req, missing ? 503 : 200, root);
+}
+
+static void handle_models(rt_router *r, struct evhttp_request *req)
+{
+    cJSON *root = cJSON_CreateObject();
+    cJSON_AddStringToObject(root, "object", "list");
+    cJSON *data = cJSON_AddArrayToObject(root, "data");
+    for (rt_worker *w = r->workers; w; w = w->next) {
+        if (!w->model[0]) continue;
+        bool dup = false;
+        const cJSON *it;
+        cJSON_ArrayForEach(it, data)
+        {
+            const cJSON *id = cJSON_GetObjectItemCaseSensitive(it, "id");
+            if (cJSON_IsString(id) && !strcmp(id->valuestring, w->model)) dup = true;
+        }
+        if (dup) continue;
+        cJSON *m = cJSON_CreateObject();
+        cJSON_AddStringToObject(m, "id", w->model);
+        cJSON_AddStringToObject(m, "object", "model");
+        cJSON_AddNumberToObject(m, "created", 0);
+        cJSON_AddStringToObject(m, "owned_by", "tandem");
+        cJSON_AddItemToArray(data, m);
+    }
+    send_cjson(req, 200, root);
+}
+
+static void handle_metrics(rt_router *r, struct evhttp_request *req)
+{
+    struct evbuffer *b = evbuffer_new();
+    evbuffer_add_printf(b,
+                        "# HELP tandem_router_requests_total Client requests received.\n"
+                        "# TYPE tandem_router_requests_total counter\n"
+                        "tandem_router_requests_total %llu\n"
+                        "# HELP tandem_router_responses_total Client responses by status class.\n"
+                        "# TYPE tandem_router_responses_total counter\n",
+                        (unsigned long long)r->requests_total);
+    for (int c = 2; c <= 5; c++)
+        evbuffer_add_printf(b, "tandem_router_responses_total{class=\"%dxx\"} %llu\n", c,
+                            (unsigned long long)r->responses_by_class[c]);
+    evbuffer_add_printf(
+        b,
+        "# HELP tandem_router_retries_total Legs retried on another worker.\n"
+        "# TYPE tandem_router_retries_total counter\ntandem_router_retries_total %llu\n"
+        "# HELP tandem_router_breaker_transitions_total Circuit breaker state changes.\n"
+        "# TYPE tandem_router_breaker_transitions_total counter\n"
+        "tandem_router_breaker_transitions_total %llu\n"
+        "# HELP tandem_router_timeouts_total Requests answered 504.\n"
+        "# TYPE tandem_router_timeouts_total counter\ntandem_router_timeouts_total %llu\n"
+        "# HELP tandem_router_bad_gateway_total Requests no worker could take (502/503).\n"
+        "# TYPE tandem_router_bad_gateway_total counter\ntandem_router_bad_gateway_total %llu\n"
+        "# HELP tandem_router_rejected_total Requests refused with 429 (queue full).\n"
+        "# TYPE tandem_router_rejected_total counter\ntandem_router_rejected_total %llu\n"
+        "# HELP tandem_router_queue_timeouts_total Requests answered 408 (waited too long).\n"
+        "# TYPE tandem_router_queue_timeouts_total counter\n"
+        "tandem_router_queue_timeouts_total %llu\n"
+        "# HELP tandem_router_client_disconnects_total Clients that hung up before the end.\n"
+        "# TYPE tandem_router_client_disconnects_total counter\n"
+        "tandem_router_client_disconnects_total %llu\n"
+        "# HELP tandem_router_requests_running Requests being relayed.\n"
+        "# TYPE tandem_router_requests_running gauge\ntandem_router_requests_running %d\n"
+        "# HELP tandem_router_queue_depth Requests waiting for a slot.\n"
+        "# TYPE tandem_router_queue_depth gauge\ntandem_router_queue_depth %d\n"
+        "# HELP tandem_router_worker_evictions_total Registered workers evicted (no heartbeat).\n"
+        "# TYPE tandem_router_worker_evictions_total counter\n"
+        "tandem_router_worker_evictions_total %llu\n",
+        (unsigned long long)r->retries, (unsigned long long)r->breaker_transitions,
+        (unsigned long long)r->timeouts_504, (unsigned long long)r->bad_gateway_502,
+        (unsigned long long)r->rejected_429, (unsigned long long)r->timed_out_408,
+        (unsigned long long)r->client_disconnects, r->active, r->queued,
+        (unsigned long long)r->evictions);
+    rt_workers_metrics(r, b);
+    evhttp_add_header(evhttp_request_get_output_headers(req), "Content-Type",
+                      "text/plain; version=0.0.4");
+    evhttp_send_reply(req, 200, "OK", b);
+    evbuffer_free(b);
+}
+
+static int role_parse(const char *s, rt_role *out)
+{
+    if (!strcmp(s, "prefill")) *out = RT_ROLE_PREFILL;
+    else if (!strcmp(s, "decode")) *out = RT_ROLE_DECODE;
+    else if (!strcmp(s, "worker")) *out = RT_ROLE_WORKER;
+    else return TD_EINVAL;
+    return 0;
+}
+
+/*
+ * POST /workers {"url", "role", "engine_id"?, "heartbeat"?}: add a worker, or, for one
+ * that is known, record a heartbeat. An engine that registers itself (its kv-transfer
+ * config names this router) sends this every few seconds with heartbeat true; a new
+ * engine id at a known URL is a restart: its stale state (breaker, health, KV identity)
+ * is dropped at once.
+ */
+static void handle_workers_post(rt_router *r, struct evhttp_request *req)
+{
+    struct evbuffer *in = evhttp_request_get_input_buffer(req);
+    size_t n = evbuffer_get_length(in);
+    char *s = malloc(n + 1);
+    if (!s) return rt_send_error(req, 500, "server_error", "out of memory");
+    evbuffer_copyout(in, s, n);
+    s[n] = 0;
+    cJSON *j = cJSON_Parse(s);
+    free(s);
+    const cJSON *url = cJSON_GetObjectItemCaseSensitive(j, "url");
+    const cJSON *role = cJSON_GetObjectItemCaseSensitive(j, "role");
+    const cJSON *eid = cJSON_GetObjectItemCaseSensitive(j, "engine_id");
+    bool beat = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(j, "heartbeat"));
+    rt_role ro = r->cfg.pd ? RT_ROLE_DECODE : RT_ROLE_WORKER;
+    if (!cJSON_IsString(url) ||
+        (role && (!cJSON_IsString(role) || role_parse(role->valuestring, &ro)))) {
+        cJSON_Delete(j);
+        return rt_send_error(req, 400, "invalid_request_error",
+                             "POST /workers takes {\"url\": \"http://host:port\", \"role\": "
+                             "\"prefill\" | \"decode\" | \"worker\"}");
+    }
+    if (r->cfg.pd ? ro == RT_ROLE_WORKER : ro != RT_ROLE_WORKER) {
+        cJSON_Delete(j);
+        return rt_send_error(req, 400, "invalid_request_error",
+                             r->cfg.pd ? "this router runs --pd-disaggregation: role must be "
+                                         "prefill or decode"
+                                       : "this router is aggregated: role must be worker");
+    }
+    rt_worker *w = rt_worker_find_url(r, url->valuestring);
+    if (w && w->role != ro) { /* the same engine in another role now: start afresh */
+        rt_worker_remove(r, w);
+        w = NULL;
+    }
+    int status = 200;
+    if (!w) {
+        td_err err;
+        if (rt_worker_add(r, url->valuestring, ro, beat, &w, &err)) {
+            cJSON_Delete(j);
+            return rt_send_error(req, 400, "invalid_request_error", err.msg);
+        }
+        r->registrations++;
+        status = 201;
+        TD_INFO("router: %s %s registered%s", rt_role_name(ro), w->url,
+                beat ? " (heartbeats)" : "");
+        rt_worker_probe(r, w);
+    } else {
+        if (beat) w->dynamic = true;
+        if (cJSON_IsString(eid) && w->engine_id[0] && strcmp(eid->valuestring, w->engine_id)) {
+            /* restarted: forget what we knew of the old incarnation */
+            TD_INFO("router: %s %s restarted (engine %s, was %s)", rt_role_name(ro), w->url,
+                    eid->valuestring, w->engine_id);
+            w->info_ok = false;
+            w->engine_id[0] = 0;
+            w->healthy = true;
+            w->health_fail = w->health_ok = 0;
+            w->cb = RT_CB_CLOSED;
+            w->cb_fail = w->cb_ok = 0;
+            rt_worker_probe(r, w);
+        }
+    }
+    w->last_seen_ns = td_now_ns();
+    cJSON *out = cJSON_CreateObject();
+    cJSON_AddNumberToObject(out, "id", (double)w->id);
+    cJSON_AddStringToObject(out, "url", w->url);
+    cJSON_AddStringToObject(out, "role", rt_role_name(w->role));
+    cJSON_Delete(j);
+    send_cjson(req, status, out);
+}
+
+static void handle_workers(rt_router *r, struct evhttp_request *req, const char *path)
+{
+    enum evhttp_cmd_type m = evhttp_request_get_command(req);
+    if (!strcmp(path, "/workers")) {
+        if (m == EVHTTP_REQ_GET) {
+            cJSON *root = cJSON_CreateObject();
+            cJSON_AddItemToObject(root, "workers", rt_workers_json(r));
+            return send_cjson(req, 200, root);
+        }
+        if (m == EVHTTP_REQ_POST) return handle_workers_post(r, req);
+        return rt_send_error(req, 405, "invalid_request_error", "/workers takes GET or POST");
+    }
+    /* /workers/{id} */
+    int64_t id;
+    if (td_parse_i64(path + strlen("/workers/"), &id) || id < 1)
+        return rt_send_error(req, 404, "not_found_error", "no such worker");
+    rt_worker *w = rt_worker_find_id(r, (uint64_t)id);
+    if (!w) return rt_send_error(req, 404, "not_found_error", "no such worker");
+    if (m != EVHTTP_REQ_DELETE)
+        return rt_send_error(req, 405, "invalid_request_error", "/workers/{id} takes DELETE");
+    TD_INFO("router: %s %s removed", rt_role_name(w->role), w->url);
+    rt_worker_remove(r, w);
+    rt_send_json(req, 200, "{\"deleted\":true}");
+}
+
+static void on_request(struct evhttp_request *req, void *arg)
+{
+    rt_router *r = arg;
+    const char *uri = evhttp_request_get_uri(req);
+    char path[256];
+    size_t k = 0;
+    while (uri[k] && uri[k] != '?' && k < sizeof(path) - 1) {
+        path[k] = uri[k];
+        k++;
+    }
+    path[k] = 0;
+    enum evhttp_cmd_type m = evhttp_request_get_command(req);
+    if (!strcmp(path, "/health")) {
+        if (m != EVHTTP_REQ_GET) return rt_send_error(req, 405, "invalid_request_error", "GET only");
+        return handle_health(r, req);
+    }
+    if (!strcmp(path, "/metrics")) {
+        if (m != EVHTTP_REQ_GET) return rt_send_error(req, 405, "invalid_request_error", "GET only");
+        return handle_metrics(r, req);
+    }
+    if (!authorized(r, req)) return;
+    if (!strcmp(path, "/v1/completions") || !strcmp(path, "/v1/chat/completions")) {
+        if (m != EVHTTP_REQ_POST)
+            return rt_send_error(req, 405, "invalid_request_error", "POST only");
+        return rt_relay_start(r, req, !strcmp(path, "/v1/chat/completions") ? SRV_EP_CHAT
+                                                                              : SRV_EP_COMPLETIONS);
+    }
+    if (!strcmp(path, "/v1/models")) {
+        if (m != EVHTTP_REQ_GET) return rt_send_error(req, 405, "invalid_request_error", "GET only");
+        return handle_models(r, req);
+    }
+    if (!strcmp(path, "/workers") || !strncmp(path, "/workers/", 9))
+        return handle_workers(r, req, path);
+    char msg[300];
+    snprintf(msg, sizeof(msg), "no route for '%.200s'", path);
+    rt_send_error(req, 404, "not_found_error", msg);
+}
+
+/* ---------------------------------------------------------------- run */
+
+static void on_signal(evutil_socket_t sig, short what, void *arg)
+{
+    (void)what;
+    rt_router *r = arg;
+    TD_INFO("router: signal %d: shutting down", (int)sig);
+    event_base_loopexit(r->base, NULL);
+}
+
+int rt_run(const rt_config *cfg, td_err *err)
+{
+    int rc = rt_config_check(cfg, err);
+    if (rc) return rc;
+    signal(SIGPIPE, SIG_IGN);
+    rt_router *r = calloc(1, sizeof(*r));
+    if (!r) return td_err_set(err, TD_ENOMEM, "out of memory");
+    r->cfg = *cfg;
+    td_rng_seed(&r->rng, cfg->seed ? cfg->seed : td_now_ns());
+    r->base = event_base_new();
+    r->http = r->base ? evhttp_new(r->base) : NULL;
+    if (!r->http) {
+        rc = td_err_set(err, TD_ENOMEM, "cannot create the event loop");
+        goto out;
+    }
+    rt_policy_kind kinds[RT_N_ROLES] = {cfg->worker_policy, cfg->prefill_policy, cfg->decode_policy};
+    for (int i = 0; i < RT_N_ROLES; i++) {
+        rt_policy_opts po;
+        rt_policy_opts_default(&po, kinds[i]);
+        po.seed = td_rng_next(&r->rng);
+        if ((rc = rt_policy_create(&r->policy[i], &po))) {
+            td_err_set(err, rc, "cannot create the %s policy", rt_role_name((rt_role)i));
+            goto out;
+        }
+    }
+    for (int i = 0; i < cfg->n_prefill && !rc; i++)
+        rc = rt_worker_add(r, cfg->prefill[i], RT_ROLE_PREFILL, false, NULL, err);
+    for (int i = 0; i < cfg->n_decode && !rc; i++)
+        rc = rt_worker_add(r, cfg->decode[i], RT_ROLE_DECODE, false, NULL, err);
+    for (int i = 0; i < cfg->n_worker && !rc; i++)
+        rc = rt_worker_add(r, cfg->worker[i], RT_ROLE_WORKER, false, NULL, err);
+    if (rc) goto out;
+    evhttp_set_gencb(r->http, on_request, r);
+    evhttp_set_max_body_size(r->http, 64u << 20);
+    evhttp_set_allowed_methods(r->http, EVHTTP_REQ_GET | EVHTTP_REQ_POST | EVHTTP_REQ_DELETE);
+    evhttp_set_timeout(r->http, (int)(cfg->request_timeout_s + 60));
+    r->sock = evhttp_bind_socket_with_handle(r->http, cfg->host, (uint16_t)cfg->port);
+    if (!r->sock) {
+        rc = td_err_set(err, TD_EIO, "cannot listen on %s:%d (in use?)", cfg->host, cfg->port);
+        goto out;
+    }
+    evutil_socket_t fd = evhttp_bound_socket_get_fd(r->sock);
+    struct sockaddr_storage ss;
+    socklen_t sl = sizeof(ss);
+    int port = cfg->port;
+    if (getsockname(fd, (struct sockaddr *)&ss, &sl) == 0)
+        port = ntohs(ss.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&ss)->sin6_port
+                                              : ((struct sockaddr_in *)&ss)->sin_port);
+    r->sig_int = evsignal_new(r->base, SIGINT, on_signal, r);
+    r->sig_term = evsignal_new(r->base, SIGTERM, on_signal, r);
+    event_add(r->sig_int, NULL);
+    event_add(r->sig_term, NULL);
+    rt_health_start(r);
+    TD_INFO("router: %s mode, %d prefill, %d decode, %d worker(s); policies %s/%s/%s",
+            cfg->pd ? "PD" : "aggregated", cfg->n_prefill, cfg->n_decode, cfg->n_worker,
+            rt_policy_name(cfg->prefill_policy), rt_policy_name(cfg->decode_policy),
+            rt_policy_name(cfg->worker_policy));
+    fprintf(stderr, "listening on %s:%d\n", cfg->host, port);
+    fflush(stderr);
+    event_base_dispatch(r->base);
+    rt_relay_shutdown(r);
+out:
+    if (r->health_timer) event_free(r->health_timer);
+    if (r->sig_int) event_free(r->sig_int);
+    if (r->sig_term) event_free(r->sig_term);
+    if (r->http) evhttp_free(r->http);
+    rt_workers_free(r);
+    for (int i = 0; i < RT_N_ROLES; i++)
+        rt_policy_free(r->policy[i]);
+    if (r->base) event_base_free(r->base);
+    free(r);
+    return rc;
+}

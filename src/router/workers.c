@@ -1,0 +1,542 @@
+/*
+ * router/workers.c - the worker registry: who the workers are, whether they are alive
+ * (active health checks), whether requests to them succeed (a circuit breaker per
+ * worker), their load, their KV-transfer identity (/kv_transfer_info), and a pool of
+ * keep-alive connections to each.
+ */
+#include <event2/buffer.h>
+#include <event2/keyvalq_struct.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "router/rt_impl.h"
+
+static const double LAT_BUCKETS[RT_LAT_BUCKETS] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                                                   0.1,   0.25,   0.5,   1.0,  2.5,   10.0};
+
+typedef struct rt_check {
+    rt_router *r;
+    rt_worker *w;
+    struct evhttp_connection *conn;
+    bool info; /* a /kv_transfer_info read, not a health check */
+    struct rt_check *next, *prev;
+} check;
+
+const char *rt_role_name(rt_role r)
+{
+    return r == RT_ROLE_PREFILL ? "prefill" : r == RT_ROLE_DECODE ? "decode" : "worker";
+}
+
+const char *rt_cb_name(rt_cb_state s)
+{
+    return s == RT_CB_OPEN ? "open" : s == RT_CB_HALF_OPEN ? "half_open" : "closed";
+}
+
+/* "http://host:port[/]" -> host, port. Only plain http: the engines speak nothing else. */
+static int parse_url(const char *url, char *host, size_t cap, int *port, td_err *err)
+{
+    const char *p = url;
+    if (strncmp(p, "http://", 7))
+        return td_err_set(err, TD_EINVAL, "worker URL '%s' must start with http://", url);
+    p += 7;
+    const char *colon = strrchr(p, ':');
+    const char *end = p + strlen(p);
+    while (end > p && end[-1] == '/')
+        end--;
+    if (!colon || colon >= end || colon == p || (size_t)(colon - p) >= cap)
+        return td_err_set(err, TD_EINVAL, "worker URL '%s' needs a host and a port", url);
+    memcpy(host, p, (size_t)(colon - p));
+    host[colon - p] = 0;
+    char digits[8];
+    size_t nd = (size_t)(end - colon - 1);
+    if (nd == 0 || nd >= sizeof(digits))
+        return td_err_set(err, TD_EINVAL, "worker URL '%s' has a bad port", url);
+    memcpy(digits, colon + 1, nd);
+    digits[nd] = 0;
+    int64_t v;
+    if (td_parse_i64(digits, &v) || v < 1 || v > 65535)
+        return td_err_set(err, TD_EINVAL, "worker URL '%s' has a bad port", url);
+    *port = (int)v;
+    return 0;
+}
+
+int rt_url_check(const char *url, td_err *err)
+{
+    char host[200];
+    int port;
+    return parse_url(url, host, sizeof(host), &port, err);
+}
+
+int rt_worker_add(rt_router *r, const char *url, rt_role role, bool dynamic, rt_worker **out,
+                  td_err *err)
+{
+    if (out) *out = NULL;
+    rt_worker *w = calloc(1, sizeof(*w));
+    if (!w) return td_err_set(err, TD_ENOMEM, "out of memory");
+    int rc = parse_url(url, w->host, sizeof(w->host), &w->port, err);
+    if (rc) {
+        free(w);
+        return rc;
+    }
+    snprintf(w->url, sizeof(w->url), "http://%s:%d", w->host, w->port);
+    w->id = ++r->next_worker_id;
+    w->role = role;
+    w->healthy = true; /* until the checks say otherwise */
+    w->reported_load = -1;
+    w->dynamic = dynamic;
+    w->last_seen_ns = td_now_ns();
+    w->refs = 1; /* the registry's */
+    rt_worker **pp = &r->workers;
+    while (*pp)
+        pp = &(*pp)->next;
+    *pp = w;
+    if (out) *out = w;
+    return 0;
+}
+
+rt_worker *rt_worker_find_url(rt_router *r, const char *url)
+{
+    char host[200];
+    int port;
+    td_err e;
+    if (parse_url(url, host, sizeof(host), &port, &e)) return NULL;
+    for (rt_worker *w = r->workers; w; w = w->next)
+        if (w->port == port && !strcmp(w->host, host)) return w;
+    return NULL;
+}
+
+rt_worker *rt_worker_find_id(rt_router *r, uint64_t id)
+{
+    for (rt_worker *w = r->workers; w; w = w->next)
+        if (w->id == id) return w;
+    return NULL;
+}
+
+void rt_worker_ref(rt_worker *w)
+{
+    w->refs++;
+}
+
+static void worker_free(rt_worker *w)
+{
+    for (int i = 0; i < w->n_idle; i++)
+        evhttp_connection_free(w->idle[i]);
+    free(w->idle);
+    free(w);
+}
+
+void rt_worker_unref(rt_router *r, rt_worker *w)
+{
+    (void)r;
+    if (--w->refs == 0) worker_free(w);
+}
+
+void rt_worker_remove(rt_router *r, rt_worker *w)
+{
+    for (rt_worker **pp = &r->workers; *pp; pp = &(*pp)->next)
+        if (*pp == w) {
+            *pp = w->next;
+            break;
+        }
+    w->removed = true;
+    w->next = NULL;
+    rt_policy_forget(r->policy[w->role], w->id);
+    rt_worker_unref(r, w);
+}
+
+void rt_workers_free(rt_router *r)
+{
+    /* Checks in flight: freeing their connection drops the request without a callback. */
+    while (r->checks) {
+        struct rt_check *c = r->checks;
+        r->checks = c->next;
+        evhttp_connection_free(c->conn);
+        c->w->n_conns--;
+        rt_worker_unref(r, c->w);
+        free(c);
+    }
+    while (r->workers)
+        rt_worker_remove(r, r->workers);
+}
+
+struct evhttp_connection *rt_conn_get(rt_router *r, rt_worker *w, double timeout_s)
+{
+    struct evhttp_connection *c = NULL;
+    if (w->n_idle > 0) {
+        c = w->idle[--w->n_idle];
+    } else {
+        c = evhttp_connection_base_new(r->base, NULL, w->host, (unsigned short)w->port);
+        if (!c) return NULL;
+        evhttp_connection_set_retries(c, 0);
+        w->n_conns++;
+    }
+    struct timeval tv = {(time_t)timeout_s, (suseconds_t)((timeout_s - (double)(time_t)timeout_s) * 1e6)};
+    evhttp_connection_set_timeout_tv(c, &tv);
+    return c;
+}
+
+void rt_conn_put(rt_worker *w, struct evhttp_connection *c)
+{
+    if (w->removed || w->n_idle >= 1024) {
+        evhttp_connection_free(c);
+        w->n_conns--;
+        return;
+    }
+    if (w->n_idle == w->cap_idle) {
+        int cap = w->cap_idle ? 2 * w->cap_idle : 16;
+        struct evhttp_connection **n = realloc(w->idle, (size_t)cap * sizeof(*n));
+        if (!n) {
+            evhttp_connection_free(c);
+            w->n_conns--;
+            return;
+        }
+        w->idle = n;
+        w->cap_idle = cap;
+    }
+    w->idle[w->n_idle++] = c;
+}
+
+/* The breaker's view now: an open breaker turns half-open once its timeout passed. */
+static rt_cb_state breaker(rt_router *r, rt_worker *w)
+{
+    if (w->cb == RT_CB_OPEN &&
+        td_now_ns() - w->cb_opened_ns >= (uint64_t)(r->cfg.cb_timeout_s * 1e9)) {
+        w->cb = RT_CB_HALF_OPEN;
+        w->cb_ok = 0;
+        r->breaker_transitions++;
+        TD_INFO("router: %s %s breaker half-open", rt_role_name(w->role), w->url);
+    }
+    return w->cb;
+}
+
+static bool eligible(rt_router *r, rt_worker *w)
+{
+    if (!w->healthy) return false;
+    if (w->role != RT_ROLE_WORKER && r->cfg.pd && !w->info_ok) return false;
+    if (!r->cfg.circuit_breaker) return true;
+    rt_cb_state s = breaker(r, w);
+    /* half-open: one trial request at a time */
+    return s == RT_CB_CLOSED || (s == RT_CB_HALF_OPEN && w->in_flight == 0);
+}
+
+int rt_eligible(rt_router *r, rt_role role, rt_worker **out, int cap, const rt_worker *exclude)
+{
+    int n = 0;
+    for (rt_worker *w = r->workers; w && n < cap; w = w->next)
+        if (w->role == role && w != exclude && eligible(r, w)) out[n++] = w;
+    return n;
+}
+
+rt_worker *rt_pick(rt_router *r, rt_role role, const char *text, size_t len,
+                   const rt_worker *exclude)
+{
+    rt_worker *ws[256];
+    rt_candidate cs[256];
+    int n = rt_eligible(r, role, ws, 256, exclude);
+    if (n == 0) return NULL;
+    for (int i = 0; i < n; i++)
+        cs[i] = (rt_candidate){.worker_id = ws[i]->id,
+                               .url = ws[i]->url,
+                               .in_flight = ws[i]->in_flight,
+                               .reported_load = ws[i]->reported_load};
+    int k = rt_policy_pick(r->policy[role], cs, n, text, len);
+    return ws[k >= 0 && k < n ? k : 0];
+}
+
+void rt_worker_result(rt_router *r, rt_worker *w, bool ok, double seconds)
+{
+    w->requests++;
+    if (!ok) w->failures++;
+    if (ok && seconds >= 0) {
+        int b = 0;
+        while (b < RT_LAT_BUCKETS && seconds > LAT_BUCKETS[b])
+            b++;
+        w->lat_hist[b]++;
+        w->lat_sum += seconds;
+    }
+    if (!r->cfg.circuit_breaker) return;
+    rt_cb_state s = breaker(r, w);
+    if (ok) {
+        w->cb_fail = 0;
+        if (s == RT_CB_HALF_OPEN && ++w->cb_ok >= r->cfg.cb_success_threshold) {
+            w->cb = RT_CB_CLOSED;
+            r->breaker_transitions++;
+            TD_INFO("router: %s %s breaker closed", rt_role_name(w->role), w->url);
+        }
+        return;
+    }
+    w->cb_ok = 0;
+    if (s == RT_CB_HALF_OPEN || ++w->cb_fail >= r->cfg.cb_failure_threshold) {
+        if (s != RT_CB_OPEN) {
+            r->breaker_transitions++;
+            TD_WARN("router: %s %s breaker open after %d failure(s)", rt_role_name(w->role),
+                    w->url, s == RT_CB_HALF_OPEN ? 1 : w->cb_fail);
+        }
+        w->cb = RT_CB_OPEN;
+        w->cb_opened_ns = td_now_ns();
+        w->cb_fail = 0;
+    }
+}
+
+/* ---------------------------------------------------------------- health checks */
+
+static void check_unlink(check *c)
+{
+    if (c->prev)
+        c->prev->next = c->next;
+    else
+        c->r->checks = c->next;
+    if (c->next) c->next->prev = c->prev;
+}
+
+static void health_mark(rt_router *r, rt_worker *w, bool ok, const char *why)
+{
+    if (ok) {
+        w->health_fail = 0;
+        if (!w->healthy && ++w->health_ok >= r->cfg.health_success_threshold) {
+            w->healthy = true;
+            TD_INFO("router: %s %s is healthy again", rt_role_name(w->role), w->url);
+        }
+        return;
+    }
+    w->health_ok = 0;
+    if (w->healthy && ++w->health_fail >= r->cfg.health_failure_threshold) {
+        w->healthy = false;
+        TD_WARN("router: %s %s is unhealthy: %s", rt_role_name(w->role), w->url, why);
+    }
+}
+
+static cJSON *body_json(struct evhttp_request *req)
+{
+    struct evbuffer *in = evhttp_request_get_input_buffer(req);
+    size_t n = evbuffer_get_length(in);
+    if (n == 0 || n > (1u << 20)) return NULL;
+    char *s = malloc(n + 1);
+    if (!s) return NULL;
+    evbuffer_remove(in, s, n);
+    s[n] = 0;
+    cJSON *j = cJSON_Parse(s);
+    free(s);
+    return j;
+}
+
+static void info_apply(rt_router *r, rt_worker *w, const cJSON *j)
+{
+    const cJSON *role = cJSON_GetObjectItemCaseSensitive(j, "kv_role");
+    const cJSON *eid = cJSON_GetObjectItemCaseSensitive(j, "engine_id");
+    const cJSON *host = cJSON_GetObjectItemCaseSensitive(j, "kv_host");
+    const cJSON *port = cJSON_GetObjectItemCaseSensitive(j, "handshake_port");
+    const cJSON *mode = cJSON_GetObjectItemCaseSensitive(j, "transfer_mode");
+    const cJSON *model = cJSON_GetObjectItemCaseSensitive(j, "model");
+    if (cJSON_IsString(model)) snprintf(w->model, sizeof(w->model), "%s", model->valuestring);
+    const char *kr = cJSON_IsString(role) ? role->valuestring : "none";
+    bool match = w->role == RT_ROLE_WORKER ||
+                 (w->role == RT_ROLE_PREFILL &&
+                  (!strcmp(kr, "kv_producer") || !strcmp(kr, "kv_both"))) ||
+                 (w->role == RT_ROLE_DECODE &&
+                  (!strcmp(kr, "kv_consumer") || !strcmp(kr, "kv_both")));
+    if (!match) {
+        if (w->info_ok || !w->kv_role[0] || strcmp(w->kv_role, kr))
+            TD_ERROR("router: refusing %s %s: its kv_role is %s", rt_role_name(w->role), w->url,
+                     kr);
+        snprintf(w->kv_role, sizeof(w->kv_role), "%s", kr);
+        w->info_ok = false;
+        return;
+    }
+    char new_id[40] = "";
+    if (cJSON_IsString(eid)) snprintf(new_id, sizeof(new_id), "%s", eid->valuestring);
+    if (w->info_ok && w->engine_id[0] && strcmp(w->engine_id, new_id))
+        TD_INFO("router: %s %s restarted (engine %s, was %s)", rt_role_name(w->role), w->url,
+                new_id, w->engine_id);
+    snprintf(w->engine_id, sizeof(w->engine_id), "%s", new_id);
+    snprintf(w->kv_role, sizeof(w->kv_role), "%s", kr);
+    snprintf(w->kv_host, sizeof(w->kv_host), "%s",
+             cJSON_IsString(host) ? host->valuestring : w->host);
+    w->kv_port = cJSON_IsNumber(port) ? (int)port->valuedouble : 0;
+    w->write_mode = cJSON_IsString(mode) && !strcmp(mode->valuestring, "write");
+    if (!w->info_ok)
+        TD_INFO("router: %s %s ready (%s, engine %s%s)", rt_role_name(w->role), w->url, kr,
+                w->engine_id[0] ? w->engine_id : "-", w->write_mode ? ", write mode" : "");
+    w->info_ok = true;
+    (void)r;
+}
+
+static void on_check_done(struct evhttp_request *req, void *arg)
+{
+    check *c = arg;
+    rt_router *r = c->r;
+    rt_worker *w = c->w;
+    int code = req ? evhttp_request_get_response_code(req) : 0;
+    w->check_in_flight = false;
+    if (!w->removed) {
+        if (c->info) {
+            cJSON *j = code == 200 ? body_json(req) : NULL;
+            if (j) info_apply(r, w, j);
+            cJSON_Delete(j);
+        } else {
+            cJSON *j = code == 200 ? body_json(req) : NULL;
+            const cJSON *load = cJSON_GetObjectItemCaseSensitive(j, "load");
+            if (cJSON_IsNumber(load)) w->reported_load = (int)load->valuedouble;
+            cJSON_Delete(j);
+            char why[64];
+            snprintf(why, sizeof(why), code ? "/health answered %d" : "no answer", code);
+            health_mark(r, w, code == 200, why);
+            /* A worker that answers but whose identity is unknown (or may have changed
+             * after a restart): read /kv_transfer_info again. */
+            if (code == 200 && (!w->info_ok || !w->model[0])) rt_worker_probe(r, w);
+        }
+    }
+    check_unlink(c);
+    rt_conn_put(w, c->conn);
+    rt_worker_unref(r, w);
+    free(c);
+}
+
+static void get(rt_router *r, rt_worker *w, const char *path, bool info, double timeout_s)
+{
+    check *c = calloc(1, sizeof(*c));
+    if (!c) return;
+    c->r = r;
+    c->w = w;
+    c->info = info;
+    c->conn = rt_conn_get(r, w, timeout_s);
+    if (!c->conn) {
+        free(c);
+        return;
+    }
+    struct evhttp_request *req = evhttp_request_new(on_check_done, c);
+    evhttp_add_header(evhttp_request_get_output_headers(req), "Host", w->host);
+    rt_worker_ref(w);
+    if (!info) w->check_in_flight = true;
+    if (evhttp_make_request(c->conn, req, EVHTTP_REQ_GET, path)) {
+        if (!info) w->check_in_flight = false;
+        rt_conn_put(w, c->conn);
+        rt_worker_unref(r, w);
+        free(c);
+        return;
+    }
+    c->next = r->checks;
+    if (r->checks) r->checks->prev = c;
+    r->checks = c;
+}
+
+void rt_worker_probe(rt_router *r, rt_worker *w)
+{
+    get(r, w, "/kv_transfer_info", true, r->cfg.health_timeout_s);
+}
+
+static void on_health_timer(evutil_socket_t fd, short what, void *arg)
+{
+    (void)fd;
+    (void)what;
+    rt_router *r = arg;
+    uint64_t now = td_now_ns();
+    for (rt_worker *w = r->workers, *next; w; w = next) {
+        next = w->next;
+        if (w->dynamic && now - w->last_seen_ns > (uint64_t)(r->cfg.worker_ttl_s * 1e9)) {
+            TD_WARN("router: evicting %s %s: no heartbeat for %.0f s", rt_role_name(w->role),
+                    w->url, r->cfg.worker_ttl_s);
+            r->evictions++;
+            rt_worker_remove(r, w);
+            continue;
+        }
+        if (r->cfg.health_checks && !w->check_in_flight)
+            get(r, w, r->cfg.health_endpoint, false, r->cfg.health_timeout_s);
+        else if (!r->cfg.health_checks && !w->info_ok)
+            rt_worker_probe(r, w);
+    }
+}
+
+void rt_health_start(rt_router *r)
+{
+    for (rt_worker *w = r->workers; w; w = w->next)
+        rt_worker_probe(r, w);
+    double iv = r->cfg.health_interval_s;
+    /* Dynamic workers are evicted on this timer too: run it often enough for the TTL. */
+    if (iv > r->cfg.worker_ttl_s / 3) iv = r->cfg.worker_ttl_s / 3;
+    if (iv < 0.05) iv = 0.05;
+    r->health_timer = event_new(r->base, -1, EV_PERSIST, on_health_timer, r);
+    struct timeval tv = {(time_t)iv, (suseconds_t)((iv - (double)(time_t)iv) * 1e6)};
+    event_add(r->health_timer, &tv);
+}
+
+/* ---------------------------------------------------------------- introspection */
+
+cJSON *rt_workers_json(rt_router *r)
+{
+    cJSON *arr = cJSON_CreateArray();
+    for (rt_worker *w = r->workers; w; w = w->next) {
+        cJSON *o = cJSON_CreateObject();
+        cJSON_AddNumberToObject(o, "id", (double)w->id);
+        cJSON_AddStringToObject(o, "url", w->url);
+        cJSON_AddStringToObject(o, "role", rt_role_name(w->role));
+        cJSON_AddBoolToObject(o, "healthy", w->healthy);
+        cJSON_AddStringToObject(o, "circuit_breaker",
+                                r->cfg.circuit_breaker ? rt_cb_name(breaker(r, w)) : "disabled");
+        cJSON_AddNumberToObject(o, "in_flight", w->in_flight);
+        cJSON_AddNumberToObject(o, "load", w->reported_load);
+        if (w->role != RT_ROLE_WORKER) {
+            cJSON_AddBoolToObject(o, "ready", w->info_ok);
+            cJSON_AddStringToObject(o, "kv_role", w->kv_role);
+            cJSON_AddStringToObject(o, "engine_id", w->engine_id);
+            cJSON_AddStringToObject(o, "transfer_mode", w->write_mode ? "write" : "read");
+        }
+        cJSON_AddBoolToObject(o, "dynamic", w->dynamic);
+        cJSON_AddNumberToObject(o, "requests", (double)w->requests);
+        cJSON_AddNumberToObject(o, "failures", (double)w->failures);
+        cJSON_AddItemToArray(arr, o);
+    }
+    return arr;
+}
+
+void rt_workers_metrics(rt_router *r, struct evbuffer *b)
+{
+    evbuffer_add_printf(b, "# HELP tandem_router_worker_healthy 1 if the worker passes its "
+                           "health checks.\n# TYPE tandem_router_worker_healthy gauge\n");
+    for (rt_worker *w = r->workers; w; w = w->next)
+        evbuffer_add_printf(b, "tandem_router_worker_healthy{worker=\"%s\",role=\"%s\"} %d\n",
+                            w->url, rt_role_name(w->role), w->healthy ? 1 : 0);
+    evbuffer_add_printf(b, "# HELP tandem_router_worker_breaker_open 1 while the worker's "
+                           "circuit breaker is open, 0.5 half-open.\n"
+                           "# TYPE tandem_router_worker_breaker_open gauge\n");
+    for (rt_worker *w = r->workers; w; w = w->next)
+        evbuffer_add_printf(b, "tandem_router_worker_breaker_open{worker=\"%s\"} %g\n", w->url,
+                            w->cb == RT_CB_OPEN ? 1.0 : w->cb == RT_CB_HALF_OPEN ? 0.5 : 0.0);
+    evbuffer_add_printf(b, "# HELP tandem_router_worker_in_flight Requests in flight to the "
+                           "worker.\n# TYPE tandem_router_worker_in_flight gauge\n");
+    for (rt_worker *w = r->workers; w; w = w->next)
+        evbuffer_add_printf(b, "tandem_router_worker_in_flight{worker=\"%s\"} %d\n", w->url,
+                            w->in_flight);
+    evbuffer_add_printf(b, "# HELP tandem_router_worker_requests_total Requests relayed to the "
+                           "worker.\n# TYPE tandem_router_worker_requests_total counter\n");
+    for (rt_worker *w = r->workers; w; w = w->next)
+        evbuffer_add_printf(b, "tandem_router_worker_requests_total{worker=\"%s\"} %llu\n",
+                            w->url, (unsigned long long)w->requests);
+    evbuffer_add_printf(b, "# HELP tandem_router_worker_failures_total Relayed requests that "
+                           "failed (connection, timeout, 5xx).\n"
+                           "# TYPE tandem_router_worker_failures_total counter\n");
+    for (rt_worker *w = r->workers; w; w = w->next)
+        evbuffer_add_printf(b, "tandem_router_worker_failures_total{worker=\"%s\"} %llu\n",
+                            w->url, (unsigned long long)w->failures);
+    evbuffer_add_printf(b, "# HELP tandem_router_worker_latency_seconds Time from relaying a "
+                           "request to the end of the worker's answer.\n"
+                           "# TYPE tandem_router_worker_latency_seconds histogram\n");
+    for (rt_worker *w = r->workers; w; w = w->next) {
+        uint64_t cum = 0;
+        for (int i = 0; i < RT_LAT_BUCKETS; i++) {
+            cum += w->lat_hist[i];
+            evbuffer_add_printf(b,
+                                "tandem_router_worker_latency_seconds_bucket{worker=\"%s\","
+                                "le=\"%g\"} %llu\n",
+                                w->url, LAT_BUCKETS[i], (unsigned long long)cum);
+        }
+        cum += w->lat_hist[RT_LAT_BUCKETS];
+        evbuffer_add_printf(b,
+                            "tandem_router_worker_latency_seconds_bucket{worker=\"%s\",le=\"+Inf\"} "
+                            "%llu\ntandem_router_worker_latency_seconds_sum{worker=\"%s\"} %.6f\n"
+                            "tandem_router_worker_latency_seconds_count{worker=\"%s\"} %llu\n",
+                            w->url, (unsigned long long)cum, w->url, w->lat_sum, w->url,
+                            (unsigned long long)cum);
+    }
+}

@@ -1,0 +1,363 @@
+// `tandem router` in front of real `tandem serve` instances (stories260K, loopback):
+// output through the router equals one aggregated engine's, token for token, in
+// aggregated mode, PD read mode (1P1D and 2P2D) and PD write mode, streamed (the official
+// openai client, SSE framing and [DONE] intact) and not. Then the failures: a prefill
+// killed (the other one takes over), the only decode killed (a clear 5xx), a hung
+// prefill (SIGSTOP: 504 within the timeout), a client that hangs up (both engines free
+// their blocks), bad requests (the engines' error shapes), a wrong API key (401), and
+// workers added, removed and restarted at run time. Started by test_router.sh.
+// No test asserts on timing: deadlines only bound waits for state that must arrive.
+import { test, after } from 'node:test';
+import assert from 'node:assert/strict';
+import { spawn } from 'node:child_process';
+import http from 'node:http';
+import OpenAI from 'openai';
+
+const BIN = process.env.TD_BIN;
+const MODEL = process.env.TD_MODEL;
+assert.ok(BIN && MODEL, 'TD_BIN and TD_MODEL must be set');
+
+const procs = new Set();
+after(() => { for (const p of procs) p.kill('SIGKILL'); });
+
+// Start a tandem process; resolves to {url, proc, stderr()} once it prints its port.
+function start(args, env = {}) {
+  return new Promise((resolve, reject) => {
+    const p = spawn(BIN, args, { env: { ...process.env, ...env }, stdio: ['ignore', 'ignore', 'pipe'] });
+    procs.add(p);
+    let err = '';
+    p.stderr.on('data', (d) => {
+      err += d;
+      const m = err.match(/listening on [^\n]*:(\d+)\n/);
+      if (m && !p.started) {
+        p.started = true;
+        resolve({ url: `http://127.0.0.1:${m[1]}`, port: Number(m[1]), proc: p, stderr: () => err });
+      }
+    });
+    p.on('exit', (code) => { procs.delete(p); if (!p.started) reject(new Error(`exited ${code}: ${err}`)); });
+  });
+}
+
+const serve = (kv, extra = []) => start(['serve', '--model', MODEL, '--threads', '1', '--host', '127.0.0.1',
+  '--server-port', '0', '--log-level', 'warn', ...(kv ? ['--kv-transfer-config', JSON.stringify(kv)] : []), ...extra]);
+const router = (args) => start(['router', '--host', '127.0.0.1', '--port', '0', '--log-level', 'warn',
+  '--health-check-interval-secs', '0.2', '--health-check-timeout-secs', '1', '--retry-initial-backoff-secs', '0.01', ...args]);
+
+async function post(base, path, body, headers = {}) {
+  const res = await fetch(base + path, {
+    method: 'POST', headers: { 'content-type': 'application/json', ...headers },
+    body: typeof body === 'string' ? body : JSON.stringify(body),
+  });
+  const text = await res.text();
+  let json = null;
+  try { json = JSON.parse(text); } catch { /* not JSON */ }
+  return { status: res.status, json, text, headers: res.headers };
+}
+
+async function metrics(base) {
+  const text = await (await fetch(base + '/metrics')).text();
+  const m = {};
+  for (const line of text.split('\n')) {
+    const r = line.match(/^([a-z_]+(?:\{[^}]*\})?) (\S+)$/);
+    if (r) m[r[1].replace(/\{model_name="[^"]*"\}/, '')] = Number(r[2]);
+  }
+  return m;
+}
+
+async function until(f, what, ms = 20000) {
+  const end = Date.now() + ms;
+  for (;;) {
+    if (await f()) return;
+    if (Date.now() > end) assert.fail(`timed out waiting for ${what}`);
+    await new Promise((r) => setTimeout(r, 25));
+  }
+}
+
+async function idle(base, what) {
+  await until(async () => {
+    const m = await metrics(base);
+    return m.tandem_kv_blocks_used === 0 && !(m.tandem_kv_leases_active > 0) && m.tandem_num_requests_running === 0;
+  }, `${what}: idle with every KV block back`);
+}
+
+async function workers(base) {
+  return (await (await fetch(base + '/workers')).json()).workers;
+}
+
+// Prompts as token ids (BOS first) of varied lengths (stories260K's context is 128).
+function prompts(n = 12) {
+  const lens = [1, 3, 16, 17, 33, 48, 70, 100];
+  const out = [];
+  for (let i = 0; i < n; i++) {
+    const len = lens[i % lens.length];
+    const ids = [1];
+    let s = 4242 + i * 7919;
+    for (let k = 1; k < len; k++) { s = (s * 1103515245 + 12345) % 2147483648; ids.push(3 + (s % 500)); }
+    out.push(ids);
+  }
+  return out;
+}
+const GEN = { max_tokens: 10, temperature: 0, ignore_eos: true };
+
+let AGG, P1, P2, D1, D2, PW, R1, R2, RA, RW;
+const want = new Map();
+async function expected(prompt) {
+  const key = JSON.stringify(prompt);
+  if (!want.has(key)) {
+    const r = await post(AGG.url, '/v1/completions', { prompt, ...GEN });
+    assert.equal(r.status, 200, r.text);
+    want.set(key, r.json.choices[0].text);
+  }
+  return want.get(key);
+}
+
+// Read an SSE response: the data events, checking the framing on the way.
+async function sse(res) {
+  const text = await res.text();
+  assert.ok(text.endsWith('\n\n'), 'the stream ends with a blank line');
+  const events = text.split('\n\n').filter((e) => e.length);
+  for (const e of events) assert.ok(e.startsWith('data: '), `an SSE data event: ${JSON.stringify(e)}`);
+  assert.equal(events.at(-1), 'data: [DONE]', 'the last event is [DONE]');
+  return events.slice(0, -1).map((e) => JSON.parse(e.slice(6)));
+}
+
+test('start the engines and the routers', async () => {
+  [AGG, P1, P2, D1, D2, PW] = await Promise.all([
+    serve(null),
+    serve({ kv_role: 'kv_producer' }),
+    serve({ kv_role: 'kv_producer' }),
+    serve({ kv_role: 'kv_consumer', transfer_timeout_ms: 3000 }),
+    serve({ kv_role: 'kv_consumer', transfer_timeout_ms: 3000 }),
+    serve({ kv_role: 'kv_producer', transfer_mode: 'write' }),
+  ]);
+  [R1, R2, RA, RW] = await Promise.all([
+    router(['--pd-disaggregation', '--prefill', P1.url, '--decode', D1.url, '--policy', 'random', '--backend', 'atom']),
+    router(['--pd-disaggregation', '--prefill', P1.url, '--prefill', P2.url, '--decode', D1.url, '--decode', D2.url,
+      '--prefill-policy', 'round_robin', '--decode-policy', 'power_of_two']),
+    router(['--worker', AGG.url, '--policy', 'cache_aware']),
+    router(['--pd-disaggregation', '--prefill', PW.url, '--decode', D2.url]),
+  ]);
+  for (const r of [R1, R2, RA, RW])
+    await until(async () => (await fetch(r.url + '/health')).status === 200, 'router healthy');
+  const ws = await workers(R2.url);
+  assert.equal(ws.length, 4);
+  for (const w of ws) {
+    assert.equal(w.healthy, true);
+    assert.equal(w.ready, true, JSON.stringify(w));
+    assert.equal(w.circuit_breaker, 'closed');
+  }
+  assert.equal((await workers(RW.url)).find((w) => w.role === 'prefill').transfer_mode, 'write');
+});
+
+for (const [name, get] of [['aggregated', () => RA], ['1P1D', () => R1], ['2P2D', () => R2], ['write mode', () => RW]]) {
+  test(`${name}: output equals one engine's, non-streamed and streamed`, async () => {
+    const r = get();
+    const ps = prompts();
+    const res = await Promise.all(ps.map((p) => post(r.url, '/v1/completions', { prompt: p, ...GEN })));
+    for (let i = 0; i < ps.length; i++) {
+      assert.equal(res[i].status, 200, res[i].text);
+      assert.equal(res[i].json.choices[0].text, await expected(ps[i]), `prompt ${i}`);
+      if (name !== 'aggregated') assert.equal(res[i].json.kv_transfer_params.kv_load, 'transferred', res[i].text);
+    }
+    // Streamed: the events put the same text together, one id throughout, [DONE] last.
+    for (const p of ps.slice(0, 6)) {
+      const s = await fetch(r.url + '/v1/completions', { method: 'POST', headers: { 'content-type': 'application/json', 'x-request-id': `t-${p.length}` },
+        body: JSON.stringify({ prompt: p, ...GEN, stream: true, stream_options: { include_usage: true } }) });
+      assert.equal(s.status, 200);
+      assert.match(s.headers.get('content-type'), /text\/event-stream/);
+      const ev = await sse(s);
+      const text = ev.map((e) => (e.choices[0] ? e.choices[0].text : '')).join('');
+      assert.equal(text, await expected(p));
+      assert.equal(new Set(ev.map((e) => e.id)).size, 1, 'one id in the stream');
+      assert.equal(ev.at(-1).usage.completion_tokens, 10);
+      assert.equal(ev.filter((e) => e.choices[0] && e.choices[0].finish_reason).length, 1);
+    }
+  });
+}
+
+test('2P2D spreads the work over both prefills and both decodes', async () => {
+  const ws = await workers(R2.url);
+  for (const w of ws) assert.ok(w.requests > 0, `${w.role} ${w.url} took requests`);
+});
+
+test('the openai client streams chat and completions through the router', async () => {
+  const client = new OpenAI({ baseURL: R1.url + '/v1', apiKey: 'none' });
+  const models = await client.models.list();
+  assert.equal(models.data.length, 1, 'the union of the workers\' models');
+  const model = models.data[0].id;
+  const p = prompts()[5];
+  const stream = await client.completions.create({ model, prompt: p, ...GEN, stream: true });
+  let text = '';
+  for await (const chunk of stream) text += chunk.choices[0]?.text ?? '';
+  assert.equal(text, await expected(p));
+  const full = await client.completions.create({ model, prompt: p, ...GEN });
+  assert.equal(full.choices[0].text, text);
+});
+
+test('the first token reaches a streaming client before the decode starts', async () => {
+  // The router streams the prefill's token itself; the decode begins after it.
+  const p = prompts()[6];
+  const s = await fetch(R1.url + '/v1/completions', { method: 'POST', headers: { 'content-type': 'application/json' },
+    body: JSON.stringify({ prompt: p, ...GEN, stream: true }) });
+  const ev = await sse(s);
+  const texts = ev.map((e) => e.choices[0].text);
+  assert.equal(texts.join(''), await expected(p));
+  assert.equal(ev.length, 10, 'one event per token: the first token is not repeated');
+});
+
+test('bad requests get the engines\' error shapes; a wrong API key gets 401', async () => {
+  for (const [body, param] of [['{"prompt": ', null], [{ prompt: 'x', max_tokens: -3 }, 'max_tokens'], [{ max_tokens: 3 }, 'prompt']]) {
+    const viaRouter = await post(R1.url, '/v1/completions', body);
+    const direct = await post(AGG.url, '/v1/completions', body);
+    assert.equal(viaRouter.status, 400, viaRouter.text);
+    assert.deepEqual(viaRouter.json, direct.json);
+    if (param) assert.equal(viaRouter.json.error.param, param);
+  }
+  const rk = await router(['--worker', AGG.url, '--api-key', 'sekrit']);
+  let r = await post(rk.url, '/v1/completions', { prompt: 'x', max_tokens: 2 });
+  assert.equal(r.status, 401);
+  assert.equal(r.json.error.code, 'invalid_api_key');
+  r = await post(rk.url, '/v1/completions', { prompt: 'x', max_tokens: 2 }, { authorization: 'Bearer wrong' });
+  assert.equal(r.status, 401);
+  r = await post(rk.url, '/v1/completions', { prompt: [1, 5, 6], max_tokens: 2 }, { authorization: 'Bearer sekrit' });
+  assert.equal(r.status, 200, r.text);
+  assert.equal((await fetch(rk.url + '/health')).status, 200);
+  r = await fetch(R1.url + '/nope');
+  assert.equal(r.status, 404);
+  rk.proc.kill('SIGTERM');
+});
+
+test('a client that hangs up mid-stream: both engines free their blocks', async () => {
+  // A decode slowed down (20 ms a step) so that the stream is surely still running.
+  const slow = await serve({ kv_role: 'kv_consumer' }, ['--enable-debug-endpoints', '--debug-step-delay-ms', '20']);
+  const r = await router(['--pd-disaggregation', '--prefill', P1.url, '--decode', slow.url]);
+  await until(async () => (await fetch(r.url + '/health')).status === 200, 'router healthy');
+  const p = prompts()[1];
+  await new Promise((resolve) => {
+    const u = new URL(r.url);
+    const req = http.request({ host: u.hostname, port: u.port, path: '/v1/completions', method: 'POST',
+      headers: { 'content-type': 'application/json' } }, (res) => {
+      res.once('data', () => { req.destroy(); resolve(); });
+    });
+    req.on('error', () => resolve());
+    req.end(JSON.stringify({ prompt: p, max_tokens: 100, temperature: 0, ignore_eos: true, stream: true }));
+  });
+  await until(async () => (await metrics(r.url)).tandem_router_client_disconnects_total >= 1, 'the router saw the hang-up');
+  await idle(P1.url, 'prefill');
+  await idle(slow.url, 'decode');
+  // The decode's request was aborted, not run to its end for nobody.
+  const text = await (await fetch(slow.url + '/metrics')).text();
+  const aborted = text.match(/tandem_request_success_total\{[^}]*finished_reason="abort"\} (\d+)/);
+  assert.ok(aborted && Number(aborted[1]) >= 1, 'the decode aborted the request');
+  await until(async () => (await metrics(r.url)).tandem_router_requests_running === 0, 'router idle');
+  for (const x of [r, slow]) x.proc.kill('SIGKILL');
+});
+
+test('a hung prefill (SIGSTOP) is a 504 within the timeout, never a hang', async () => {
+  const p = await serve({ kv_role: 'kv_producer' });
+  const r = await router(['--pd-disaggregation', '--prefill', p.url, '--decode', D2.url, '--request-timeout-secs', '1.5',
+    '--retry-max-retries', '0']);
+  await until(async () => (await fetch(r.url + '/health')).status === 200, 'router healthy');
+  p.proc.kill('SIGSTOP');
+  const t0 = Date.now();
+  const res = await post(r.url, '/v1/completions', { prompt: prompts()[2], ...GEN });
+  assert.equal(res.status, 504, res.text);
+  assert.equal(res.json.error.type, 'gateway_timeout');
+  assert.ok(Date.now() - t0 < 10000);
+  p.proc.kill('SIGCONT');
+  p.proc.kill('SIGKILL');
+  r.proc.kill('SIGTERM');
+});
+
+test('a prefill killed: the other one takes over; the dead one leaves the pairing', async () => {
+  const [pa, pb] = await Promise.all([serve({ kv_role: 'kv_producer' }), serve({ kv_role: 'kv_producer' })]);
+  const r = await router(['--pd-disaggregation', '--prefill', pa.url, '--prefill', pb.url, '--decode', D1.url,
+    '--policy', 'round_robin', '--cb-failure-threshold', '1', '--cb-timeout-duration-secs', '60']);
+  await until(async () => (await fetch(r.url + '/health')).status === 200, 'router healthy');
+  pa.proc.kill('SIGKILL');
+  const ps = prompts(8);
+  for (const p of ps) {
+    const res = await post(r.url, '/v1/completions', { prompt: p, ...GEN });
+    assert.equal(res.status, 200, res.text);
+    assert.equal(res.json.choices[0].text, await expected(p));
+  }
+  const dead = (await workers(r.url)).find((w) => w.url === pa.url);
+  assert.equal(dead.circuit_breaker, 'open');
+  assert.ok((await metrics(r.url)).tandem_router_retries_total >= 1);
+  await until(async () => (await workers(r.url)).find((w) => w.url === pa.url).healthy === false, 'the dead prefill marked unhealthy');
+  pb.proc.kill('SIGKILL');
+  // No prefill left: a clear 503, at once.
+  await until(async () => (await fetch(r.url + '/health')).status === 503, 'router unhealthy');
+  const res = await post(r.url, '/v1/completions', { prompt: ps[0], ...GEN });
+  assert.equal(res.status, 503, res.text);
+  assert.match(res.json.error.message, /prefill/);
+  r.proc.kill('SIGTERM');
+});
+
+test('the only decode killed: a clear 5xx, not a hang', async () => {
+  const [p, d] = await Promise.all([serve({ kv_role: 'kv_producer', lease_ms: 1000 }), serve({ kv_role: 'kv_consumer' })]);
+  const r = await router(['--pd-disaggregation', '--prefill', p.url, '--decode', d.url, '--retry-max-retries', '1']);
+  await until(async () => (await fetch(r.url + '/health')).status === 200, 'router healthy');
+  d.proc.kill('SIGKILL');
+  const res = await post(r.url, '/v1/completions', { prompt: prompts()[4], ...GEN });
+  assert.ok(res.status === 502 || res.status === 503, res.text);
+  assert.match(res.json.error.message, /decode/);
+  // The prefill's KV, which no decode read, comes back when its lease expires.
+  await idle(p.url, 'the prefill whose KV nobody read');
+  for (const x of [r, p]) x.proc.kill('SIGKILL');
+});
+
+test('workers register themselves, are removed, restarted and evicted, with no router restart', async () => {
+  const r = await router(['--pd-disaggregation', '--worker-ttl-secs', '2']);
+  assert.equal((await fetch(r.url + '/health')).status, 503);
+  // Engines that name the router in their kv-transfer config register and heartbeat.
+  const reg = { proxy_ip: '127.0.0.1', proxy_ping_port: r.port };
+  const d = await serve({ kv_role: 'kv_consumer', ...reg });
+  let p = await serve({ kv_role: 'kv_producer', ...reg });
+  await until(async () => (await fetch(r.url + '/health')).status === 200, 'router healthy with registered workers');
+  const q = prompts()[3];
+  let res = await post(r.url, '/v1/completions', { prompt: q, ...GEN });
+  assert.equal(res.status, 200, res.text);
+  assert.equal(res.json.choices[0].text, await expected(q));
+  // A worker whose kv_role does not match the role it is registered in is refused.
+  const extra = await serve({ kv_role: 'kv_consumer' });
+  res = await post(r.url, '/workers', { url: extra.url, role: 'prefill' });
+  assert.equal(res.status, 201, res.text);
+  await until(async () => {
+    const w = (await workers(r.url)).find((x) => x.url === extra.url);
+    return w && w.kv_role === 'kv_consumer' && w.ready === false;
+  }, 'the mismatched worker refused');
+  const id = (await workers(r.url)).find((x) => x.url === extra.url).id;
+  assert.equal((await fetch(`${r.url}/workers/${id}`, { method: 'DELETE' })).status, 200);
+  assert.equal((await fetch(`${r.url}/workers/${id}`, { method: 'DELETE' })).status, 404);
+  extra.proc.kill('SIGKILL');
+  // Restart the prefill on the same port: a new engine id replaces the stale entry.
+  const port = p.port;
+  const oldId = (await workers(r.url)).find((x) => x.role === 'prefill').engine_id;
+  p.proc.kill('SIGKILL');
+  await new Promise((ok) => setTimeout(ok, 100));
+  p = await start(['serve', '--model', MODEL, '--threads', '1', '--host', '127.0.0.1', '--server-port', String(port),
+    '--log-level', 'warn', '--kv-transfer-config', JSON.stringify({ kv_role: 'kv_producer', ...reg })]);
+  await until(async () => {
+    const w = (await workers(r.url)).find((x) => x.role === 'prefill');
+    return w && w.engine_id && w.engine_id !== oldId && w.ready;
+  }, 'the restarted prefill known by its new engine id');
+  res = await post(r.url, '/v1/completions', { prompt: q, ...GEN });
+  assert.equal(res.status, 200, res.text);
+  assert.equal(res.json.choices[0].text, await expected(q));
+  assert.equal((await workers(r.url)).filter((x) => x.role === 'prefill').length, 1);
+  // A worker that stops its heartbeats (killed) is evicted.
+  d.proc.kill('SIGKILL');
+  await until(async () => !(await workers(r.url)).find((x) => x.role === 'decode'), 'the dead decode evicted');
+  assert.ok((await metrics(r.url)).tandem_router_worker_evictions_total >= 1);
+  assert.equal((await fetch(r.url + '/health')).status, 503);
+  for (const x of [r, p]) x.proc.kill('SIGKILL');
+});
+
+test('every engine is idle at the end, and the routers shut down cleanly', async () => {
+  for (const e of [P1, P2, D1, D2, PW]) await idle(e.url, e.url);
+  for (const r of [R1, R2, RA, RW]) {
+    const code = await new Promise((ok) => { r.proc.on('exit', (c) => ok(c)); r.proc.kill('SIGTERM'); });
+    assert.equal(code, 0, r.stderr());
+  }
+});
