@@ -24,6 +24,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <sys/socket.h>
 
 #include "router/rt_impl.h"
@@ -69,6 +71,7 @@ struct rt_req {
     struct event *timer;      /* request timeout, or the queue timeout while queued */
     struct event *retry_ev;   /* a retry waiting for its backoff */
     rt_leg *retry_leg;
+    uint64_t paired_decode; /* --atom-pd-rank-mapping-policy idx2idx: the prefill's twin (id) */
     bool queued, admitted;
     double t_start;
     rt_req *next_queued;
@@ -479,6 +482,13 @@ static void leg_start_on(rt_req *q, rt_leg *leg, rt_worker *w)
         leg->failed_on = w;
         leg_release(q, leg);
         leg_failed(q, leg, 0, "cannot send the request");
+        return;
+    }
+    struct bufferevent *bev = evhttp_connection_get_bufferevent(leg->conn);
+    evutil_socket_t fd = bev ? bufferevent_getfd(bev) : -1;
+    if (fd >= 0) {
+        int one = 1;
+        setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
     }
 }
 
@@ -486,7 +496,14 @@ static void leg_start(rt_req *q, rt_leg *leg)
 {
     rt_router *r = q->r;
     leg->tries++;
-    rt_worker *w = rt_pick(r, leg->role, q->route, q->route_len, leg->failed_on);
+    rt_worker *w = NULL;
+    if (leg->role == RT_ROLE_DECODE && leg->tries == 1 && q->paired_decode) {
+        rt_worker *ok[256];
+        int n = rt_eligible(r, RT_ROLE_DECODE, ok, 256, NULL);
+        for (int i = 0; i < n && !w; i++)
+            if (ok[i]->id == q->paired_decode) w = ok[i];
+    }
+    if (!w) w = rt_pick(r, leg->role, q->route, q->route_len, leg->failed_on);
     if (!w && leg->failed_on) /* the only one failed: try it again after the backoff */
         w = rt_pick(r, leg->role, q->route, q->route_len, NULL);
     if (!w) {
@@ -714,6 +731,14 @@ static void begin(rt_req *q)
         leg_start_on(q, &q->pre, p);
         return;
     }
+    if (!strcmp(r->cfg.rank_mapping, "idx2idx")) {
+        /* the i-th prefill pairs with the i-th decode (in the order given or registered) */
+        int i = 0, k = 0;
+        for (rt_worker *x = r->workers; x && x != p; x = x->next)
+            i += x->role == RT_ROLE_PREFILL;
+        for (rt_worker *x = r->workers; x && !q->paired_decode; x = x->next)
+            if (x->role == RT_ROLE_DECODE && k++ == i) q->paired_decode = x->id;
+    }
     char *payload = prefill_body(q, NULL);
     leg_init(q, &q->pre, RT_ROLE_PREFILL, false, payload);
     q->pre.tries = 1; /* p was picked above: one pick per attempt */
@@ -878,6 +903,10 @@ void rt_relay_start(rt_router *r, struct evhttp_request *req, int endpoint)
     struct bufferevent *bev = evhttp_connection_get_bufferevent(evcon);
     evutil_socket_t fd = bev ? bufferevent_getfd(bev) : -1;
     if (fd >= 0) {
+        /* Relayed SSE events are small writes: without this, Nagle holds each one until
+         * the client's delayed ACK (40 ms). */
+        int one = 1;
+        setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
         q->watch = event_new(r->base, fd, EV_READ | EV_PERSIST, on_client_readable, q);
         if (q->watch) event_add(q->watch, NULL);
     }

@@ -445,6 +445,9 @@ int rt_run(const rt_config *cfg, td_err *err)
     event_add(r->sig_int, NULL);
     event_add(r->sig_term, NULL);
     rt_health_start(r);
+    if (cfg->dp_aware)
+        TD_INFO("router: --dp-aware: tandem engines run one data-parallel rank each "
+                "(dp_size 1), so each worker is one rank");
     TD_INFO("router: %s mode, %d prefill, %d decode, %d worker(s); policies %s/%s/%s",
             cfg->pd ? "PD" : "aggregated", cfg->n_prefill, cfg->n_decode, cfg->n_worker,
             rt_policy_name(cfg->prefill_policy), rt_policy_name(cfg->decode_policy),

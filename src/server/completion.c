@@ -12,6 +12,8 @@
  * written with one evhttp_send_reply_chunk, so each step costs each stream one write.
  */
 #include <errno.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <math.h>
 #include <stdio.h>
 #include <sys/socket.h>
@@ -148,6 +150,8 @@ static void watch(srv__req *q, struct evhttp_connection *evcon)
     struct bufferevent *bev = evhttp_connection_get_bufferevent(evcon);
     evutil_socket_t fd = bev ? bufferevent_getfd(bev) : -1;
     if (fd < 0) return;
+    int one = 1; /* SSE chunks are small writes: no Nagle delay behind a delayed ACK */
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
     q->watch = event_new(q->s->base, fd, EV_READ | EV_PERSIST, on_readable, q);
     if (q->watch) event_add(q->watch, NULL);
 }

@@ -180,6 +180,23 @@ test('2P2D spreads the work over both prefills and both decodes', async () => {
   for (const w of ws) assert.ok(w.requests > 0, `${w.role} ${w.url} took requests`);
 });
 
+test('idx2idx pairs the i-th prefill with the i-th decode', async () => {
+  const r = await router(['--pd-disaggregation', '--prefill', P1.url, '--prefill', P2.url, '--decode', D1.url,
+    '--decode', D2.url, '--prefill-policy', 'round_robin', '--atom-pd-rank-mapping-policy', 'idx2idx']);
+  await until(async () => (await fetch(r.url + '/health')).status === 200, 'router healthy');
+  for (const p of prompts(6)) {
+    const res = await post(r.url, '/v1/completions', { prompt: p, ...GEN });
+    assert.equal(res.status, 200, res.text);
+    assert.equal(res.json.choices[0].text, await expected(p));
+  }
+  const ws = await workers(r.url);
+  const n = (url) => ws.find((w) => w.url === url).requests;
+  assert.equal(n(P1.url), n(D1.url));
+  assert.equal(n(P2.url), n(D2.url));
+  assert.equal(n(P1.url) + n(P2.url), 6);
+  r.proc.kill('SIGTERM');
+});
+
 test('the openai client streams chat and completions through the router', async () => {
   const client = new OpenAI({ baseURL: R1.url + '/v1', apiKey: 'none' });
   const models = await client.models.list();
@@ -225,6 +242,26 @@ test('bad requests get the engines\' error shapes; a wrong API key gets 401', as
   r = await fetch(R1.url + '/nope');
   assert.equal(r.status, 404);
   rk.proc.kill('SIGTERM');
+});
+
+test('admission: past --max-concurrent-requests requests queue; a full queue is 429, a long wait 408', async () => {
+  const slow = await serve(null, ['--enable-debug-endpoints', '--debug-step-delay-ms', '50']);
+  const r = await router(['--worker', slow.url, '--max-concurrent-requests', '1', '--queue-size', '1',
+    '--queue-timeout-secs', '0.3']);
+  await until(async () => (await fetch(r.url + '/health')).status === 200, 'router healthy');
+  const body = { prompt: [1, 5, 6], max_tokens: 20, temperature: 0, ignore_eos: true };
+  const first = post(r.url, '/v1/completions', body); /* ~1 s: 20 steps of 50 ms */
+  await until(async () => (await metrics(r.url)).tandem_router_requests_running === 1, 'the first request running');
+  const second = post(r.url, '/v1/completions', body); /* queued, then too long */
+  await until(async () => (await metrics(r.url)).tandem_router_queue_depth === 1, 'the second request queued');
+  const third = await post(r.url, '/v1/completions', body); /* the queue is full */
+  assert.equal(third.status, 429, third.text);
+  assert.equal((await second).status, 408);
+  assert.equal((await first).status, 200);
+  const m = await metrics(r.url);
+  assert.equal(m.tandem_router_rejected_total, 1);
+  assert.equal(m.tandem_router_queue_timeouts_total, 1);
+  for (const x of [r, slow]) x.proc.kill('SIGKILL');
 });
 
 test('a client that hangs up mid-stream: both engines free their blocks', async () => {
