@@ -51,11 +51,6 @@ int rt_config_check(const rt_config *c, td_err *err)
         return td_err_set(err, TD_EINVAL,
                           "--prefill and --decode need --pd-disaggregation (or use --worker)");
     if (c->port < 0 || c->port > 65535) return td_err_set(err, TD_EINVAL, "--port out of range");
-    if (c->pd ? (c->n_prefill == 0 || c->n_decode == 0) : c->n_worker == 0) {
-        /* workers may also register themselves (POST /workers): allowed, but say so */
-        TD_WARN("router: no %s given; waiting for workers to register (POST /workers)",
-                c->pd ? "prefill or decode instance" : "worker");
-    }
     const char *const *lists[3] = {c->prefill, c->decode, c->worker};
     int counts[3] = {c->n_prefill, c->n_decode, c->n_worker};
     for (int l = 0; l < 3; l++)
@@ -444,6 +439,9 @@ int rt_run(const rt_config *cfg, td_err *err)
     r->sig_term = evsignal_new(r->base, SIGTERM, on_signal, r);
     event_add(r->sig_int, NULL);
     event_add(r->sig_term, NULL);
+    if (cfg->pd ? (cfg->n_prefill == 0 || cfg->n_decode == 0) : cfg->n_worker == 0)
+        TD_WARN("router: no %s given; waiting for workers to register (POST /workers)",
+                cfg->pd ? "prefill or decode instance" : "worker");
     rt_health_start(r);
     if (cfg->dp_aware)
         TD_INFO("router: --dp-aware: tandem engines run one data-parallel rank each "
