@@ -469,7 +469,19 @@ static void leg_start_on(rt_req *q, rt_leg *leg, rt_worker *w)
     evhttp_add_header(h, "Host", w->host);
     evhttp_add_header(h, "Content-Type", "application/json");
     evhttp_add_header(h, "X-Request-Id", q->rid);
-    evbuffer_add(evhttp_request_get_output_buffer(e), leg->payload, strlen(leg->payload));
+    char *ranked = NULL;
+    if (w->dp_rank >= 0) { /* --dp-aware: the rank this worker stands for */
+        cJSON *b = cJSON_Parse(leg->payload);
+        if (b) {
+            cJSON_DeleteItemFromObjectCaseSensitive(b, "data_parallel_rank");
+            cJSON_AddNumberToObject(b, "data_parallel_rank", w->dp_rank);
+            ranked = cJSON_PrintUnformatted(b);
+            cJSON_Delete(b);
+        }
+    }
+    const char *body = ranked ? ranked : leg->payload;
+    evbuffer_add(evhttp_request_get_output_buffer(e), body, strlen(body));
+    free(ranked);
     leg->ereq = e;
     leg->state = LEG_RUNNING;
     leg->status = 0;

@@ -305,7 +305,9 @@ static void handle_workers_post(rt_router *r, struct evhttp_request *req)
             rt_worker_probe(r, w);
         }
     }
-    w->last_seen_ns = td_now_ns();
+    /* every data-parallel rank of this engine beats with it */
+    for (rt_worker *x = r->workers; x; x = x->next)
+        if (!strcmp(x->url, w->url)) x->last_seen_ns = td_now_ns();
     cJSON *out = cJSON_CreateObject();
     cJSON_AddNumberToObject(out, "id", (double)w->id);
     cJSON_AddStringToObject(out, "url", w->url);
@@ -443,9 +445,6 @@ int rt_run(const rt_config *cfg, td_err *err)
         TD_WARN("router: no %s given; waiting for workers to register (POST /workers)",
                 cfg->pd ? "prefill or decode instance" : "worker");
     rt_health_start(r);
-    if (cfg->dp_aware)
-        TD_INFO("router: --dp-aware: tandem engines run one data-parallel rank each "
-                "(dp_size 1), so each worker is one rank");
     TD_INFO("router: %s mode, %d prefill, %d decode, %d worker(s); policies %s/%s/%s",
             cfg->pd ? "PD" : "aggregated", cfg->n_prefill, cfg->n_decode, cfg->n_worker,
             rt_policy_name(cfg->prefill_policy), rt_policy_name(cfg->decode_policy),

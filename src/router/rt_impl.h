@@ -44,6 +44,9 @@ typedef struct rt_worker {
     char engine_id[40], kv_host[200], kv_role[24], model[200];
     int kv_port;
     bool write_mode;
+    /* --dp-aware: an engine with dp_size > 1 is dp_size workers, one per rank, that share
+     * its URL; requests name their rank (data_parallel_rank). -1: the engine as a whole */
+    int dp_rank, dp_size;
     /* pooled keep-alive connections */
     struct evhttp_connection **idle;
     int n_idle, cap_idle, n_conns;

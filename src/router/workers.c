@@ -84,6 +84,8 @@ int rt_worker_add(rt_router *r, const char *url, rt_role role, bool dynamic, rt_
     w->role = role;
     w->healthy = true; /* until the checks say otherwise */
     w->reported_load = -1;
+    w->dp_rank = -1;
+    w->dp_size = 1;
     w->dynamic = dynamic;
     w->last_seen_ns = td_now_ns();
     w->refs = 1; /* the registry's */
@@ -329,6 +331,7 @@ static void info_apply(rt_router *r, rt_worker *w, const cJSON *j)
     const cJSON *port = cJSON_GetObjectItemCaseSensitive(j, "handshake_port");
     const cJSON *mode = cJSON_GetObjectItemCaseSensitive(j, "transfer_mode");
     const cJSON *model = cJSON_GetObjectItemCaseSensitive(j, "model");
+    const cJSON *dp = cJSON_GetObjectItemCaseSensitive(j, "dp_size");
     if (cJSON_IsString(model)) snprintf(w->model, sizeof(w->model), "%s", model->valuestring);
     const char *kr = cJSON_IsString(role) ? role->valuestring : "none";
     bool match = w->role == RT_ROLE_WORKER ||
@@ -359,7 +362,30 @@ static void info_apply(rt_router *r, rt_worker *w, const cJSON *j)
         TD_INFO("router: %s %s ready (%s, engine %s%s)", rt_role_name(w->role), w->url, kr,
                 w->engine_id[0] ? w->engine_id : "-", w->write_mode ? ", write mode" : "");
     w->info_ok = true;
-    (void)r;
+    int dp_size = cJSON_IsNumber(dp) && dp->valuedouble >= 1 && dp->valuedouble <= 256
+                      ? (int)dp->valuedouble
+                      : 1;
+    if (r->cfg.dp_aware && dp_size > 1 && w->dp_rank < 0) {
+        /* One worker per data-parallel rank: this one is rank 0, the others join it. */
+        w->dp_rank = 0;
+        w->dp_size = dp_size;
+        TD_INFO("router: %s %s has %d data-parallel ranks: one worker each",
+                rt_role_name(w->role), w->url, dp_size);
+        for (int k = 1; k < dp_size; k++) {
+            rt_worker *s;
+            td_err e;
+            if (rt_worker_add(r, w->url, w->role, w->dynamic, &s, &e)) break;
+            s->dp_rank = k;
+            s->dp_size = dp_size;
+            s->info_ok = true;
+            memcpy(s->engine_id, w->engine_id, sizeof(s->engine_id));
+            memcpy(s->kv_host, w->kv_host, sizeof(s->kv_host));
+            memcpy(s->kv_role, w->kv_role, sizeof(s->kv_role));
+            memcpy(s->model, w->model, sizeof(s->model));
+            s->kv_port = w->kv_port;
+            s->write_mode = w->write_mode;
+        }
+    }
 }
 
 static void on_check_done(struct evhttp_request *req, void *arg)
@@ -471,6 +497,7 @@ cJSON *rt_workers_json(rt_router *r)
         cJSON_AddNumberToObject(o, "id", (double)w->id);
         cJSON_AddStringToObject(o, "url", w->url);
         cJSON_AddStringToObject(o, "role", rt_role_name(w->role));
+        if (w->dp_rank >= 0) cJSON_AddNumberToObject(o, "dp_rank", w->dp_rank);
         cJSON_AddBoolToObject(o, "healthy", w->healthy);
         cJSON_AddStringToObject(o, "circuit_breaker",
                                 r->cfg.circuit_breaker ? rt_cb_name(breaker(r, w)) : "disabled");

@@ -197,6 +197,41 @@ test('idx2idx pairs the i-th prefill with the i-th decode', async () => {
   r.proc.kill('SIGTERM');
 });
 
+test('--dp-aware: an engine with two data-parallel ranks is two workers, each request names its rank', async () => {
+  // tandem engines run one rank each (dp_size 1), so a backend with dp_size 2 is played by
+  // a small stand-in that answers with the data_parallel_rank each request named.
+  const seen = [];
+  const stub = http.createServer((req, res) => {
+    let body = '';
+    req.on('data', (d) => { body += d; });
+    req.on('end', () => {
+      res.setHeader('content-type', 'application/json');
+      if (req.url === '/health') return res.end('{"status":"ok","load":0}');
+      if (req.url === '/kv_transfer_info') return res.end('{"kv_role":"none","model":"dp-stub","dp_size":2}');
+      const rank = JSON.parse(body).data_parallel_rank;
+      seen.push(rank);
+      res.end(JSON.stringify({ id: 'x', object: 'text_completion', created: 0, model: 'dp-stub',
+        choices: [{ index: 0, text: `rank ${rank}`, finish_reason: 'length' }] }));
+    });
+  });
+  await new Promise((ok) => stub.listen(0, '127.0.0.1', ok));
+  const url = `http://127.0.0.1:${stub.address().port}`;
+  const r = await router(['--worker', url, '--dp-aware', '--policy', 'round_robin']);
+  await until(async () => (await workers(r.url)).length === 2, 'one worker per rank');
+  assert.deepEqual((await workers(r.url)).map((w) => w.dp_rank).sort(), [0, 1]);
+  for (let i = 0; i < 4; i++) assert.equal((await post(r.url, '/v1/completions', { prompt: 'x', max_tokens: 1 })).status, 200);
+  assert.deepEqual(seen.slice(-4).sort(), [0, 0, 1, 1]);
+  r.proc.kill('SIGTERM');
+  // Without --dp-aware the engine is one worker and requests name no rank.
+  const plain = await router(['--worker', url]);
+  await until(async () => (await fetch(plain.url + '/health')).status === 200, 'router healthy');
+  assert.equal((await post(plain.url, '/v1/completions', { prompt: 'x', max_tokens: 1 })).status, 200);
+  assert.equal(seen.at(-1), undefined);
+  assert.equal((await workers(plain.url)).length, 1);
+  plain.proc.kill('SIGTERM');
+  stub.close();
+});
+
 test('the openai client streams chat and completions through the router', async () => {
   const client = new OpenAI({ baseURL: R1.url + '/v1', apiKey: 'none' });
   const models = await client.models.list();
