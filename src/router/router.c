@@ -266,19 +266,27 @@ static void handle_workers_post(rt_router *r, struct evhttp_request *req)
                              "POST /workers takes {\"url\": \"http://host:port\", \"role\": "
                              "\"prefill\" | \"decode\" | \"worker\"}");
     }
-    if (r->cfg.pd ? ro == RT_ROLE_WORKER : ro != RT_ROLE_WORKER) {
+    if (r->cfg.pd && ro == RT_ROLE_WORKER) {
         cJSON_Delete(j);
         return rt_send_error(req, 400, "invalid_request_error",
-                             r->cfg.pd ? "this router runs --pd-disaggregation: role must be "
-                                         "prefill or decode"
-                                       : "this router is aggregated: role must be worker");
+                             "this router runs --pd-disaggregation: role must be prefill or "
+                             "decode");
     }
+    if (!r->cfg.pd) ro = RT_ROLE_WORKER; /* any engine serves plain requests */
     rt_worker *w = rt_worker_find_url(r, url->valuestring);
     if (w && w->role != ro) { /* the same engine in another role now: start afresh */
         rt_worker_remove(r, w);
         w = NULL;
     }
     int status = 200;
+    int n_workers = 0;
+    for (rt_worker *x = r->workers; x; x = x->next)
+        n_workers++;
+    if (!w && n_workers >= RT_MAX_WORKERS) {
+        cJSON_Delete(j);
+        return rt_send_error(req, 503, "service_unavailable",
+                             "the router has as many workers as it takes (256)");
+    }
     if (!w) {
         td_err err;
         if (rt_worker_add(r, url->valuestring, ro, beat, &w, &err)) {

@@ -21,6 +21,7 @@ typedef enum rt_cb_state { RT_CB_CLOSED = 0, RT_CB_OPEN = 1, RT_CB_HALF_OPEN = 2
 const char *rt_cb_name(rt_cb_state s);
 
 #define RT_LAT_BUCKETS 12
+#define RT_MAX_WORKERS 256 /* registered workers, data-parallel ranks included */
 
 typedef struct rt_worker {
     uint64_t id;

@@ -233,9 +233,9 @@ int rt_eligible(rt_router *r, rt_role role, rt_worker **out, int cap, const rt_w
 rt_worker *rt_pick(rt_router *r, rt_role role, const char *text, size_t len,
                    const rt_worker *exclude)
 {
-    rt_worker *ws[256];
-    rt_candidate cs[256];
-    int n = rt_eligible(r, role, ws, 256, exclude);
+    rt_worker *ws[RT_MAX_WORKERS];
+    rt_candidate cs[RT_MAX_WORKERS];
+    int n = rt_eligible(r, role, ws, RT_MAX_WORKERS, exclude);
     if (n == 0) return NULL;
     for (int i = 0; i < n; i++)
         cs[i] = (rt_candidate){.worker_id = ws[i]->id,

@@ -24,6 +24,7 @@ struct srv__registrar {
     char host[64];
     int port;
     char body[768];
+    char auth[300]; /* "Bearer KEY" from TANDEM_ROUTER_API_KEY, or "" */
     bool busy, warned;
 };
 
@@ -55,6 +56,7 @@ static void beat(evutil_socket_t fd, short what, void *arg)
     struct evkeyvalq *h = evhttp_request_get_output_headers(req);
     evhttp_add_header(h, "Host", g->host);
     evhttp_add_header(h, "Content-Type", "application/json");
+    if (g->auth[0]) evhttp_add_header(h, "Authorization", g->auth);
     evbuffer_add(evhttp_request_get_output_buffer(req), g->body, strlen(g->body));
     g->busy = evhttp_make_request(g->conn, req, EVHTTP_REQ_POST, "/workers") == 0;
 }
@@ -79,6 +81,9 @@ int srv__register_start(srv_server *s, const srv_kv_config *kv, td_err *err)
              "{\"url\":\"http://%s:%d\",\"role\":\"%s\",\"engine_id\":\"%s\",\"heartbeat\":true}",
              adv, kv->http_port > 0 ? kv->http_port : s->port, role,
              s->pd ? pd_engine_id(s->pd) : "");
+    const char *key = getenv("TANDEM_ROUTER_API_KEY"); /* a router started with --api-key */
+    if (key && key[0] && strlen(key) < sizeof(g->auth) - 8 && !strpbrk(key, "\r\n"))
+        snprintf(g->auth, sizeof(g->auth), "Bearer %s", key);
     g->conn = evhttp_connection_base_new(s->base, NULL, g->host, (unsigned short)g->port);
     g->timer = event_new(s->base, -1, EV_PERSIST, beat, g);
     if (!g->conn || !g->timer) {

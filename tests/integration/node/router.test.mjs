@@ -274,6 +274,16 @@ test('bad requests get the engines\' error shapes; a wrong API key gets 401', as
   r = await post(rk.url, '/v1/completions', { prompt: [1, 5, 6], max_tokens: 2 }, { authorization: 'Bearer sekrit' });
   assert.equal(r.status, 200, r.text);
   assert.equal((await fetch(rk.url + '/health')).status, 200);
+  // /workers is guarded too; an engine registers with TANDEM_ROUTER_API_KEY.
+  assert.equal((await fetch(rk.url + '/workers')).status, 401);
+  const eng = await start(['serve', '--model', MODEL, '--threads', '1', '--host', '127.0.0.1', '--server-port', '0',
+    '--log-level', 'warn', '--kv-transfer-config', JSON.stringify({ kv_role: 'kv_consumer', proxy_ip: '127.0.0.1', proxy_ping_port: rk.port })],
+  { TANDEM_ROUTER_API_KEY: 'sekrit' });
+  await until(async () => {
+    const ws = await (await fetch(rk.url + '/workers', { headers: { authorization: 'Bearer sekrit' } })).json();
+    return ws.workers.some((w) => w.url === eng.url);
+  }, 'the engine registered with the key');
+  eng.proc.kill('SIGKILL');
   r = await fetch(R1.url + '/nope');
   assert.equal(r.status, 404);
   rk.proc.kill('SIGTERM');
