@@ -713,6 +713,17 @@ static void begin(rt_req *q)
         leg_start(q, &q->dec);
         return;
     }
+    /* PD with several choices (n > 1, or a batch of prompts): the KV contract moves one
+     * prompt's KV for one sequence, so a decode instance computes the whole request. */
+    const cJSON *nn = cJSON_GetObjectItemCaseSensitive(q->body, "n");
+    const cJSON *pr = cJSON_GetObjectItemCaseSensitive(q->body, "prompt");
+    if ((cJSON_IsNumber(nn) && nn->valuedouble > 1) ||
+        (cJSON_IsArray(pr) && cJSON_GetArraySize(pr) > 1 &&
+         !cJSON_IsNumber(cJSON_GetArrayItem(pr, 0)))) {
+        leg_init(q, &q->dec, RT_ROLE_DECODE, true, body_with_kv(q, NULL));
+        leg_start(q, &q->dec);
+        return;
+    }
     /* PD: the prefill first (its mode decides the pattern). */
     rt_worker *p = rt_pick(r, RT_ROLE_PREFILL, q->route, q->route_len, NULL);
     if (!p) {

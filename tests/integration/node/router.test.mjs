@@ -175,6 +175,16 @@ for (const [name, get] of [['aggregated', () => RA], ['1P1D', () => R1], ['2P2D'
   });
 }
 
+test('PD: a request with several choices is computed by a decode instance as a whole', async () => {
+  const ps = prompts(3);
+  const res = await post(R1.url, '/v1/completions', { prompt: ps, ...GEN });
+  assert.equal(res.status, 200, res.text);
+  for (let i = 0; i < 3; i++) assert.equal(res.json.choices[i].text, await expected(ps[i]));
+  const n2 = await post(R1.url, '/v1/completions', { prompt: ps[0], ...GEN, n: 2 });
+  assert.equal(n2.status, 200, n2.text);
+  assert.equal(n2.json.choices.length, 2);
+});
+
 test('2P2D spreads the work over both prefills and both decodes', async () => {
   const ws = await workers(R2.url);
   for (const w of ws) assert.ok(w.requests > 0, `${w.role} ${w.url} took requests`);
