@@ -16,6 +16,7 @@ static const struct {
     {"bench-serve", cli_bench_serve, "the server's overhead: HTTP streams vs the C API"},
     {"bench-pd", cli_bench_pd, "KV transfer between a prefill and a decode server under concurrency"},
     {"router", cli_router, "the OpenAI-compatible prefill/decode router (atomesh's flags)"},
+    {"up", cli_up, "a whole local cluster (router + prefill and decode engines) from one command"},
     {"bench-router", cli_bench_router, "the router's own overhead against a stub upstream"},
     {"bench-xfer", cli_bench_xfer, "KV transfer throughput (kvx tcp) against the machine's limits"},
 };

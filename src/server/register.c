@@ -16,6 +16,8 @@
 #include "server/server_impl.h"
 
 #define REGISTER_PERIOD_S 5
+#define FIRST_RETRY_MS 250 /* until the first registration succeeds (the router may be
+                              starting at the same moment) */
 
 struct srv__registrar {
     srv_server *s;
@@ -25,7 +27,7 @@ struct srv__registrar {
     int port;
     char body[768];
     char auth[300]; /* "Bearer KEY" from TANDEM_ROUTER_API_KEY, or "" */
-    bool busy, warned;
+    bool busy, warned, registered;
 };
 
 static void on_answer(struct evhttp_request *req, void *arg)
@@ -37,6 +39,12 @@ static void on_answer(struct evhttp_request *req, void *arg)
         if (g->warned || code == 201)
             TD_INFO("registered with the router at %s:%d", g->host, g->port);
         g->warned = false;
+        if (!g->registered) { /* from now on, a heartbeat every REGISTER_PERIOD_S */
+            g->registered = true;
+            struct timeval tv = {REGISTER_PERIOD_S, 0};
+            event_del(g->timer);
+            event_add(g->timer, &tv);
+        }
         return;
     }
     if (!g->warned)
@@ -93,7 +101,7 @@ int srv__register_start(srv_server *s, const srv_kv_config *kv, td_err *err)
         return td_err_set(err, TD_ENOMEM, "out of memory");
     }
     evhttp_connection_set_timeout(g->conn, 3);
-    struct timeval tv = {REGISTER_PERIOD_S, 0};
+    struct timeval tv = {0, FIRST_RETRY_MS * 1000};
     event_add(g->timer, &tv);
     s->registrar = g;
     beat(-1, 0, g); /* at once */

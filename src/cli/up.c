@@ -1,0 +1,497 @@
+/*
+ * cli/up.c - `tandem up`: a whole local cluster from one command.
+ *
+ * It starts a router, then the engines (N prefill + M decode instances, or K aggregated
+ * ones), each a `tandem serve` child with its own ports, its own log file and its own
+ * CPUs (the machine's cores split between the engines without overlap, each engine's
+ * threads pinned inside its share). In PD mode the engines register themselves with the
+ * router (kv-transfer config proxy_ip / proxy_ping_port), so an engine that crashes and
+ * is restarted (with backoff) is back behind the router without a router restart. It
+ * waits until the router reports every role healthy, prints the URL and one line per
+ * instance, writes the cluster's state to WORKDIR/cluster.json (for `tandem up
+ * --status`), and on Ctrl-C or SIGTERM stops everything. Children also die with it
+ * (PR_SET_PDEATHSIG), so nothing is orphaned even if it is killed.
+ */
+#include <curl/curl.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cjson/cJSON.h>
+
+#include "cli/cli.h"
+#include "cli/flags.h"
+#include "util/td.h"
+
+#define MAX_INST 33 /* 32 engines and the router */
+#define MAX_PASS 64
+
+typedef struct inst {
+    char name[32];
+    const char *role; /* "router", "prefill", "decode", "worker" */
+    int port, hport;  /* HTTP port; KV handshake port (PD engines) */
+    int cpu0, n_cpus; /* engines: CPUs [cpu0, cpu0 + n_cpus) of the allowed set; n 0 = all */
+    pid_t pid;
+    int restarts;
+    double backoff_s, started_at, restart_at;
+    char log[512];
+    char *argv[96];
+    int argc;
+} inst;
+
+static volatile sig_atomic_t stop_requested;
+
+static void on_stop(int sig)
+{
+    (void)sig;
+    stop_requested = 1;
+}
+
+/* A free loopback port: bind port 0 and read it back (released at once; the child binds
+ * it a moment later). */
+static int free_port(void)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    if (fd < 0) return -1;
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t len = sizeof(a);
+    int port = -1;
+    if (bind(fd, (struct sockaddr *)&a, sizeof(a)) == 0 &&
+        getsockname(fd, (struct sockaddr *)&a, &len) == 0)
+        port = ntohs(a.sin_port);
+    close(fd);
+    return port;
+}
+
+static size_t sink(char *p, size_t size, size_t n, void *arg)
+{
+    (void)p;
+    (void)arg;
+    return size * n;
+}
+
+/* GET url; the HTTP status, or 0 when nothing answered. */
+static long http_get(const char *url, double timeout_s)
+{
+    CURL *e = curl_easy_init();
+    if (!e) return 0;
+    curl_easy_setopt(e, CURLOPT_URL, url);
+    curl_easy_setopt(e, CURLOPT_WRITEFUNCTION, sink);
+    curl_easy_setopt(e, CURLOPT_TIMEOUT_MS, (long)(timeout_s * 1000));
+    curl_easy_setopt(e, CURLOPT_NOSIGNAL, 1L);
+    long code = 0;
+    if (curl_easy_perform(e) == CURLE_OK) curl_easy_getinfo(e, CURLINFO_RESPONSE_CODE, &code);
+    curl_easy_cleanup(e);
+    return code;
+}
+
+static void inst_arg(inst *in, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void inst_arg(inst *in, const char *fmt, ...)
+{
+    char buf[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf, sizeof(buf), fmt, ap);
+    va_end(ap);
+    if (in->argc < 95) in->argv[in->argc++] = strdup(buf);
+    in->argv[in->argc] = NULL;
+}
+
+static pid_t inst_start(inst *in, const cpu_set_t *allowed)
+{
+    pid_t parent = getpid();
+    pid_t pid = fork();
+    if (pid < 0) return -1;
+    if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGTERM); /* die with `tandem up`, whatever kills it */
+        if (getppid() != parent) _exit(1);
+        int fd = open(in->log, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+        if (fd >= 0) {
+            dup2(fd, 1);
+            dup2(fd, 2);
+        }
+        if (in->n_cpus > 0) { /* the k-th .. of the CPUs we may use */
+            cpu_set_t mine;
+            CPU_ZERO(&mine);
+            int k = 0;
+            for (int c = 0; c < CPU_SETSIZE; c++)
+                if (CPU_ISSET(c, allowed)) {
+                    if (k >= in->cpu0 && k < in->cpu0 + in->n_cpus) CPU_SET(c, &mine);
+                    k++;
+                }
+            sched_setaffinity(0, sizeof(mine), &mine);
+        }
+        execv("/proc/self/exe", in->argv);
+        _exit(127);
+    }
+    in->pid = pid;
+    in->started_at = td_now_s();
+    return pid;
+}
+
+static void write_state(const char *path, const char *router_url, const inst *v, int n)
+{
+    cJSON *root = cJSON_CreateObject();
+    cJSON_AddStringToObject(root, "router", router_url);
+    cJSON_AddNumberToObject(root, "pid", getpid());
+    cJSON *arr = cJSON_AddArrayToObject(root, "instances");
+    for (int i = 0; i < n; i++) {
+        cJSON *o = cJSON_CreateObject();
+        char url[64];
+        snprintf(url, sizeof(url), "http://127.0.0.1:%d", v[i].port);
+        cJSON_AddStringToObject(o, "name", v[i].name);
+        cJSON_AddStringToObject(o, "role", v[i].role);
+        cJSON_AddStringToObject(o, "url", url);
+        cJSON_AddNumberToObject(o, "pid", v[i].pid);
+        cJSON_AddNumberToObject(o, "restarts", v[i].restarts);
+        cJSON_AddStringToObject(o, "log", v[i].log);
+        cJSON_AddItemToArray(arr, o);
+    }
+    char *s = cJSON_Print(root);
+    cJSON_Delete(root);
+    char tmp[600];
+    snprintf(tmp, sizeof(tmp), "%s.tmp", path);
+    FILE *f = fopen(tmp, "w");
+    if (f && s) {
+        fputs(s, f);
+        fclose(f);
+        rename(tmp, path);
+    } else if (f) {
+        fclose(f);
+    }
+    free(s);
+}
+
+/* `tandem up --status`: what the state file says, checked against the live processes. */
+static int status(const char *workdir)
+{
+    char path[600];
+    snprintf(path, sizeof(path), "%s/cluster.json", workdir);
+    FILE *f = fopen(path, "r");
+    if (!f) {
+        fprintf(stderr, "no cluster is running from %s (no %s)\n", workdir, path);
+        return 1;
+    }
+    char buf[65536];
+    size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    cJSON *j = cJSON_Parse(buf);
+    const cJSON *pid = cJSON_GetObjectItemCaseSensitive(j, "pid");
+    const cJSON *router = cJSON_GetObjectItemCaseSensitive(j, "router");
+    if (!cJSON_IsNumber(pid) || !cJSON_IsString(router)) {
+        fprintf(stderr, "%s is not a cluster state file\n", path);
+        cJSON_Delete(j);
+        return 1;
+    }
+    bool up_alive = kill((pid_t)pid->valuedouble, 0) == 0;
+    printf("cluster %s: tandem up pid %d %s\n", router->valuestring, (int)pid->valuedouble,
+           up_alive ? "running" : "GONE");
+    int bad = !up_alive;
+    const cJSON *it;
+    cJSON_ArrayForEach(it, cJSON_GetObjectItemCaseSensitive(j, "instances"))
+    {
+        const cJSON *nm = cJSON_GetObjectItemCaseSensitive(it, "name");
+        const cJSON *url = cJSON_GetObjectItemCaseSensitive(it, "url");
+        const cJSON *p = cJSON_GetObjectItemCaseSensitive(it, "pid");
+        const cJSON *rs = cJSON_GetObjectItemCaseSensitive(it, "restarts");
+        if (!cJSON_IsString(nm) || !cJSON_IsString(url) || !cJSON_IsNumber(p)) continue;
+        char h[300];
+        snprintf(h, sizeof(h), "%s/health", url->valuestring);
+        bool alive = kill((pid_t)p->valuedouble, 0) == 0;
+        long code = alive ? http_get(h, 2) : 0;
+        printf("  %-10s %-24s pid %-7d %-9s restarts %d\n", nm->valuestring, url->valuestring,
+               (int)p->valuedouble, !alive ? "dead" : code == 200 ? "healthy" : "unhealthy",
+               cJSON_IsNumber(rs) ? (int)rs->valuedouble : 0);
+        bad += code != 200;
+    }
+    cJSON_Delete(j);
+    return bad ? 1 : 0;
+}
+
+static void stop_all(inst *v, int n)
+{
+    for (int i = n - 1; i >= 0; i--) /* engines first, the router last */
+        if (v[i].pid > 0) kill(v[i].pid, SIGTERM);
+    double end = td_now_s() + 10;
+    for (int i = 0; i < n; i++) {
+        while (v[i].pid > 0) {
+            if (waitpid(v[i].pid, NULL, WNOHANG) == v[i].pid) break;
+            if (td_now_s() > end) {
+                kill(v[i].pid, SIGKILL);
+                waitpid(v[i].pid, NULL, 0);
+                break;
+            }
+            usleep(20000);
+        }
+        v[i].pid = 0;
+    }
+}
+
+static void tail_log(const char *path)
+{
+    FILE *f = fopen(path, "r");
+    if (!f) return;
+    char buf[4096];
+    fseek(f, 0, SEEK_END);
+    long end = ftell(f);
+    fseek(f, end > (long)sizeof(buf) - 1 ? end - (long)sizeof(buf) + 1 : 0, SEEK_SET);
+    size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+    buf[n] = 0;
+    fclose(f);
+    fprintf(stderr, "--- %s (end) ---\n%s\n---\n", path, buf);
+}
+
+int cli_up(int argc, char **argv)
+{
+    /* Everything after "--" goes to every engine. */
+    int n_up = argc;
+    char **pass = NULL;
+    int n_pass = 0;
+    for (int i = 1; i < argc; i++)
+        if (!strcmp(argv[i], "--")) {
+            n_up = i;
+            pass = argv + i + 1;
+            n_pass = argc - i - 1;
+            break;
+        }
+    const char *model = NULL, *protocol = "tcp", *mode = "read", *host = "127.0.0.1",
+               *workdir = ".tandem", *level = "warn";
+    int64_t n_prefill = 1, n_decode = 1, n_agg = 0, port = 8000, threads = 0;
+    bool want_status = false;
+    cli_flag f[] = {
+        CLI_FLAG("model", CLI_FLAG_STR, &model,
+                 "GGUF model (default: WORKDIR/models/llama-134m-f16.gguf, made by mkmodel "
+                 "with random weights on first use)"),
+        CLI_FLAG("prefill", CLI_FLAG_INT, &n_prefill, "prefill instances (1)"),
+        CLI_FLAG("decode", CLI_FLAG_INT, &n_decode, "decode instances (1)"),
+        CLI_FLAG("aggregated", CLI_FLAG_INT, &n_agg, "K plain engines instead of prefill/decode"),
+        CLI_FLAG("protocol", CLI_FLAG_STR, &protocol, "KV transfer: tcp | shm | ucx (tcp)"),
+        CLI_FLAG("transfer-mode", CLI_FLAG_STR, &mode, "read | write (read)"),
+        CLI_FLAG("host", CLI_FLAG_STR, &host, "the router's address (127.0.0.1)"),
+        CLI_FLAG("port", CLI_FLAG_INT, &port, "the router's port (8000; 0 = a free one)"),
+        CLI_FLAG("threads", CLI_FLAG_INT, &threads,
+                 "threads per engine (0: the CPUs split evenly between the engines)"),
+        CLI_FLAG("workdir", CLI_FLAG_STR, &workdir,
+                 "logs, the state file and the default model (.tandem)"),
+        CLI_FLAG("log-level", CLI_FLAG_STR, &level, "the instances' log level (warn)"),
+        CLI_FLAG("status", CLI_FLAG_BOOL, &want_status, "report on the cluster running from WORKDIR"),
+    };
+    int rc = cli_flags_parse(f, (int)TD_ARRAY_LEN(f), n_up, argv,
+                             "tandem up [--prefill N --decode M | --aggregated K] [options] "
+                             "[-- ENGINE FLAGS...]");
+    if (rc) return rc == 1 ? 0 : 2;
+    curl_global_init(CURL_GLOBAL_DEFAULT);
+    if (want_status) {
+        rc = status(workdir);
+        curl_global_cleanup();
+        return rc;
+    }
+    bool pd = n_agg == 0;
+    int n_eng = pd ? (int)(n_prefill + n_decode) : (int)n_agg;
+    if ((pd && (n_prefill < 1 || n_decode < 1)) || n_agg < 0 || n_eng < 1 || n_eng > MAX_INST - 1 ||
+        port < 0 || port > 65535 || threads < 0 || threads > 1024 || n_pass > MAX_PASS ||
+        (strcmp(protocol, "tcp") && strcmp(protocol, "shm") && strcmp(protocol, "ucx")) ||
+        (strcmp(mode, "read") && strcmp(mode, "write"))) {
+        fprintf(stderr, "error: --prefill and --decode at least 1 (or --aggregated K), at most "
+                        "32 engines; --protocol tcp|shm|ucx; --transfer-mode read|write\n");
+        return 2;
+    }
+    if (mkdir(workdir, 0755) && errno != EEXIST) {
+        fprintf(stderr, "error: cannot create %s: %s\n", workdir, strerror(errno));
+        return 1;
+    }
+    char model_path[600];
+    if (!model) { /* a model at a real shape that works on a fresh machine */
+        char dir[500];
+        snprintf(dir, sizeof(dir), "%s/models", workdir);
+        mkdir(dir, 0755);
+        snprintf(model_path, sizeof(model_path), "%s/llama-134m-f16.gguf", dir);
+        if (access(model_path, R_OK)) {
+            fprintf(stderr, "tandem up: writing %s (random weights, tandem mkmodel)\n", model_path);
+            pid_t p = fork();
+            if (p == 0) {
+                execl("/proc/self/exe", "tandem", "mkmodel", "--preset", "llama-134m", "--type",
+                      "f16", "--out", model_path, (char *)NULL);
+                _exit(127);
+            }
+            int st = 0;
+            if (p < 0 || waitpid(p, &st, 0) < 0 || !WIFEXITED(st) || WEXITSTATUS(st)) {
+                fprintf(stderr, "error: mkmodel failed\n");
+                return 1;
+            }
+        }
+        model = model_path;
+    }
+
+    cpu_set_t allowed;
+    if (sched_getaffinity(0, sizeof(allowed), &allowed)) CPU_ZERO(&allowed);
+    int n_cpu = CPU_COUNT(&allowed);
+    if (n_cpu < 1) n_cpu = 1;
+    int share = n_cpu / n_eng; /* whole CPUs per engine; 0 when there are more engines */
+
+    inst *v = calloc(MAX_INST, sizeof(inst));
+    int n = 0;
+    int rport = port ? (int)port : free_port();
+    char router_url[128];
+    snprintf(router_url, sizeof(router_url), "http://%s:%d", host, rport);
+    /* The router: PD engines register themselves; aggregated engines are given. */
+    inst *r = &v[n++];
+    snprintf(r->name, sizeof(r->name), "router");
+    r->role = "router";
+    r->port = rport;
+    inst_arg(r, "tandem");
+    inst_arg(r, "router");
+    inst_arg(r, "--host");
+    inst_arg(r, "%s", host);
+    inst_arg(r, "--port");
+    inst_arg(r, "%d", rport);
+    inst_arg(r, "--log-level");
+    inst_arg(r, "%s", level);
+    inst_arg(r, "--health-check-interval-secs");
+    inst_arg(r, "1");
+    if (pd) inst_arg(r, "--pd-disaggregation");
+    for (int i = 0; i < n_eng; i++) {
+        inst *e = &v[n++];
+        e->role = !pd ? "worker" : i < n_prefill ? "prefill" : "decode";
+        snprintf(e->name, sizeof(e->name), "%s-%d", e->role,
+                 !pd ? i : i < n_prefill ? i : i - (int)n_prefill);
+        e->port = free_port();
+        e->hport = pd ? free_port() : 0;
+        if (e->port <= 0 || (pd && e->hport <= 0)) {
+            fprintf(stderr, "error: no free port\n");
+            return 1;
+        }
+        e->n_cpus = share > 0 ? share : 0;
+        e->cpu0 = share > 0 ? i * share : 0;
+        int t = threads ? (int)threads : share > 0 ? share : 1;
+        inst_arg(e, "tandem");
+        inst_arg(e, "serve");
+        inst_arg(e, "--model");
+        inst_arg(e, "%s", model);
+        inst_arg(e, "--host");
+        inst_arg(e, "127.0.0.1");
+        inst_arg(e, "--server-port");
+        inst_arg(e, "%d", e->port);
+        inst_arg(e, "--threads");
+        inst_arg(e, "%d", t);
+        inst_arg(e, "--log-level");
+        inst_arg(e, "%s", level);
+        if (pd) {
+            inst_arg(e, "--kv-transfer-config");
+            inst_arg(e,
+                     "{\"kv_role\":\"%s\",\"protocol\":\"%s\",\"transfer_mode\":\"%s\","
+                     "\"handshake_port\":%d,\"proxy_ip\":\"127.0.0.1\",\"proxy_ping_port\":%d}",
+                     i < n_prefill ? "kv_producer" : "kv_consumer", protocol, mode, e->hport,
+                     rport);
+        } else {
+            inst_arg(r, "--worker");
+            inst_arg(r, "http://127.0.0.1:%d", e->port);
+        }
+        for (int k = 0; k < n_pass; k++)
+            inst_arg(e, "%s", pass[k]);
+    }
+    for (int i = 0; i < n; i++) {
+        snprintf(v[i].log, sizeof(v[i].log), "%s/%s.log", workdir, v[i].name);
+        unlink(v[i].log);
+        v[i].backoff_s = 0.5;
+    }
+
+    struct sigaction sa = {.sa_handler = on_stop};
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    char state[600];
+    snprintf(state, sizeof(state), "%s/cluster.json", workdir);
+    for (int i = 0; i < n; i++)
+        if (inst_start(&v[i], &allowed) < 0) {
+            fprintf(stderr, "error: cannot start %s\n", v[i].name);
+            stop_all(v, n);
+            return 1;
+        }
+    /* Ready when the router says every role it needs can take requests. */
+    char health[200];
+    snprintf(health, sizeof(health), "http://127.0.0.1:%d/health", rport);
+    double deadline = td_now_s() + 300;
+    rc = 0;
+    while (!stop_requested) {
+        if (http_get(health, 1) == 200) break;
+        for (int i = 0; i < n; i++) {
+            int st;
+            if (waitpid(v[i].pid, &st, WNOHANG) == v[i].pid) {
+                fprintf(stderr, "error: %s exited during start-up (status %d)\n", v[i].name,
+                        WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st));
+                tail_log(v[i].log);
+                v[i].pid = 0;
+                rc = 1;
+            }
+        }
+        if (rc || td_now_s() > deadline) {
+            if (!rc) fprintf(stderr, "error: the cluster was not healthy after 300 s\n");
+            stop_all(v, n);
+            return 1;
+        }
+        usleep(100000);
+    }
+    write_state(state, router_url, v, n);
+    printf("tandem up: %s (%s, %s; %d CPU%s)\n", router_url,
+           pd ? "prefill/decode" : "aggregated", model, n_cpu, n_cpu == 1 ? "" : "s");
+    for (int i = 0; i < n; i++) {
+        char cpus[32] = "shared";
+        if (v[i].n_cpus > 0)
+            snprintf(cpus, sizeof(cpus), "cpus %d-%d", v[i].cpu0, v[i].cpu0 + v[i].n_cpus - 1);
+        printf("  %-10s http://127.0.0.1:%-6d pid %-7d %-10s log %s\n", v[i].name, v[i].port,
+               (int)v[i].pid, i == 0 ? "" : cpus, v[i].log);
+    }
+    printf("ready: send requests to %s/v1/completions (Ctrl-C stops the cluster)\n", router_url);
+    fflush(stdout);
+
+    /* Watch: restart what dies, with backoff; a long healthy run resets the backoff. */
+    while (!stop_requested) {
+        usleep(100000);
+        double now = td_now_s();
+        bool changed = false;
+        for (int i = 0; i < n; i++) {
+            inst *in = &v[i];
+            int st;
+            if (in->pid > 0 && waitpid(in->pid, &st, WNOHANG) == in->pid) {
+                if (now - in->started_at > 60) in->backoff_s = 0.5;
+                fprintf(stderr, "tandem up: %s (pid %d) exited (%s %d); restarting in %.1f s\n",
+                        in->name, (int)in->pid, WIFEXITED(st) ? "status" : "signal",
+                        WIFEXITED(st) ? WEXITSTATUS(st) : WTERMSIG(st), in->backoff_s);
+                in->pid = 0;
+                in->restart_at = now + in->backoff_s;
+                in->backoff_s = TD_MIN(in->backoff_s * 2, 30.0);
+            }
+            if (in->pid == 0 && now >= in->restart_at && !stop_requested) {
+                if (inst_start(in, &allowed) > 0) {
+                    in->restarts++;
+                    changed = true;
+                    fprintf(stderr, "tandem up: %s restarted (pid %d)\n", in->name,
+                            (int)in->pid);
+                }
+            }
+        }
+        if (changed) write_state(state, router_url, v, n);
+    }
+    fprintf(stderr, "tandem up: stopping\n");
+    stop_all(v, n);
+    unlink(state);
+    for (int i = 0; i < n; i++)
+        for (int k = 0; k < v[i].argc; k++)
+            free(v[i].argv[k]);
+    free(v);
+    curl_global_cleanup();
+    return 0;
+}

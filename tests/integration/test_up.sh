@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# `tandem up`: a 1P1D cluster from one command answers through its router; an engine
+# killed is restarted and back behind the router; --status reports; SIGTERM stops every
+# process (no orphans) and removes the state file. Bad flags are usage errors.
+set -euo pipefail
+source "$(dirname "$0")/serve_lib.sh"
+command -v curl >/dev/null || fail "curl is required"
+command -v jq >/dev/null || fail "jq is required (apt-get install jq)"
+
+rc=0
+"$TD_BIN" up --prefill 0 >"$tmp/out" 2>"$tmp/err" || rc=$?
+[ "$rc" -eq 2 ] || fail "--prefill 0 exited $rc"
+rc=0
+"$TD_BIN" up --protocol rdma >"$tmp/out" 2>"$tmp/err" || rc=$?
+[ "$rc" -eq 2 ] || fail "--protocol rdma exited $rc"
+rc=0
+"$TD_BIN" up --status --workdir "$tmp/none" >"$tmp/out" 2>"$tmp/err" || rc=$?
+[ "$rc" -eq 1 ] && grep -q "no cluster" "$tmp/err" || fail "--status without a cluster: $(cat "$tmp/err")"
+
+W="$tmp/w"
+"$TD_BIN" up --model "$MODEL" --port 0 --workdir "$W" >"$tmp/up.out" 2>"$tmp/up.err" &
+UP=$!
+server_pids+=("$UP")
+for _ in $(seq 1 300); do
+    grep -q '^ready:' "$tmp/up.out" && break
+    kill -0 "$UP" 2>/dev/null || fail "tandem up exited: $(cat "$tmp/up.err")"
+    sleep 0.1
+done
+grep -q '^ready:' "$tmp/up.out" || fail "tandem up not ready: $(cat "$tmp/up.err")"
+R=$(sed -n 's/^tandem up: \(http[^ ]*\).*/\1/p' "$tmp/up.out")
+grep -q "prefill-0" "$tmp/up.out" && grep -q "decode-0" "$tmp/up.out" || fail "status lines: $(cat "$tmp/up.out")"
+
+start_server AGG
+ask() { curl -sf "$1/v1/completions" -H 'Content-Type: application/json' \
+    -d '{"prompt":[1,5,6,7,8],"max_tokens":8,"temperature":0,"ignore_eos":true}'; }
+want=$(ask "$AGG_URL" | jq -r '.choices[0].text')
+got=$(ask "$R")
+[ "$(echo "$got" | jq -r '.choices[0].text')" = "$want" ] || fail "through tandem up: $got, want $want"
+[ "$(echo "$got" | jq -r '.kv_transfer_params.kv_load')" = transferred ] || fail "no transfer: $got"
+
+"$TD_BIN" up --status --workdir "$W" >"$tmp/status" || fail "status: $(cat "$tmp/status")"
+[ "$(grep -c healthy "$tmp/status")" -eq 3 ] || fail "status: $(cat "$tmp/status")"
+
+# Kill the prefill engine: tandem up restarts it and it registers again.
+P=$(jq '.instances[] | select(.name == "prefill-0") | .pid' "$W/cluster.json")
+kill -9 "$P"
+for _ in $(seq 1 300); do
+    NP=$(jq '.instances[] | select(.name == "prefill-0") | .pid' "$W/cluster.json" 2>/dev/null || echo "$P")
+    [ "$NP" != "$P" ] && out=$(ask "$R" 2>/dev/null) && [ "$(echo "$out" | jq -r '.choices[0].text')" = "$want" ] && break
+    sleep 0.1
+done
+[ "$(echo "${out:-}" | jq -r '.choices[0].text' 2>/dev/null)" = "$want" ] || fail "no answer after the restart: $(tail -5 "$tmp/up.err")"
+grep -q "prefill-0 restarted" "$tmp/up.err" || fail "no restart logged: $(cat "$tmp/up.err")"
+
+# SIGTERM: everything stops, nothing is left behind.
+pids=$(jq '.instances[].pid' "$W/cluster.json")
+kill -TERM "$UP"
+wait "$UP" || fail "tandem up exited non-zero on SIGTERM"
+for p in $pids; do
+    kill -0 "$p" 2>/dev/null && fail "process $p outlived tandem up"
+done
+[ ! -f "$W/cluster.json" ] || fail "the state file is still there"
+[ -s "$W/prefill-0.log" ] && [ -f "$W/router.log" ] || fail "per-instance logs missing"
+echo ok
