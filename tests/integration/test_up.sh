@@ -41,16 +41,22 @@ got=$(ask "$R")
 "$TD_BIN" up --status --workdir "$W" >"$tmp/status" || fail "status: $(cat "$tmp/status")"
 [ "$(grep -c healthy "$tmp/status")" -eq 3 ] || fail "status: $(cat "$tmp/status")"
 
-# Kill the prefill engine: tandem up restarts it and it registers again.
-P=$(jq '.instances[] | select(.name == "prefill-0") | .pid' "$W/cluster.json")
-kill -9 "$P"
-for _ in $(seq 1 300); do
-    NP=$(jq '.instances[] | select(.name == "prefill-0") | .pid' "$W/cluster.json" 2>/dev/null || echo "$P")
-    [ "$NP" != "$P" ] && out=$(ask "$R" 2>/dev/null) && [ "$(echo "$out" | jq -r '.choices[0].text')" = "$want" ] && break
-    sleep 0.1
+# Kill an engine (the decode, then the prefill): tandem up restarts it, it registers
+# again, and requests succeed again.
+for name in decode-0 prefill-0; do
+    P=$(jq ".instances[] | select(.name == \"$name\") | .pid" "$W/cluster.json")
+    kill -9 "$P"
+    out=""
+    for _ in $(seq 1 300); do
+        NP=$(jq ".instances[] | select(.name == \"$name\") | .pid" "$W/cluster.json" 2>/dev/null || echo "$P")
+        [ "$NP" != "$P" ] && out=$(ask "$R" 2>/dev/null) &&
+            [ "$(echo "$out" | jq -r '.choices[0].text')" = "$want" ] && break
+        out=""
+        sleep 0.1
+    done
+    [ -n "$out" ] || fail "no answer after $name restarted: $(tail -5 "$tmp/up.err")"
+    grep -q "$name restarted" "$tmp/up.err" || fail "no restart of $name logged: $(cat "$tmp/up.err")"
 done
-[ "$(echo "${out:-}" | jq -r '.choices[0].text' 2>/dev/null)" = "$want" ] || fail "no answer after the restart: $(tail -5 "$tmp/up.err")"
-grep -q "prefill-0 restarted" "$tmp/up.err" || fail "no restart logged: $(cat "$tmp/up.err")"
 
 # SIGTERM: everything stops, nothing is left behind.
 pids=$(jq '.instances[].pid' "$W/cluster.json")
