@@ -40,6 +40,7 @@
 typedef struct inst {
     char name[32];
     const char *role; /* "router", "prefill", "decode", "worker" */
+    char addr[64];    /* where it listens */
     int port, hport;  /* HTTP port; KV handshake port (PD engines) */
     int cpu0, n_cpus; /* engines: CPUs [cpu0, cpu0 + n_cpus) of the allowed set; n 0 = all */
     pid_t pid;
@@ -149,7 +150,7 @@ static void write_state(const char *path, const char *router_url, const inst *v,
     for (int i = 0; i < n; i++) {
         cJSON *o = cJSON_CreateObject();
         char url[64];
-        snprintf(url, sizeof(url), "http://127.0.0.1:%d", v[i].port);
+        snprintf(url, sizeof(url), "http://%s:%d", v[i].addr, v[i].port);
         cJSON_AddStringToObject(o, "name", v[i].name);
         cJSON_AddStringToObject(o, "role", v[i].role);
         cJSON_AddStringToObject(o, "url", url);
@@ -253,6 +254,150 @@ static void tail_log(const char *path)
     fprintf(stderr, "--- %s (end) ---\n%s\n---\n", path, buf);
 }
 
+/*
+ * A cluster over several hosts (--config FILE, --this-host NAME): every host runs
+ * `tandem up` with the same file and its own name, starts its own engines (bound to its
+ * address, registering with the router), and the host named in "router" also starts the
+ * router. Keys (any other is an error):
+ *   {"mode": "pd" | "aggregated", "model": PATH, "protocol": "tcp", "transfer_mode": "read",
+ *    "engine_flags": ["--block-size", "16", ...],
+ *    "router": {"host": NAME, "port": 8000},
+ *    "hosts": [{"name": NAME, "address": ADDR, "prefill": N, "decode": M, "engines": K}]}
+ * ("engines" is the count in aggregated mode).
+ */
+typedef struct up_plan {
+    bool pd, router_here;
+    const char *model, *protocol, *mode, *bind, *router_addr;
+    int router_port;
+    int64_t n_prefill, n_decode, n_agg;
+    char *pass[MAX_PASS];
+    int n_pass;
+} up_plan;
+
+static bool keys_ok(const cJSON *o, const char *const *keys, int n, const char *where)
+{
+    const cJSON *it;
+    cJSON_ArrayForEach(it, o)
+    {
+        bool known = false;
+        for (int i = 0; i < n; i++)
+            known |= !strcmp(it->string, keys[i]);
+        if (!known) {
+            fprintf(stderr, "error: --config: unknown key '%s' in %s\n", it->string, where);
+            return false;
+        }
+    }
+    return true;
+}
+
+static const char *str_at(const cJSON *o, const char *k, const char *dflt)
+{
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, k);
+    return cJSON_IsString(v) ? v->valuestring : v ? NULL : dflt;
+}
+
+static int64_t int_at(const cJSON *o, const char *k, int64_t dflt)
+{
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, k);
+    if (!v) return dflt;
+    return cJSON_IsNumber(v) && v->valuedouble == (double)(int64_t)v->valuedouble
+               ? (int64_t)v->valuedouble
+               : -1;
+}
+
+/* Fill p from the config file for host `me`; the cJSON stays alive (strings point in). */
+static int load_config(const char *path, const char *me, up_plan *p, cJSON **keep)
+{
+    FILE *f = fopen(path, "r");
+    if (!f) {
+        fprintf(stderr, "error: --config: cannot read %s\n", path);
+        return 2;
+    }
+    char *buf = malloc(1 << 20);
+    size_t n = buf ? fread(buf, 1, (1 << 20) - 1, f) : 0;
+    fclose(f);
+    if (!buf) return 1;
+    buf[n] = 0;
+    cJSON *j = cJSON_Parse(buf);
+    free(buf);
+    *keep = j;
+    static const char *const top[] = {"mode", "model", "protocol", "transfer_mode",
+                                       "engine_flags", "router", "hosts"};
+    static const char *const rkeys[] = {"host", "port"};
+    static const char *const hkeys[] = {"name", "address", "prefill", "decode", "engines"};
+    if (!cJSON_IsObject(j)) {
+        fprintf(stderr, "error: --config: %s is not a JSON object\n", path);
+        return 2;
+    }
+    if (!keys_ok(j, top, 7, "the file")) return 2;
+    const char *mode = str_at(j, "mode", "pd");
+    p->model = str_at(j, "model", p->model);
+    p->protocol = str_at(j, "protocol", p->protocol);
+    p->mode = str_at(j, "transfer_mode", p->mode);
+    const cJSON *r = cJSON_GetObjectItemCaseSensitive(j, "router");
+    const cJSON *hosts = cJSON_GetObjectItemCaseSensitive(j, "hosts");
+    if (!mode || (strcmp(mode, "pd") && strcmp(mode, "aggregated")) || !p->protocol ||
+        !p->mode || !cJSON_IsObject(r) || !keys_ok(r, rkeys, 2, "router") ||
+        !cJSON_IsArray(hosts) || cJSON_GetArraySize(hosts) < 1) {
+        fprintf(stderr, "error: --config: needs \"router\": {\"host\", \"port\"}, a non-empty "
+                        "\"hosts\" array, and mode pd or aggregated\n");
+        return 2;
+    }
+    p->pd = !strcmp(mode, "pd");
+    const char *rhost = str_at(r, "host", NULL);
+    p->router_port = (int)int_at(r, "port", 8000);
+    const cJSON *h, *mine = NULL;
+    int64_t tp = 0, td = 0, ta = 0;
+    cJSON_ArrayForEach(h, hosts)
+    {
+        const char *name = str_at(h, "name", NULL), *addr = str_at(h, "address", NULL);
+        int64_t np = int_at(h, "prefill", 0), nd = int_at(h, "decode", 0),
+                ne = int_at(h, "engines", 0);
+        if (!cJSON_IsObject(h) || !keys_ok(h, hkeys, 5, "a host") || !name || !addr || np < 0 ||
+            nd < 0 || ne < 0 || np + nd + ne > MAX_INST - 1) {
+            fprintf(stderr, "error: --config: each host needs a name, an address and counts "
+                            "(prefill, decode; or engines) from 0 to 32\n");
+            return 2;
+        }
+        if (me && !strcmp(name, me)) mine = h;
+        if (rhost && !strcmp(name, rhost)) p->router_addr = addr;
+        tp += np;
+        td += nd;
+        ta += ne;
+    }
+    if (!mine || !p->router_addr || p->router_port < 1 || p->router_port > 65535) {
+        fprintf(stderr, "error: --config: %s\n",
+                !mine ? "--this-host must name one of the hosts"
+                      : "router.host must name one of the hosts, router.port a port");
+        return 2;
+    }
+    if (p->pd ? (tp < 1 || td < 1) : ta < 1) {
+        fprintf(stderr, "error: --config: the cluster needs %s\n",
+                p->pd ? "a prefill and a decode engine" : "an engine");
+        return 2;
+    }
+    p->bind = str_at(mine, "address", NULL);
+    p->router_here = !strcmp(str_at(mine, "name", ""), rhost);
+    p->n_prefill = p->pd ? int_at(mine, "prefill", 0) : 0;
+    p->n_decode = p->pd ? int_at(mine, "decode", 0) : 0;
+    p->n_agg = p->pd ? 0 : int_at(mine, "engines", 0);
+    const cJSON *fl = cJSON_GetObjectItemCaseSensitive(j, "engine_flags");
+    if (fl && !cJSON_IsArray(fl)) {
+        fprintf(stderr, "error: --config: engine_flags must be an array of strings\n");
+        return 2;
+    }
+    const cJSON *it;
+    cJSON_ArrayForEach(it, fl)
+    {
+        if (!cJSON_IsString(it) || p->n_pass >= MAX_PASS) {
+            fprintf(stderr, "error: --config: engine_flags must be at most %d strings\n", MAX_PASS);
+            return 2;
+        }
+        p->pass[p->n_pass++] = it->valuestring;
+    }
+    return 0;
+}
+
 int cli_up(int argc, char **argv)
 {
     /* Everything after "--" goes to every engine. */
@@ -267,7 +412,7 @@ int cli_up(int argc, char **argv)
             break;
         }
     const char *model = NULL, *protocol = "tcp", *mode = "read", *host = "127.0.0.1",
-               *workdir = ".tandem", *level = "warn";
+               *workdir = ".tandem", *level = "warn", *config = NULL, *this_host = NULL;
     int64_t n_prefill = 1, n_decode = 1, n_agg = 0, port = 8000, threads = 0;
     bool want_status = false;
     cli_flag f[] = {
@@ -287,6 +432,9 @@ int cli_up(int argc, char **argv)
                  "logs, the state file and the default model (.tandem)"),
         CLI_FLAG("log-level", CLI_FLAG_STR, &level, "the instances' log level (warn)"),
         CLI_FLAG("status", CLI_FLAG_BOOL, &want_status, "report on the cluster running from WORKDIR"),
+        CLI_FLAG("config", CLI_FLAG_STR, &config,
+                 "a JSON file describing a cluster over several hosts (see README)"),
+        CLI_FLAG("this-host", CLI_FLAG_STR, &this_host, "with --config: which host this is"),
     };
     int rc = cli_flags_parse(f, (int)TD_ARRAY_LEN(f), n_up, argv,
                              "tandem up [--prefill N --decode M | --aggregated K] [options] "
@@ -298,9 +446,49 @@ int cli_up(int argc, char **argv)
         curl_global_cleanup();
         return rc;
     }
-    bool pd = n_agg == 0;
+    up_plan plan = {.pd = n_agg == 0,
+                    .router_here = true,
+                    .model = model,
+                    .protocol = protocol,
+                    .mode = mode,
+                    .bind = "127.0.0.1",
+                    .router_addr = host,
+                    .router_port = (int)port,
+                    .n_prefill = n_prefill,
+                    .n_decode = n_decode,
+                    .n_agg = n_agg};
+    cJSON *cfg_json = NULL;
+    if (config) {
+        if (n_pass || !this_host) {
+            fprintf(stderr, "error: --config takes --this-host NAME, and the engine flags from "
+                            "the file (engine_flags), not after --\n");
+            return 2;
+        }
+        if ((rc = load_config(config, this_host, &plan, &cfg_json))) {
+            cJSON_Delete(cfg_json);
+            return rc;
+        }
+        model = plan.model;
+        protocol = plan.protocol;
+        mode = plan.mode;
+        host = plan.router_addr;
+        port = plan.router_port;
+        n_prefill = plan.n_prefill;
+        n_decode = plan.n_decode;
+        n_agg = plan.n_agg;
+        pass = plan.pass;
+        n_pass = plan.n_pass;
+    } else if (this_host) {
+        fprintf(stderr, "error: --this-host goes with --config\n");
+        return 2;
+    }
+    bool pd = plan.pd;
+    /* Engines register themselves with the router in PD mode, and everywhere in a
+     * multi-host cluster (as kv_both in aggregated mode). */
+    bool reg = pd || config;
     int n_eng = pd ? (int)(n_prefill + n_decode) : (int)n_agg;
-    if ((pd && (n_prefill < 1 || n_decode < 1)) || n_agg < 0 || n_eng < 1 || n_eng > MAX_INST - 1 ||
+    if ((pd && !config && (n_prefill < 1 || n_decode < 1)) || n_agg < 0 ||
+        (n_eng < 1 && !plan.router_here) || n_eng > MAX_INST - 1 ||
         port < 0 || port > 65535 || threads < 0 || threads > 1024 || n_pass > MAX_PASS ||
         (strcmp(protocol, "tcp") && strcmp(protocol, "shm") && strcmp(protocol, "ucx")) ||
         (strcmp(mode, "read") && strcmp(mode, "write"))) {
@@ -344,13 +532,17 @@ int cli_up(int argc, char **argv)
     inst *v = calloc(MAX_INST, sizeof(inst));
     int n = 0;
     int rport = port ? (int)port : free_port();
+    int first_engine = plan.router_here ? 1 : 0;
     char router_url[128];
     snprintf(router_url, sizeof(router_url), "http://%s:%d", host, rport);
-    /* The router: PD engines register themselves; aggregated engines are given. */
-    inst *r = &v[n++];
+    /* The router: PD engines register themselves; aggregated engines are given. On a host
+     * without the router, r is a scratch slot that is never started. */
+    inst scratch = {0};
+    inst *r = plan.router_here ? &v[n++] : &scratch;
     snprintf(r->name, sizeof(r->name), "router");
     r->role = "router";
     r->port = rport;
+    snprintf(r->addr, sizeof(r->addr), "%s", !strcmp(host, "0.0.0.0") ? "127.0.0.1" : host);
     inst_arg(r, "tandem");
     inst_arg(r, "router");
     inst_arg(r, "--host");
@@ -367,6 +559,7 @@ int cli_up(int argc, char **argv)
         e->role = !pd ? "worker" : i < n_prefill ? "prefill" : "decode";
         snprintf(e->name, sizeof(e->name), "%s-%d", e->role,
                  !pd ? i : i < n_prefill ? i : i - (int)n_prefill);
+        snprintf(e->addr, sizeof(e->addr), "%s", plan.bind);
         e->port = free_port();
         e->hport = pd ? free_port() : 0;
         if (e->port <= 0 || (pd && e->hport <= 0)) {
@@ -381,20 +574,22 @@ int cli_up(int argc, char **argv)
         inst_arg(e, "--model");
         inst_arg(e, "%s", model);
         inst_arg(e, "--host");
-        inst_arg(e, "127.0.0.1");
+        inst_arg(e, "%s", plan.bind);
         inst_arg(e, "--server-port");
         inst_arg(e, "%d", e->port);
         inst_arg(e, "--threads");
         inst_arg(e, "%d", t);
         inst_arg(e, "--log-level");
         inst_arg(e, "%s", level);
-        if (pd) {
+        if (reg) {
             inst_arg(e, "--kv-transfer-config");
             inst_arg(e,
                      "{\"kv_role\":\"%s\",\"protocol\":\"%s\",\"transfer_mode\":\"%s\","
-                     "\"handshake_port\":%d,\"proxy_ip\":\"127.0.0.1\",\"proxy_ping_port\":%d}",
-                     i < n_prefill ? "kv_producer" : "kv_consumer", protocol, mode, e->hport,
-                     rport);
+                     "\"handshake_port\":%d,\"kv_ip\":\"%s\",\"proxy_ip\":\"%s\","
+                     "\"proxy_ping_port\":%d}",
+                     !pd ? "kv_both" : i < n_prefill ? "kv_producer" : "kv_consumer", protocol,
+                     mode, e->hport ? e->hport : free_port(), plan.bind,
+                     !strcmp(host, "0.0.0.0") ? "127.0.0.1" : host, rport);
         } else {
             inst_arg(r, "--worker");
             inst_arg(r, "http://127.0.0.1:%d", e->port);
@@ -420,13 +615,21 @@ int cli_up(int argc, char **argv)
             stop_all(v, n);
             return 1;
         }
-    /* Ready when the router says every role it needs can take requests. */
+    /* Ready when the router says every role it needs can take requests (on a host without
+     * the router: when its own engines are healthy). */
     char health[200];
-    snprintf(health, sizeof(health), "http://127.0.0.1:%d/health", rport);
+    snprintf(health, sizeof(health), "http://%s:%d/health",
+             !strcmp(host, "0.0.0.0") ? "127.0.0.1" : host, rport);
     double deadline = td_now_s() + 300;
     rc = 0;
     while (!stop_requested) {
-        if (http_get(health, 1) == 200) break;
+        bool ready = plan.router_here ? http_get(health, 1) == 200 : true;
+        for (int i = first_engine; i < n && ready && !plan.router_here; i++) {
+            char h[200];
+            snprintf(h, sizeof(h), "http://%s:%d/health", v[i].addr, v[i].port);
+            ready = http_get(h, 1) == 200;
+        }
+        if (ready) break;
         for (int i = 0; i < n; i++) {
             int st;
             if (waitpid(v[i].pid, &st, WNOHANG) == v[i].pid) {
@@ -451,8 +654,10 @@ int cli_up(int argc, char **argv)
         char cpus[32] = "shared";
         if (v[i].n_cpus > 0)
             snprintf(cpus, sizeof(cpus), "cpus %d-%d", v[i].cpu0, v[i].cpu0 + v[i].n_cpus - 1);
-        printf("  %-10s http://127.0.0.1:%-6d pid %-7d %-10s log %s\n", v[i].name, v[i].port,
-               (int)v[i].pid, i == 0 ? "" : cpus, v[i].log);
+        char url[96];
+        snprintf(url, sizeof(url), "http://%s:%d", v[i].addr, v[i].port);
+        printf("  %-10s %-24s pid %-7d %-10s log %s\n", v[i].name, url, (int)v[i].pid,
+               !strcmp(v[i].role, "router") ? "" : cpus, v[i].log);
     }
     printf("ready: send requests to %s/v1/completions (Ctrl-C stops the cluster)\n", router_url);
     fflush(stdout);
@@ -492,6 +697,7 @@ int cli_up(int argc, char **argv)
         for (int k = 0; k < v[i].argc; k++)
             free(v[i].argv[k]);
     free(v);
+    cJSON_Delete(cfg_json);
     curl_global_cleanup();
     return 0;
 }

@@ -67,4 +67,40 @@ for p in $pids; do
 done
 [ ! -f "$W/cluster.json" ] || fail "the state file is still there"
 [ -s "$W/prefill-0.log" ] && [ -f "$W/router.log" ] || fail "per-instance logs missing"
+# Several hosts from one config file: host "a" runs the router and the prefill engine,
+# host "b" the decode engine, each under its own `tandem up` (both on loopback here).
+RP=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])' 2>/dev/null ||
+    echo 18765)
+cat >"$tmp/c.json" <<JSON
+{"mode": "pd", "model": "$MODEL", "engine_flags": ["--threads", "1"],
+ "router": {"host": "a", "port": $RP},
+ "hosts": [{"name": "a", "address": "127.0.0.1", "prefill": 1},
+           {"name": "b", "address": "127.0.0.1", "decode": 1}]}
+JSON
+rc=0
+"$TD_BIN" up --config "$tmp/c.json" --this-host zz >"$tmp/out" 2>"$tmp/err" || rc=$?
+[ "$rc" -eq 2 ] && grep -q "this-host" "$tmp/err" || fail "unknown host: $(cat "$tmp/err")"
+echo '{"mode": "pd", "hots": []}' >"$tmp/bad.json"
+rc=0
+"$TD_BIN" up --config "$tmp/bad.json" --this-host a >"$tmp/out" 2>"$tmp/err" || rc=$?
+[ "$rc" -eq 2 ] && grep -q "unknown key 'hots'" "$tmp/err" || fail "config typo: $(cat "$tmp/err")"
+"$TD_BIN" up --config "$tmp/c.json" --this-host a --workdir "$tmp/wa" >"$tmp/a.out" 2>"$tmp/a.err" &
+A=$!
+"$TD_BIN" up --config "$tmp/c.json" --this-host b --workdir "$tmp/wb" >"$tmp/b.out" 2>"$tmp/b.err" &
+B=$!
+server_pids+=("$A" "$B")
+for _ in $(seq 1 300); do
+    grep -q '^ready:' "$tmp/a.out" && grep -q '^ready:' "$tmp/b.out" && break
+    sleep 0.1
+done
+grep -q '^ready:' "$tmp/a.out" || fail "host a not ready: $(cat "$tmp/a.err")"
+got=$(ask "http://127.0.0.1:$RP")
+[ "$(echo "$got" | jq -r '.choices[0].text')" = "$want" ] || fail "two hosts: $got"
+[ "$(echo "$got" | jq -r '.kv_transfer_params.kv_load')" = transferred ] || fail "two hosts: $got"
+pids=$(jq '.instances[].pid' "$tmp/wa/cluster.json" "$tmp/wb/cluster.json")
+kill -TERM "$A" "$B"
+wait "$A" && wait "$B" || fail "the supervisors exited non-zero"
+for p in $pids; do
+    kill -0 "$p" 2>/dev/null && fail "process $p outlived tandem up"
+done
 echo ok

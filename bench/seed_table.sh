@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The seed's table at CPU scale (issue 6): output throughput, median TTFT and median TPOT
+# at concurrency 1, 4 and 16, input 512 / output 128 tokens, llama-134m f16 (random
+# weights, mkmodel), the machine's cores split evenly, for:
+#   1P1D over tcp, 1P1D over shm, 1P1D in push mode, and one aggregated engine.
+# Each configuration is a `tandem up` cluster; each level runs 2 x concurrency requests
+# (as the llama.cpp anchor in ../shared/anchors.md did). Results go to bench/results/,
+# the comparison table to stdout and the plot to bench/seed_table.svg.
+# Usage: bench/seed_table.sh [extra tandem bench flags]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+T=build/tandem
+out=bench/results
+mkdir -p "$out" build/models
+model=build/models/llama-134m-f16.gguf
+[ -f "$model" ] || $T mkmodel --preset llama-134m --type f16 --out "$model" >/dev/null
+run() { # NAME UP-FLAGS...
+    local name=$1
+    shift
+    local work
+    work=$(mktemp -d)
+    $T up --model "$model" --port 0 --workdir "$work" "$@" -- --kv-cache-memory 2G >"$work/up.out" &
+    local up=$!
+    for _ in $(seq 1 1200); do
+        grep -q '^ready:' "$work/up.out" && break
+        kill -0 $up 2>/dev/null || { echo "tandem up failed for $name" >&2; exit 1; }
+        sleep 0.1
+    done
+    local url
+    url=$(sed -n 's/^tandem up: \(http[^ ]*\).*/\1/p' "$work/up.out")
+    for c in 1 4 16; do
+        echo "== $name, concurrency $c" >&2
+        $T bench --base-url "$url" --input-len 512 --output-len 128 --ignore-eos \
+            --num-prompts $((2 * c)) --max-concurrency $c --label "$name" \
+            --save-result "$out/$name-c$c.json" "${BENCH_FLAGS[@]}" >/dev/null
+    done
+    kill $up
+    wait $up || true
+    rm -rf "$work"
+}
+BENCH_FLAGS=("$@")
+run 1p1d-tcp --prefill 1 --decode 1 --protocol tcp
+run 1p1d-shm --prefill 1 --decode 1 --protocol shm
+run 1p1d-push --prefill 1 --decode 1 --transfer-mode write
+run aggregated --aggregated 1
+$T bench --compare "$out"/1p1d-tcp-c*.json "$out"/1p1d-shm-c*.json "$out"/1p1d-push-c*.json \
+    "$out"/aggregated-c*.json --plot bench/seed_table.svg
