@@ -149,7 +149,7 @@ static void write_state(const char *path, const char *router_url, const inst *v,
     cJSON *arr = cJSON_AddArrayToObject(root, "instances");
     for (int i = 0; i < n; i++) {
         cJSON *o = cJSON_CreateObject();
-        char url[64];
+        char url[96];
         snprintf(url, sizeof(url), "http://%s:%d", v[i].addr, v[i].port);
         cJSON_AddStringToObject(o, "name", v[i].name);
         cJSON_AddStringToObject(o, "role", v[i].role);

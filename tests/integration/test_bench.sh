@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# `tandem bench` against a real `tandem serve` on stories260K: a closed-loop run, a paced
+# run with a goodput SLO, a chat run, --compare with its SVG, and usage errors (exit 2).
+set -euo pipefail
+source "$(dirname "$0")/serve_lib.sh"
+command -v jq >/dev/null || fail "jq is needed"
+
+# One server for both endpoints: stories260K has no chat template, so name one.
+start_server s --chat-template chatml
+
+# A result file's latency fields must be numbers above 0.
+check_result() {
+    local f=$1 n=$2 label=$3
+    [ "$(jq .completed "$f")" = "$n" ] || fail "$f: completed is not $n: $(jq -c .errors "$f")"
+    [ "$(jq .failed "$f")" = 0 ] || fail "$f: failed requests: $(jq .errors "$f")"
+    for m in ttft tpot itl e2el; do
+        for s in mean median p99; do
+            jq -e ".${s}_${m}_ms | type == \"number\" and . > 0" "$f" >/dev/null ||
+                fail "$f: ${s}_${m}_ms is not a number > 0: $(jq ".${s}_${m}_ms" "$f")"
+        done
+    done
+    for m in output_throughput request_throughput total_token_throughput duration; do
+        jq -e ".$m > 0" "$f" >/dev/null || fail "$f: $m is not > 0"
+    done
+    [ "$(jq -r .label "$f")" = "$label" ] || fail "$f: label is not $label"
+    [ "$(jq .total_output_tokens "$f")" = $((n * 8)) ] || fail "$f: not 8 tokens a request"
+}
+
+common=(--num-prompts 8 --input-len 32 --output-len 8 --ignore-eos --vocab 512)
+
+"$TD_BIN" bench --base-url "$s_URL" "${common[@]}" --max-concurrency 4 \
+    --save-result "$tmp/r.json" --label t >"$tmp/r.out" 2>"$tmp/r.err" ||
+    fail "bench failed: $(cat "$tmp/r.err" "$tmp/r.out")"
+check_result "$tmp/r.json" 8 t
+[ "$(jq .max_concurrency "$tmp/r.json")" = 4 ] || fail "max_concurrency not saved"
+grep -q "Serving Benchmark Result" "$tmp/r.out" || fail "no summary table: $(cat "$tmp/r.out")"
+grep -q "Median TPOT (ms)" "$tmp/r.out" || fail "no TPOT rows"
+# stderr is not a TTY here: no progress bar
+if grep -q $'\r' "$tmp/r.err"; then fail "progress bar written to a non-TTY"; fi
+# tandem reports usage.timings: the breakdown is there
+jq -e '.mean_server_ttft_ms | type == "number"' "$tmp/r.json" >/dev/null ||
+    fail "no server-reported timings"
+
+# Poisson arrivals at 50 req/s, a goodput SLO every request meets, a prefix, two goodput terms.
+"$TD_BIN" bench --base-url "$s_URL/" "${common[@]}" --request-rate 50 --seed 3 \
+    --goodput ttft:10000 e2el:60000 --prefix-len 8 --max-concurrency 8 \
+    --save-result "$tmp/r2.json" --label t >"$tmp/r2.out" 2>"$tmp/r2.err" ||
+    fail "paced bench failed: $(cat "$tmp/r2.err")"
+check_result "$tmp/r2.json" 8 t
+jq -e '.goodput > 0 and .request_rate == 50' "$tmp/r2.json" >/dev/null ||
+    fail "goodput/request_rate wrong: $(jq '{goodput, request_rate}' "$tmp/r2.json")"
+grep -q "Request goodput" "$tmp/r2.out" || fail "no goodput row"
+[ "$(jq .total_input_tokens "$tmp/r2.json")" = $((8 * 40)) ] || fail "prefix tokens not sent"
+
+# Chat: text prompts of random words (fewer: a word can be several tokens, and the template
+# adds some, within stories260K's 128-token context).
+"$TD_BIN" bench --base-url "$s_URL" --endpoint /v1/chat/completions "${common[@]}" --input-len 16 \
+    --max-concurrency 2 --save-result "$tmp/chat.json" --label chat \
+    >"$tmp/chat.out" 2>"$tmp/chat.err" || fail "chat bench failed: $(cat "$tmp/chat.err")"
+check_result "$tmp/chat.json" 8 chat
+
+# A prompts file, with a model name given: no token ids, text prompts.
+printf 'Once upon a time\n\nThe cat sat\n' >"$tmp/prompts.txt"
+"$TD_BIN" bench --base-url "$s_URL" --dataset prompts --dataset-path "$tmp/prompts.txt" \
+    --num-prompts 3 --output-len 8 --ignore-eos --model "$MODEL" --percentiles 99.9 \
+    --save-result "$tmp/p.json" >"$tmp/p.out" 2>"$tmp/p.err" ||
+    fail "prompts bench failed: $(cat "$tmp/p.err")"
+jq -e '.completed == 3 and .failed == 0 and (."p99.9_ttft_ms" > 0)' "$tmp/p.json" >/dev/null ||
+    fail "prompts run: $(cat "$tmp/p.json")"
+
+# --compare: a table with both labels, and an SVG plot.
+"$TD_BIN" bench --compare "$tmp/r.json" "$tmp/chat.json" "$tmp/r2.json" --plot "$tmp/c.svg" \
+    >"$tmp/cmp.out" 2>"$tmp/cmp.err" || fail "compare failed: $(cat "$tmp/cmp.err")"
+grep -q "<svg" "$tmp/c.svg" || fail "no SVG written"
+grep -q "</svg>" "$tmp/c.svg" || fail "SVG not finished"
+grep -q "median TTFT" "$tmp/cmp.out" || fail "no compare table: $(cat "$tmp/cmp.out")"
+head -n 1 "$tmp/cmp.out" | grep -q "chat" || fail "labels missing from the header"
+
+# A server that is not there: requests fail with a reason, and the exit status is 1.
+rc=0
+"$TD_BIN" bench --base-url http://127.0.0.1:1 --model x --num-prompts 2 --input-len 4 \
+    --output-len 2 --save-result "$tmp/dead.json" >/dev/null 2>&1 || rc=$?
+[ "$rc" = 1 ] || fail "bench against nothing exited $rc, not 1"
+jq -e '.failed == 2 and .completed == 0' "$tmp/dead.json" >/dev/null || fail "failures not saved"
+
+# Usage errors exit 2.
+expect_usage_error() {
+    local rc=0
+    "$TD_BIN" bench "$@" >/dev/null 2>&1 || rc=$?
+    [ "$rc" = 2 ] || fail "'bench $*' exited $rc, not 2"
+}
+expect_usage_error --base-url "$s_URL" --no-such-flag
+expect_usage_error --base-url "$s_URL" --endpoint /bad
+expect_usage_error --base-url "$s_URL" --goodput nonsense
+expect_usage_error --base-url "$s_URL" --goodput ttft:abc
+expect_usage_error --base-url "$s_URL" --request-rate -3
+expect_usage_error --base-url "$s_URL" --percentiles 50,abc
+expect_usage_error --base-url "$s_URL" --dataset sharegpt
+expect_usage_error --num-prompts 3
+echo "PASS: test_bench"
