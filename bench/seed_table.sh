@@ -43,5 +43,8 @@ run 1p1d-tcp --prefill 1 --decode 1 --protocol tcp
 run 1p1d-shm --prefill 1 --decode 1 --protocol shm
 run 1p1d-push --prefill 1 --decode 1 --transfer-mode write
 run aggregated --aggregated 1
-$T bench --compare "$out"/1p1d-tcp-c*.json "$out"/1p1d-shm-c*.json "$out"/1p1d-push-c*.json \
-    "$out"/aggregated-c*.json --plot bench/seed_table.svg
+files=()
+for name in 1p1d-tcp 1p1d-shm 1p1d-push aggregated; do
+    for c in 1 4 16; do files+=("$out/$name-c$c.json"); done
+done
+$T bench --compare "${files[@]}" --plot bench/seed_table.svg
