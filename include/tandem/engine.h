@@ -128,6 +128,16 @@ typedef struct td_layer_progress {
 typedef void (*td_layer_fn)(void *user, int layer, const td_layer_progress *p, int n);
 void td_engine_set_layer_fn(td_engine *e, td_layer_fn fn, void *user);
 
+/**
+ * Called on the engine's thread inside td_engine_step, the moment a remote request gets
+ * its blocks (the same facts as its kv_load output, which still follows at the next
+ * poll), before the step's forward pass runs: a copy started here overlaps the step
+ * instead of waiting for it. It must not call back into the engine. NULL turns it off.
+ */
+typedef void (*td_load_fn)(void *user, uint64_t id, const int32_t *blocks, int n_blocks,
+                           int skip);
+void td_engine_set_load_fn(td_engine *e, td_load_fn fn, void *user);
+
 /** td_engine_add_request with a KV role; kv may be NULL (a plain request). */
 int td_engine_add_request_kv(td_engine *e, uint64_t *out_id, const int32_t *prompt, int n_prompt,
                              const td_sampling *sp, const td_request_kv *kv, td_err *err);

@@ -276,6 +276,12 @@ int td_engine_kv_loaded(td_engine *e, uint64_t id, int status, bool recompute, c
     return sched__kv_loaded(e, id, status, recompute, msg, first_token);
 }
 
+void td_engine_set_load_fn(td_engine *e, td_load_fn fn, void *user)
+{
+    e->load_fn = fn;
+    e->load_user = user;
+}
+
 void td_engine_set_layer_fn(td_engine *e, td_layer_fn fn, void *user)
 {
     e->layer_fn = fn;

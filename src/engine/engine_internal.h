@@ -111,6 +111,8 @@ struct td_engine {
     int n_holds, cap_holds;
     int n_loading;       /* running requests in REQ_LOADING */
 
+    td_load_fn load_fn;   /* td_engine_set_load_fn */
+    void *load_user;
     td_layer_fn layer_fn; /* td_engine_set_layer_fn */
     void *layer_user;
     td_layer_progress *lp; /* [max_num_seqs] this step's streaming requests */

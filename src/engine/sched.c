@@ -415,6 +415,7 @@ int sched__step(td_engine *e, td_err *err)
             o->out.kv_blocks = r->blocks;
             o->out.n_kv_blocks = r->n_blocks;
             o->out.kv_skip = r->kv_skip;
+            if (e->load_fn) e->load_fn(e->load_user, r->id, r->blocks, r->n_blocks, r->kv_skip);
             continue;
         }
         int n = TD_MIN(r->n_tokens - r->n_computed, budget);

@@ -225,6 +225,28 @@ static void start_load(srv__engine *x, srv__active *a, const td_output *o)
     td_engine_kv_loaded(x->engine, o->id, rc, x->kv_recompute, msg, -1);
 }
 
+/*
+ * The engine's admission callback (td_engine_set_load_fn): start the copy now, so that it
+ * runs while the engine's step computes, instead of after it. Nothing here may call the
+ * engine; if the copy cannot start, start_load deals with it when the kv_load output is
+ * drained after the step.
+ */
+static void on_admit_load(void *user, uint64_t id, const int32_t *blocks, int n_blocks, int skip)
+{
+    srv__engine *x = user;
+    int k = active_find(x, id);
+    if (k < 0 || !x->pd) return;
+    srv__active *a = &x->active[k];
+    if (a->load_started || !has_remote(&a->remote)) return;
+    td_err err = {0};
+    int rc = a->remote.push ? pd_load_push(x->pd, id, &a->remote, blocks, n_blocks, skip, &err)
+                            : pd_load(x->pd, id, &a->remote, blocks, n_blocks, skip, &err);
+    if (rc) return;
+    pd_unwatch(x->pd, id); /* the read itself renews the lease */
+    a->kv_blocks_cached = skip;
+    a->load_started = true;
+}
+
 /* A held request ended: hand its blocks to the transfer agent under a lease (in write
  * mode: finish the push that its prefill streamed). */
 static void hold(srv__engine *x, srv__out *d, const td_output *o, bool push)
@@ -275,7 +297,8 @@ static void drain_outputs(srv__engine *x, batch *b)
         int k = active_find(x, o.id);
         if (k < 0) continue; /* cannot happen: every id we see was added here */
         if (o.kv_load) {
-            start_load(x, &x->active[k], &o); /* may queue outputs: this loop polls them */
+            /* started at admission already (on_admit_load), unless that failed */
+            if (!x->active[k].load_started) start_load(x, &x->active[k], &o);
             continue;
         }
         srv__active *a = &x->active[k];
@@ -423,6 +446,7 @@ int srv__engine_start(srv__engine *x, td_engine *e, int step_delay_ms, pd_connec
     x->kv_recompute = kv_recompute;
     x->step_delay_ms = step_delay_ms;
     if (pd) td_engine_set_layer_fn(e, pd_push_progress, pd); /* write mode's producers */
+    if (pd) td_engine_set_load_fn(e, on_admit_load, x);      /* consumers: copy at once */
     x->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (x->wake_fd < 0) return td_err_set(err, TD_EIO, "eventfd: %s", strerror(errno));
     pthread_mutex_init(&x->mu, NULL);

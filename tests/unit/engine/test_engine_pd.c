@@ -439,6 +439,23 @@ static void on_layer(void *user, int layer, const td_layer_progress *p, int n)
     L->calls++;
 }
 
+typedef struct load_log {
+    int calls;
+    uint64_t id;
+    int32_t blocks[16];
+    int n, skip;
+} load_log;
+
+static void on_load(void *user, uint64_t id, const int32_t *blocks, int n, int skip)
+{
+    load_log *L = user;
+    L->calls++;
+    L->id = id;
+    L->n = n;
+    L->skip = skip;
+    memcpy(L->blocks, blocks, (size_t)TD_MIN(n, 16) * sizeof(int32_t));
+}
+
 static void test_stream_layers_and_late_first_token(void **state)
 {
     (void)state;
@@ -485,7 +502,10 @@ static void test_stream_layers_and_late_first_token(void **state)
     assert_memory_equal(L.blocks, pblocks, (size_t)npb * sizeof(int32_t));
     assert_int_equal(first, want[0]);
 
-    /* The consumer is told the first token with the end of the load. */
+    /* The consumer is told the first token with the end of the load; the admission
+     * callback names the blocks before the step's forward pass, as the output does after. */
+    load_log LL = {0};
+    td_engine_set_load_fn(c, on_load, &LL);
     consumer_result r = {0};
     td_request_kv ckv = {.remote = true, .first_token = -1};
     uint64_t cid;
@@ -495,6 +515,11 @@ static void test_stream_layers_and_late_first_token(void **state)
         td_output o;
         while (td_engine_poll(c, &o)) {
             if (o.kv_load) {
+                assert_int_equal(LL.calls, 1);
+                assert_true(LL.id == cid);
+                assert_int_equal(LL.n, o.n_kv_blocks);
+                assert_int_equal(LL.skip, o.kv_skip);
+                assert_memory_equal(LL.blocks, o.kv_blocks, (size_t)o.n_kv_blocks * sizeof(int32_t));
                 copy_blocks(p, c, pblocks, o.kv_blocks, o.n_kv_blocks);
                 assert_int_equal(td_engine_kv_loaded(c, cid, 0, true, NULL, first), 0);
                 continue;
