@@ -12,6 +12,7 @@ int cli_bench_xfer(int argc, char **argv);
 int cli_bench_pd(int argc, char **argv);
 int cli_router(int argc, char **argv);
 int cli_up(int argc, char **argv);
+int cli_bench(int argc, char **argv);
 int cli_bench_router(int argc, char **argv);
 
 #endif

@@ -17,6 +17,7 @@ static const struct {
     {"bench-pd", cli_bench_pd, "KV transfer between a prefill and a decode server under concurrency"},
     {"router", cli_router, "the OpenAI-compatible prefill/decode router (atomesh's flags)"},
     {"up", cli_up, "a whole local cluster (router + prefill and decode engines) from one command"},
+    {"bench", cli_bench, "the serving benchmark against any OpenAI-compatible server"},
     {"bench-router", cli_bench_router, "the router's own overhead against a stub upstream"},
     {"bench-xfer", cli_bench_xfer, "KV transfer throughput (kvx tcp) against the machine's limits"},
 };
