@@ -696,6 +696,8 @@ int cli_up(int argc, char **argv)
     for (int i = 0; i < n; i++)
         for (int k = 0; k < v[i].argc; k++)
             free(v[i].argv[k]);
+    for (int k = 0; k < scratch.argc; k++) /* the router's arguments, on a host without it */
+        free(scratch.argv[k]);
     free(v);
     cJSON_Delete(cfg_json);
     curl_global_cleanup();
