@@ -415,6 +415,23 @@ static void on_load_done(void *user, kvx_xfer *x, const td_err *result)
     free(lc);
 }
 
+/* What a load's completion needs: the request, and where to send the release. */
+static load_ctx *load_ctx_new(pd_connector *pd, uint64_t req_id, const pd_remote *src,
+                              int n_blocks, bool push)
+{
+    load_ctx *lc = calloc(1, sizeof(*lc));
+    if (!lc) return NULL;
+    lc->pd = pd;
+    lc->req_id = req_id;
+    lc->push = push;
+    lc->n_blocks = (uint32_t)n_blocks;
+    snprintf(lc->rel.host, sizeof(lc->rel.host), "%s", src->host);
+    lc->rel.port = src->port;
+    memcpy(lc->rel.engine_id, src->engine_id, KVX_ID_HEX);
+    memcpy(lc->rel.transfer_id, src->transfer_id, KVX_ID_HEX);
+    return lc;
+}
+
 int pd_load(pd_connector *pd, uint64_t req_id, const pd_remote *src, const int32_t *dst, int n_dst,
             int skip, td_err *err)
 {
@@ -423,15 +440,8 @@ int pd_load(pd_connector *pd, uint64_t req_id, const pd_remote *src, const int32
         return td_err_set(err, TD_EINVAL,
                           "the producer sent %d block ids; this prompt needs %d (%d cached here)",
                           src->n_blocks, n_dst, skip);
-    load_ctx *lc = calloc(1, sizeof(*lc));
+    load_ctx *lc = load_ctx_new(pd, req_id, src, n_dst - skip, false);
     if (!lc) return td_err_set(err, TD_ENOMEM, "out of memory");
-    lc->pd = pd;
-    lc->req_id = req_id;
-    lc->n_blocks = (uint32_t)(n_dst - skip);
-    snprintf(lc->rel.host, sizeof(lc->rel.host), "%s", src->host);
-    lc->rel.port = src->port;
-    memcpy(lc->rel.engine_id, src->engine_id, KVX_ID_HEX);
-    memcpy(lc->rel.transfer_id, src->transfer_id, KVX_ID_HEX);
     kvx_read_req rq = {
         .host = src->host,
         .port = src->port,
@@ -455,16 +465,8 @@ int pd_load_push(pd_connector *pd, uint64_t req_id, const pd_remote *src, const 
     if (!pd->client) return td_err_set(err, TD_ESTATE, "this engine is not a KV consumer");
     if (skip < 0 || skip >= n_dst)
         return td_err_set(err, TD_EINVAL, "a push of %d blocks with %d cached", n_dst, skip);
-    load_ctx *lc = calloc(1, sizeof(*lc));
+    load_ctx *lc = load_ctx_new(pd, req_id, src, n_dst - skip, true);
     if (!lc) return td_err_set(err, TD_ENOMEM, "out of memory");
-    lc->pd = pd;
-    lc->req_id = req_id;
-    lc->push = true;
-    lc->n_blocks = (uint32_t)(n_dst - skip);
-    snprintf(lc->rel.host, sizeof(lc->rel.host), "%s", src->host);
-    lc->rel.port = src->port;
-    memcpy(lc->rel.engine_id, src->engine_id, KVX_ID_HEX);
-    memcpy(lc->rel.transfer_id, src->transfer_id, KVX_ID_HEX);
     kvx_write_req rq = {
         .host = src->host,
         .port = src->port,

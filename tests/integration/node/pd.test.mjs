@@ -10,6 +10,7 @@
 // error under kv_load_failure_policy fail) and no KV block leaks on either side.
 // No test asserts on timing: deadlines only bound waits for state that must arrive.
 import { test, after } from 'node:test';
+import { metrics, until } from './lib.mjs';
 import assert from 'node:assert/strict';
 import { spawn } from 'node:child_process';
 import net from 'node:net';
@@ -52,26 +53,6 @@ async function post(base, body) {
   let json = null;
   try { json = JSON.parse(text); } catch { /* not JSON */ }
   return { status: res.status, json, text };
-}
-
-async function metrics(base) {
-  const text = await (await fetch(base + '/metrics')).text();
-  const m = {};
-  for (const line of text.split('\n')) {
-    const r = line.match(/^([a-z_]+(?:\{[^}]*\})?) (\S+)$/);
-    if (r) m[r[1].replace(/\{model_name="[^"]*"\}/, '')] = Number(r[2]);
-  }
-  return m;
-}
-
-// Wait until f() is true (a deadline bounds the wait, it is not the assertion).
-async function until(f, what, ms = 20000) {
-  const end = Date.now() + ms;
-  for (;;) {
-    if (await f()) return;
-    if (Date.now() > end) assert.fail(`timed out waiting for ${what}`);
-    await new Promise((r) => setTimeout(r, 25));
-  }
 }
 
 async function noLeaks(base, what) {

@@ -8,6 +8,7 @@
 // workers added, removed and restarted at run time. Started by test_router.sh.
 // No test asserts on timing: deadlines only bound waits for state that must arrive.
 import { test, after } from 'node:test';
+import { metrics, until } from './lib.mjs';
 import assert from 'node:assert/strict';
 import { spawn } from 'node:child_process';
 import http from 'node:http';
@@ -52,25 +53,6 @@ async function post(base, path, body, headers = {}) {
   let json = null;
   try { json = JSON.parse(text); } catch { /* not JSON */ }
   return { status: res.status, json, text, headers: res.headers };
-}
-
-async function metrics(base) {
-  const text = await (await fetch(base + '/metrics')).text();
-  const m = {};
-  for (const line of text.split('\n')) {
-    const r = line.match(/^([a-z_]+(?:\{[^}]*\})?) (\S+)$/);
-    if (r) m[r[1].replace(/\{model_name="[^"]*"\}/, '')] = Number(r[2]);
-  }
-  return m;
-}
-
-async function until(f, what, ms = 20000) {
-  const end = Date.now() + ms;
-  for (;;) {
-    if (await f()) return;
-    if (Date.now() > end) assert.fail(`timed out waiting for ${what}`);
-    await new Promise((r) => setTimeout(r, 25));
-  }
 }
 
 async function idle(base, what) {
