@@ -8,15 +8,18 @@ command -v jq >/dev/null || fail "jq is needed"
 # One server for both endpoints: stories260K has no chat template, so name one.
 start_server s --chat-template chatml
 
-# A result file's latency fields must be numbers above 0.
+# A result file's latency fields must be numbers above 0. (A median or p99 gap between
+# token events may be 0: events that arrive in one read share a timestamp.)
 check_result() {
     local f=$1 n=$2 label=$3
     [ "$(jq .completed "$f")" = "$n" ] || fail "$f: completed is not $n: $(jq -c .errors "$f")"
     [ "$(jq .failed "$f")" = 0 ] || fail "$f: failed requests: $(jq .errors "$f")"
     for m in ttft tpot itl e2el; do
         for s in mean median p99; do
-            jq -e ".${s}_${m}_ms | type == \"number\" and . > 0" "$f" >/dev/null ||
-                fail "$f: ${s}_${m}_ms is not a number > 0: $(jq ".${s}_${m}_ms" "$f")"
+            min=0
+            [ "$m" = itl ] && [ "$s" != mean ] && min=-1
+            jq -e ".${s}_${m}_ms | type == \"number\" and . > $min" "$f" >/dev/null ||
+                fail "$f: ${s}_${m}_ms is not a number > $min: $(jq ".${s}_${m}_ms" "$f")"
         done
     done
     for m in output_throughput request_throughput total_token_throughput duration; do
