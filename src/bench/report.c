@@ -297,6 +297,8 @@ static const compare_row compare_rows[] = {
     {"median E2EL (ms)", "median_e2el_ms", 2},
     {"p99 E2EL (ms)", "p99_e2el_ms", 2},
     {"mean transfer (ms)", "mean_transfer_ms", 2},
+    {"transfer on the wire (ms)", "mean_transfer_wire_ms", 2},
+    {"transfer after prefill (ms)", "mean_transfer_after_prefill_ms", 2},
     {"transfer share of TTFT", "transfer_share_of_ttft", 3},
 };
 
