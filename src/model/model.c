@@ -294,6 +294,24 @@ typedef struct pack_job {
     atomic_int_fast64_t next;
 } pack_job;
 
+/*
+ * Run worker(job) on this thread and on helpers (one per CPU, at most 32; none for less
+ * than 64 MiB of work), and wait for all. Workers take items from the job themselves, so
+ * the result never depends on the number of threads.
+ */
+static void run_workers(void *(*worker)(void *), void *job, uint64_t total)
+{
+    long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+    int n_threads = total < (64u << 20) ? 1 : (int)TD_MIN(TD_MAX(ncpu, 1), 32);
+    pthread_t th[32];
+    int started = 0;
+    for (int i = 1; i < n_threads; i++)
+        if (pthread_create(&th[started], NULL, worker, job) == 0) started++;
+    worker(job);
+    for (int i = 0; i < started; i++)
+        pthread_join(th[i], NULL);
+}
+
 static void *pack_worker(void *arg)
 {
     pack_job *job = arg;
@@ -364,15 +382,7 @@ static void pack_weights(td_model *m)
     }
     pack_job job = {.items = items, .n_items = n_items};
     atomic_init(&job.next, 0);
-    long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
-    int n_threads = total < (64u << 20) ? 1 : (int)TD_MIN(TD_MAX(ncpu, 1), 32);
-    pthread_t th[32];
-    int started = 0;
-    for (int i = 1; i < n_threads; i++)
-        if (pthread_create(&th[started], NULL, pack_worker, &job) == 0) started++;
-    pack_worker(&job);
-    for (int i = 0; i < started; i++)
-        pthread_join(th[i], NULL);
+    run_workers(pack_worker, &job, total);
     free(items);
     free(ws);
     m->packed = base;
@@ -741,15 +751,7 @@ int td_model_load_dummy(td_model **out, const td_model_shape *shape, td_type wei
     fill_job job = {
         .plan = plan, .chunks = chunks, .n_chunks = n_chunks, .seed = seed, .max_cols = max_cols};
     atomic_init(&job.next, 0);
-    long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
-    int n_threads = total < (64u << 20) ? 1 : (int)TD_MIN(TD_MAX(ncpu, 1), 32);
-    pthread_t th[32];
-    int started = 0;
-    for (int i = 1; i < n_threads; i++)
-        if (pthread_create(&th[started], NULL, fill_worker, &job) == 0) started++;
-    fill_worker(&job);
-    for (int i = 0; i < started; i++)
-        pthread_join(th[i], NULL);
+    run_workers(fill_worker, &job, total);
     free(chunks);
     free(plan);
 

@@ -606,6 +606,21 @@ static void random_hex(rt_router *r, char out[33])
 
 /* ---------------------------------------------------------------- lifecycle */
 
+/* Take a waiting request out of the admission queue. */
+static void queue_remove(rt_router *r, rt_req *q)
+{
+    for (rt_req **pp = &r->queue_head; *pp; pp = &(*pp)->next_queued)
+        if (*pp == q) {
+            *pp = q->next_queued;
+            break;
+        }
+    r->queue_tail = NULL;
+    for (rt_req *x = r->queue_head; x; x = x->next_queued)
+        r->queue_tail = x;
+    r->queued--;
+    q->queued = false;
+}
+
 static void on_timeout(evutil_socket_t fd, short what, void *arg)
 {
     (void)fd;
@@ -614,16 +629,7 @@ static void on_timeout(evutil_socket_t fd, short what, void *arg)
     rt_router *r = q->r;
     if (q->queued) {
         /* still waiting for a slot */
-        for (rt_req **pp = &r->queue_head; *pp; pp = &(*pp)->next_queued)
-            if (*pp == q) {
-                *pp = q->next_queued;
-                break;
-            }
-        r->queue_tail = NULL;
-        for (rt_req *x = r->queue_head; x; x = x->next_queued)
-            r->queue_tail = x;
-        r->queued--;
-        q->queued = false;
+        queue_remove(r, q);
         r->timed_out_408++;
         reply_error(q, 408, "timeout",
                     "the request waited %.0f s for a free slot (--max-concurrent-requests)",
@@ -783,19 +789,7 @@ static void on_client_close(struct evhttp_connection *evcon, void *arg)
         TD_INFO("router %s: the client hung up; cancelling upstream", q->rid);
     }
     q->finished = true;
-    if (q->queued) {
-        rt_router *r = q->r;
-        for (rt_req **pp = &r->queue_head; *pp; pp = &(*pp)->next_queued)
-            if (*pp == q) {
-                *pp = q->next_queued;
-                break;
-            }
-        r->queue_tail = NULL;
-        for (rt_req *x = r->queue_head; x; x = x->next_queued)
-            r->queue_tail = x;
-        r->queued--;
-        q->queued = false;
-    }
+    if (q->queued) queue_remove(q->r, q);
     req_end_legs(q);
     req_maybe_free(q);
 }

@@ -201,22 +201,29 @@ static void apply(srv__engine *x, srv__cmd *c, batch *b)
 }
 
 /* A remote request has its blocks: start copying the prompt's KV into them. */
+/* Start copying a remote request's KV into its blocks (read or push); 0 or an error. */
+static int begin_load(srv__engine *x, srv__active *a, uint64_t id, const int32_t *blocks,
+                      int n_blocks, int skip, td_err *err)
+{
+    if (!x->pd || !has_remote(&a->remote))
+        return td_err_set(err, TD_ESTATE, "no transfer connector");
+    int rc = a->remote.push ? pd_load_push(x->pd, id, &a->remote, blocks, n_blocks, skip, err)
+                            : pd_load(x->pd, id, &a->remote, blocks, n_blocks, skip, err);
+    if (rc) return rc;
+    pd_unwatch(x->pd, id); /* the read itself renews the lease */
+    a->kv_blocks_cached = skip;
+    a->load_started = true;
+    return 0;
+}
+
+/* A remote request's kv_load output, when admission did not start its copy already. */
 static void start_load(srv__engine *x, srv__active *a, const td_output *o)
 {
-    a->kv_blocks_cached = o->kv_skip;
-    if (x->pd) pd_unwatch(x->pd, o->id); /* the read itself renews the lease */
     td_err err = {0};
-    int rc = !x->pd || !has_remote(&a->remote)
-                 ? td_err_set(&err, TD_ESTATE, "no transfer connector")
-             : a->remote.push
-                 ? pd_load_push(x->pd, o->id, &a->remote, o->kv_blocks, o->n_kv_blocks,
-                                o->kv_skip, &err)
-                 : pd_load(x->pd, o->id, &a->remote, o->kv_blocks, o->n_kv_blocks, o->kv_skip,
-                           &err);
-    if (rc == 0) {
-        a->load_started = true;
-        return;
-    }
+    int rc = begin_load(x, a, o->id, o->kv_blocks, o->n_kv_blocks, o->kv_skip, &err);
+    if (rc == 0) return;
+    a->kv_blocks_cached = o->kv_skip;
+    if (x->pd) pd_unwatch(x->pd, o->id);
     if (x->pd && has_remote(&a->remote)) pd_release_remote(x->pd, &a->remote);
     a->kv_state = x->kv_recompute ? SRV__KV_RECOMPUTED : SRV__KV_FAILED;
     snprintf(a->kv_note, sizeof(a->kv_note), "%.150s", err.msg);
@@ -235,16 +242,9 @@ static void on_admit_load(void *user, uint64_t id, const int32_t *blocks, int n_
 {
     srv__engine *x = user;
     int k = active_find(x, id);
-    if (k < 0 || !x->pd) return;
-    srv__active *a = &x->active[k];
-    if (a->load_started || !has_remote(&a->remote)) return;
+    if (k < 0 || x->active[k].load_started) return;
     td_err err = {0};
-    int rc = a->remote.push ? pd_load_push(x->pd, id, &a->remote, blocks, n_blocks, skip, &err)
-                            : pd_load(x->pd, id, &a->remote, blocks, n_blocks, skip, &err);
-    if (rc) return;
-    pd_unwatch(x->pd, id); /* the read itself renews the lease */
-    a->kv_blocks_cached = skip;
-    a->load_started = true;
+    (void)begin_load(x, &x->active[k], id, blocks, n_blocks, skip, &err);
 }
 
 /* A held request ended: hand its blocks to the transfer agent under a lease (in write
