@@ -44,6 +44,8 @@ typedef struct td_engine_config {
                                     same-host transfer peer can map it */
     bool kv_prefault;            /* commit the whole KV pool at start-up (KV transfer roles:
                                     copies into fresh blocks then pay no page faults) */
+    bool kv_checksums;           /* keep a CRC32C of every full block as it is written
+                                    (td_kv_info.block_crc), for a KV producer's transfers */
 } td_engine_config;
 
 /** Fill defaults. */
@@ -166,6 +168,11 @@ typedef struct td_kv_info {
     size_t layer_bytes, block_bytes;
     int n_blocks;
     int shm_fd;                /* the memfd of the pool (kv_shareable), else -1 */
+    /* With kv_checksums: CRC32C of block b of layer l is block_crc[l * n_blocks + b], valid
+     * while block_crc_ok[...] is 1 (the block is full and unchanged since). Written by the
+     * engine thread; read them only for blocks that a request holds. Else both NULL. */
+    const uint32_t *block_crc;
+    const uint8_t *block_crc_ok;
 } td_kv_info;
 void td_engine_kv_info(const td_engine *e, td_kv_info *out);
 

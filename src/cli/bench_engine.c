@@ -118,6 +118,9 @@ int cli_bench_engine(int argc, char **argv)
     bool no_floor = false;
     flags[nf++] = CLI_FLAG("no-floor", CLI_FLAG_BOOL, &no_floor,
                            "skip measuring the machine's read bandwidth and FMA peak");
+    bool kv_checksums = false;
+    flags[nf++] = CLI_FLAG("kv-checksums", CLI_FLAG_BOOL, &kv_checksums,
+                           "keep block checksums as a KV producer does (to time their cost)");
     int rc = cli_flags_parse(flags, nf, argc, argv, "tandem bench-engine --model M [options]");
     if (rc) return rc == 1 ? 0 : 2;
     if (prompt_len < 1 || gen_len < 2 || reps < 1 || reps > 100) {
@@ -138,6 +141,7 @@ int cli_bench_engine(int argc, char **argv)
         max_batch = TD_MAX(max_batch, (int)b);
         p = *end ? end + 1 : end;
     }
+    cfg.kv_checksums = kv_checksums;
     cfg.max_num_seqs = TD_MAX(cfg.max_num_seqs, max_batch);
     cfg.max_num_batched_tokens = TD_MAX(cfg.max_num_batched_tokens, (int)prompt_len);
     td_err err = {0};
@@ -153,7 +157,8 @@ int cli_bench_engine(int argc, char **argv)
     char desc[256];
     td_model_describe(m, desc, sizeof(desc));
     printf("model: %s\n", desc);
-    printf("threads: %d, kv: %s\n", cfg.n_threads, cfg.kv_cache_dtype);
+    printf("threads: %d, kv: %s%s\n", cfg.n_threads, cfg.kv_cache_dtype,
+           kv_checksums ? ", block checksums kept" : "");
     double dec_bytes, pf_flops, bw = 0, peak = 0;
     model_costs(m, (int)prompt_len, &dec_bytes, &pf_flops);
     if (!no_floor) {

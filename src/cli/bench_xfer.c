@@ -18,6 +18,10 @@
  *            alternated with kvx --trials times like raw TCP.
  *   CPU s/GB: the process's user + system time per GB, for kvx and raw TCP alike; steadier
  *            than wall-clock GB/s on a busy machine.
+ *   checksums: by default the producer's checksums are kept (computed once before the
+ *            trials, as an engine with kv_checksums computes them while its forward pass
+ *            writes the blocks), so a transfer reads the bytes once, on the consumer's
+ *            side; --producer-checksums grant computes them for every transfer instead.
  *
  * The figures are printed, never asserted.
  */
@@ -34,6 +38,7 @@
 #include "cli/cli.h"
 #include "cli/flags.h"
 #include "kvx/kvx.h"
+#include "util/crc32c.h"
 
 typedef struct bench {
     uint8_t *prod, *cons;
@@ -278,6 +283,7 @@ static int parse_list(const char *s, uint64_t *out, int max, bool sizes)
 int cli_bench_xfer(int argc, char **argv)
 {
     const char *sizes_s = "64K,1M,16M,64M", *conc_s = "1,4,16", *transport_s = "tcp";
+    const char *pcrc_s = "kept";
     int64_t threads = 4, qp = 4, segments = 8, min_mb = 256, trials = 3;
     uint64_t block_bytes = 8192;
     bool no_checksums = false, no_floor = false;
@@ -291,6 +297,8 @@ int cli_bench_xfer(int argc, char **argv)
         CLI_FLAG("min-mb", CLI_FLAG_INT, &min_mb, "MiB moved per trial at least (256)"),
         CLI_FLAG("trials", CLI_FLAG_INT, &trials, "alternating trials per cell, best kept (3)"),
         CLI_FLAG("no-checksums", CLI_FLAG_BOOL, &no_checksums, "turn CRC32C off"),
+        CLI_FLAG("producer-checksums", CLI_FLAG_STR, &pcrc_s,
+                 "kept (computed as blocks are written, like an engine) or grant (per transfer)"),
         CLI_FLAG("no-floor", CLI_FLAG_BOOL, &no_floor, "skip the memcpy and raw TCP figures"),
         CLI_FLAG("transport", CLI_FLAG_STR, &transport_s,
                  "kvx transport: tcp, shm, or ucx where built (UCX_TLS picks UCX's own)"),
@@ -304,6 +312,12 @@ int cli_bench_xfer(int argc, char **argv)
     if (n_sizes < 1 || n_conc < 1 || threads < 1 || threads > 64 || qp < 1 || qp > 64 ||
         segments < 1 || block_bytes < 64 || min_mb < 1 || trials < 1) {
         fprintf(stderr, "bench-xfer: bad --sizes, --concurrency or thread counts\n");
+        return 2;
+    }
+    bool kept = !strcmp(pcrc_s, "kept");
+    if (!kept && strcmp(pcrc_s, "grant")) {
+        fprintf(stderr, "bench-xfer: --producer-checksums must be kept or grant, not '%s'\n",
+                pcrc_s);
         return 2;
     }
     kvx_protocol proto = KVX_PROTO_TCP;
@@ -362,6 +376,23 @@ int cli_bench_xfer(int argc, char **argv)
                                  .block_bytes = block_bytes,
                                  .n_blocks = (uint32_t)(b.seg_prod / block_bytes),
                                  .shm = prod_fd >= 0, .shm_fd = prod_fd};
+    uint32_t *kept_crc = NULL;
+    uint8_t *kept_ok = NULL;
+    if (kept && !no_checksums) {
+        size_t n = (size_t)segments * b.prod_region.n_blocks;
+        kept_crc = malloc(n * sizeof(uint32_t));
+        kept_ok = malloc(n);
+        if (!kept_crc || !kept_ok) {
+            fprintf(stderr, "bench-xfer: cannot allocate the checksums\n");
+            return 1;
+        }
+        for (int64_t sg = 0; sg < segments; sg++)
+            td_crc32c_blocks(b.prod + (uint64_t)sg * b.seg_prod, block_bytes,
+                             b.prod_region.n_blocks, kept_crc + (size_t)sg * b.prod_region.n_blocks);
+        memset(kept_ok, 1, n);
+        b.prod_region.block_crc = kept_crc;
+        b.prod_region.block_crc_ok = kept_ok;
+    }
     b.cons_region = (kvx_region){.base = b.cons, .n_segments = (uint32_t)segments, .segment_stride = b.seg_cons,
                                  .block_bytes = block_bytes,
                                  .n_blocks = (uint32_t)(b.seg_cons / block_bytes)};
@@ -396,7 +427,10 @@ int cli_bench_xfer(int argc, char **argv)
            kvx_protocol_name(proto), proto == KVX_PROTO_UCX ? " (UCX_TLS=" : "",
            proto == KVX_PROTO_UCX ? (tls ? tls : "default") : "",
            proto == KVX_PROTO_UCX ? ")" : "", ncpu, (long long)segments, (unsigned long long)block_bytes, (long long)threads,
-           (long long)qp, no_checksums ? "off" : "on (CRC32C)");
+           (long long)qp,
+           no_checksums ? "off"
+           : kept       ? "on (CRC32C; the producer's kept as written)"
+                        : "on (CRC32C; the producer's computed per transfer)");
     double raw1 = 0, rawq = 0, mcp = 0;
     if (!no_floor) {
         uint64_t vol = 1ull << 30;
@@ -461,5 +495,7 @@ int cli_bench_xfer(int argc, char **argv)
         td_aligned_free(b.prod);
     }
     td_aligned_free(b.cons);
+    free(kept_crc);
+    free(kept_ok);
     return rc ? 1 : 0;
 }

@@ -134,6 +134,10 @@ int cli_serve(int argc, char **argv)
     /* A KV role commits its pool up front: blocks filled by a transfer would otherwise
      * take their page faults during the copy (about 3x its time, BENCHMARKS.md). */
     cfg.kv_prefault = have_kv;
+    /* A producer that sends checksums keeps them as its blocks fill, so a transfer does
+     * not read every block a second time to checksum it (docs/ARCHITECTURE.md). */
+    cfg.kv_checksums = have_kv && kv.verify_checksums &&
+                       (kv.role == SRV_KV_PRODUCER || kv.role == SRV_KV_BOTH);
     td_err err = {0};
     td_engine *e = NULL;
     if (td_engine_create(&e, &cfg, &err)) {

@@ -161,6 +161,7 @@ int td_engine_create(td_engine **out, const td_engine_config *cfg, td_err *err)
                       cfg->kv_shareable, err);
     if (rc) goto fail;
     if (cfg->kv_prefault) kv_pool_prefault(&e->kv);
+    if (cfg->kv_checksums && (rc = kv_pool_keep_checksums(&e->kv, err))) goto fail;
     e->root_hash = td_hash64(&e->model->fingerprint, sizeof(uint64_t), (uint64_t)kv_type);
 
     rc = sampler_scratch_init(&e->samp, s->n_vocab);
@@ -309,6 +310,8 @@ void td_engine_kv_info(const td_engine *e, td_kv_info *out)
     out->block_bytes = e->kv.block_bytes;
     out->n_blocks = e->kv.n_blocks;
     out->shm_fd = e->kv.fd;
+    out->block_crc = e->kv.crc;
+    out->block_crc_ok = e->kv.crc_ok;
 }
 
 int td_engine_num_running(const td_engine *e)

@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "backend/cpu/cpu.h"
+#include "util/crc32c.h"
 
 /* Most heads one attention work item covers (each thread keeps their scores). */
 #define ATT_MAX_HEADS 16
@@ -212,6 +213,24 @@ static void task_rope_store(void *ctx, int ith, int nth)
     }
 }
 
+/* Checksum the blocks this layer's rows completed (kv_pool.crc). Separate from
+ * task_rope_store because a block's slots may have been written by several threads. */
+static void task_block_crc(void *ctx, int ith, int nth)
+{
+    task *tk = ctx;
+    kv_pool *kv = tk->f->kv;
+    int64_t r0, r1;
+    td_split_range(tk->n_rows, ith, nth, &r0, &r1);
+    for (int64_t t = r0; t < r1; t++) {
+        int32_t pos = tk->b->pos[t];
+        if ((pos + 1) % kv->block_size) continue;
+        int block = tk->b->block_tables[tk->b->seq[t]][pos / kv->block_size];
+        size_t i = (size_t)tk->il * (size_t)kv->n_blocks + (size_t)block;
+        kv->crc[i] = td_crc32c(0, kv_k(kv, tk->il, block), kv->block_bytes);
+        kv->crc_ok[i] = 1;
+    }
+}
+
 /* Heads per attention item: all of them when there are enough tokens to share among
  * the threads, fewer when the batch is small (batch-1 decode still uses every thread). */
 static int att_heads(const fwd_ctx *f, int n_rows)
@@ -347,6 +366,9 @@ void fwd_run(fwd_ctx *f, const fwd_batch *b)
     int T = b->n_tokens;
     TD_ASSERT(T > 0 && T <= f->max_tokens && b->n_logits <= f->max_logits);
     task tk = {.f = f, .b = b, .n_rows = T, .next_layer = &m->layers[0]};
+    bool fills_block = false; /* some row writes the last slot of a block */
+    for (int t = 0; t < T && f->kv->crc && !fills_block; t++)
+        fills_block = (b->pos[t] + 1) % f->kv->block_size == 0;
     td_pool_run(f->pool, task_embed, &tk);
     for (int il = 0; il < s->n_layer; il++) {
         const td_layer *L = &m->layers[il];
@@ -355,6 +377,7 @@ void fwd_run(fwd_ctx *f, const fwd_batch *b)
                       (const td_weight *const[]){&L->wq, &L->wk, &L->wv}, 3, T);
         tk.layer = L;
         td_pool_run(f->pool, task_rope_store, &tk);
+        if (fills_block) td_pool_run(f->pool, task_block_crc, &tk);
         if (b->kv_stored) b->kv_stored(b->kv_user, il);
         if (il == s->n_layer - 1 && b->n_logits < T) {
             /* The last layer's output matters only for the rows that produce logits, and

@@ -113,6 +113,22 @@ int kv_pool_init(kv_pool *p, int n_layers, int kv_dim, int block_size, td_type d
     return 0;
 }
 
+int kv_pool_keep_checksums(kv_pool *p, td_err *err)
+{
+    if (p->crc) return 0;
+    size_t n = (size_t)p->n_layers * (size_t)p->n_blocks;
+    p->crc = malloc(n * sizeof(uint32_t));
+    p->crc_ok = calloc(n, 1);
+    if (!p->crc || !p->crc_ok) {
+        free(p->crc);
+        free(p->crc_ok);
+        p->crc = NULL;
+        p->crc_ok = NULL;
+        return td_err_set(err, TD_ENOMEM, "kv cache: out of memory for block checksums");
+    }
+    return 0;
+}
+
 void kv_pool_prefault(kv_pool *p)
 {
     if (!p->base) return;
@@ -138,6 +154,8 @@ void kv_pool_free(kv_pool *p)
     free(p->next);
     free(p->tab_key);
     free(p->tab_val);
+    free(p->crc);
+    free(p->crc_ok);
     memset(p, 0, sizeof(*p));
     p->fd = -1;
 }
@@ -208,6 +226,8 @@ int kv_alloc(kv_pool *p)
     int b = p->head;
     if (b < 0) return -1;
     queue_unlink(p, b);
+    if (p->crc_ok) /* its contents are about to change */
+        for (int l = 0; l < p->n_layers; l++) p->crc_ok[(size_t)l * p->n_blocks + b] = 0;
     if (p->hash[b]) {
         tab_remove(p, p->hash[b]);
         p->hash[b] = 0;

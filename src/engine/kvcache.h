@@ -39,6 +39,13 @@ typedef struct kv_pool {
     int n_free;
     int n_cached;       /* blocks registered in the index */
 
+    /* Block checksums (kv_pool_keep_checksums; NULL otherwise): CRC32C of every full
+     * block's bytes in every layer, [layer * n_blocks + block], valid where crc_ok is 1.
+     * Computed by the forward pass when a block's last slot is written, cleared when the
+     * block is handed out again, so a transfer need not read the block twice. */
+    uint32_t *crc;
+    uint8_t *crc_ok;
+
     uint64_t *tab_key;  /* prefix index: open addressing, key 0 = empty, 1 = tombstone */
     int32_t *tab_val;
     size_t tab_cap;     /* power of two */
@@ -61,6 +68,8 @@ int kv_pool_init(kv_pool *p, int n_layers, int kv_dim, int block_size, td_type d
  */
 void kv_pool_prefault(kv_pool *p);
 void kv_pool_free(kv_pool *p);
+/** Keep block checksums from now on (see kv_pool.crc). TD_ENOMEM, or 0. */
+int kv_pool_keep_checksums(kv_pool *p, td_err *err);
 
 /** Take a free block (ref becomes 1), evicting its cached hash if it had one; -1 if none. */
 int kv_alloc(kv_pool *p);

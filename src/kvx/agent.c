@@ -393,6 +393,32 @@ static bool ranges_ok(kvx_agent *a, const lease *l, const kvx_msg *m, bool want_
     return msg[0] == 0;
 }
 
+/*
+ * The checksums of n consecutive blocks of one segment: the ones the region's owner kept
+ * as it wrote them, and the others computed here (runs of them at once).
+ */
+static void region_crcs(const kvx_region *r, uint32_t seg, uint32_t block, uint32_t n,
+                        uint32_t *out)
+{
+    const uint8_t *p = (const uint8_t *)r->base + kvx__offset(r, seg, block);
+    if (!r->block_crc || !r->block_crc_ok) {
+        td_crc32c_blocks(p, r->block_bytes, n, out);
+        return;
+    }
+    size_t i0 = (size_t)seg * r->n_blocks + block;
+    for (uint32_t j = 0; j < n;) {
+        if (r->block_crc_ok[i0 + j]) {
+            out[j] = r->block_crc[i0 + j];
+            j++;
+            continue;
+        }
+        uint32_t e = j + 1;
+        while (e < n && !r->block_crc_ok[i0 + e]) e++;
+        td_crc32c_blocks(p + (uint64_t)j * r->block_bytes, r->block_bytes, e - j, out + j);
+        j = e;
+    }
+}
+
 /* READ: validate against the lease, then stream header, data and checksum trailer. */
 static int serve_read(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m)
 {
@@ -429,7 +455,7 @@ static int serve_read(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m)
             for (uint32_t j = 0; j < d.n_blocks && !rc;) {
                 uint32_t cb = TD_MIN(d.n_blocks - j, per_chunk);
                 uint8_t *q = p + (uint64_t)j * r->block_bytes;
-                if (want_crc) kvx__crc32c_blocks(q, r->block_bytes, cb, b->crc + at);
+                if (want_crc) region_crcs(r, d.segment, d.block + j, cb, b->crc + at);
                 at += cb;
                 b->iov[n_iov++] = (struct iovec){q, (size_t)cb * r->block_bytes};
                 batch += (uint64_t)cb * r->block_bytes;
@@ -486,8 +512,7 @@ static int serve_ucx_grant(kvx_agent *a, conn *c, int fd, conn_bufs *b, const kv
     uint32_t n_crc = want_crc ? (uint32_t)n_blocks : 0, at = 0;
     for (uint32_t k = 0; k < m->u.read.n_desc && want_crc; k++) {
         kvx_wire_desc d = kvx_wire_get_desc(m, k);
-        kvx__crc32c_blocks((uint8_t *)r->base + kvx__offset(r, d.segment, d.block),
-                           r->block_bytes, d.n_blocks, b->crc + at);
+        region_crcs(r, d.segment, d.block, d.n_blocks, b->crc + at);
         at += d.n_blocks;
     }
     int delay = atomic_load(&kvx__test_send_delay_ms);

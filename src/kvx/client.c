@@ -443,7 +443,7 @@ static int tcp_run_piece(kvx__session *s, kvx__piece *p, td_err *err)
             }
             for (int v = 0; v < n_iov && !rc && want_crc; v++) {
                 uint32_t nb = (uint32_t)(iov[v].iov_len / r->block_bytes);
-                kvx__crc32c_blocks(iov[v].iov_base, r->block_bytes, nb, crc + at);
+                td_crc32c_blocks(iov[v].iov_base, r->block_bytes, nb, crc + at);
                 at += nb;
             }
             n_iov = 0;

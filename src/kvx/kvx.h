@@ -74,6 +74,13 @@ typedef struct kvx_region {
     bool shm;
     int shm_fd;
     uint64_t shm_offset;
+    /* Producer side, optional: checksums the region's owner keeps as it writes blocks.
+     * block_crc[s * n_blocks + b] is the CRC32C of block b of segment s where
+     * block_crc_ok[...] is 1; the agent sends those instead of reading the block again,
+     * and computes the others. The owner may change an entry only while no transfer holds
+     * that block. NULL: always computed when a consumer asks for checksums. */
+    const uint32_t *block_crc;
+    const uint8_t *block_crc_ok;
 } kvx_region;
 
 /** How a consumer moves bytes. The producer's agent serves every protocol it can. */

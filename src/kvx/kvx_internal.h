@@ -10,23 +10,11 @@
 
 #include "kvx/kvx.h"
 #include "kvx/wire.h"
-
-/** CRC32C (Castagnoli) of n bytes, continuing from crc (start with 0). */
-uint32_t kvx__crc32c(uint32_t crc, const void *data, size_t n);
-/** The portable version (used where SSE4.2 is missing, and by tests to cross-check). */
-uint32_t kvx__crc32c_portable(uint32_t crc, const void *data, size_t n);
-/** CRC32C of `count` consecutive blocks of `block_bytes` each at p: one CRC per block. */
-void kvx__crc32c_blocks(const uint8_t *p, uint64_t block_bytes, uint32_t count, uint32_t *out);
-/**
- * Copy `count` blocks of `block_bytes` from src to dst (not overlapping) and checksum them
- * as kvx__crc32c_blocks(dst) would; with the pclmulqdq fold, in one pass over src.
- */
-void kvx__crc32c_copy_blocks(uint8_t *dst, const uint8_t *src, uint64_t block_bytes, uint32_t count,
-                             uint32_t *out);
+#include "util/crc32c.h"
 
 /**
  * Blocks per checksum batch: about batch_bytes, and a multiple of 6 where possible, since
- * kvx__crc32c_blocks is fastest on groups of six blocks.
+ * td_crc32c_blocks is fastest on groups of six blocks.
  */
 static inline uint32_t kvx__batch_blocks(uint64_t block_bytes, uint64_t batch_bytes)
 {
@@ -162,11 +150,5 @@ extern _Atomic int kvx__test_send_delay_ms;
  * counting each such sleep that begins in kvx__test_copies_delayed. */
 extern _Atomic int kvx__test_copy_delay_ms;
 extern _Atomic int kvx__test_copies_delayed;
-/*
- * Use CRC32C implementation impl (0 portable, 1 the crc32 instruction, 2 pclmulqdq
- * folding) from now on; returns the one used before, or -1 if this CPU lacks impl. For
- * tests, with no checksum running.
- */
-int kvx__crc32c_use(int impl);
 
 #endif

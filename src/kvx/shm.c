@@ -267,12 +267,12 @@ static int shm_run_piece(struct kvx__session *s, struct kvx__piece *p, td_err *e
             uint64_t o2 = (uint64_t)j * r->block_bytes;
             if (want_crc && !(corrupt && k == 0 && j == 0)) {
                 /* One pass: the checksum folds the bytes as they are stored. */
-                kvx__crc32c_copy_blocks(dst + o2, src + o2, r->block_bytes, cn, crc + at + j);
+                td_crc32c_copy_blocks(dst + o2, src + o2, r->block_bytes, cn, crc + at + j);
                 continue;
             }
             memcpy(dst + o2, src + o2, (size_t)cn * r->block_bytes);
             if (corrupt && k == 0 && j == 0) dst[r->block_bytes / 2] ^= 0x5a;
-            if (want_crc) kvx__crc32c_blocks(dst + o2, r->block_bytes, cn, crc + at + j);
+            if (want_crc) td_crc32c_blocks(dst + o2, r->block_bytes, cn, crc + at + j);
         }
         if (want_crc) {
             for (uint32_t j = 0; j < d.n; j++) {

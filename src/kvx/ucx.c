@@ -548,7 +548,7 @@ static int gets_run(struct kvx__session *s, chan *ch, struct kvx__ucx_client *u,
                 corrupt = false;
             }
             if (!want_crc || mismatch) continue;
-            kvx__crc32c_blocks(c->dst, block_bytes, c->n, crc + c->crc_at);
+            td_crc32c_blocks(c->dst, block_bytes, c->n, crc + c->crc_at);
             for (uint32_t j = 0; j < c->n; j++)
                 if (crc[c->crc_at + j] != kvx_wire_trailer_get(want_crc, c->crc_at + j)) {
                     mismatch = td_err_set(err, TD_EPROTO,

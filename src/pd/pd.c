@@ -570,6 +570,8 @@ int pd_create(pd_connector **out, const pd_config *cfg, const td_kv_info *kv,
         .shm = kv->shm_fd >= 0,
         .shm_fd = kv->shm_fd,
         .shm_offset = 0,
+        .block_crc = kv->block_crc,
+        .block_crc_ok = kv->block_crc_ok,
     };
     int rc = 0;
     if (cfg->producer) {

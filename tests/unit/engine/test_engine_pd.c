@@ -10,7 +10,9 @@
  *    1 token, exact multiples of the block size and several blocks, greedy and seeded;
  *  - a consumer prefix-cache hit leaves only the tail to copy;
  *  - a failed load recomputes (same tokens) or fails with the message;
- *  - an abort during the copy ends the request after it, and no block leaks anywhere.
+ *  - an abort during the copy ends the request after it, and no block leaks anywhere;
+ *  - with kv_checksums, every full block of a held prompt carries the CRC32C of its bytes
+ *    in every layer, whatever the chunk size and threads; a partial block carries none.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -23,6 +25,7 @@
 
 #include "tandem/engine.h"
 #include "test_shared.h"
+#include "util/crc32c.h"
 
 #define MAX_OUT 32
 
@@ -560,6 +563,59 @@ static void test_stream_layers_and_late_first_token(void **state)
     td_engine_free(c);
 }
 
+
+/* The checksums a producer keeps: right for every full block in every layer, absent for
+ * the partial last block, with prompts split into chunks of 1, 7, 16 and 64 tokens over
+ * two threads (a block's slots then come from several threads and several steps). */
+static void test_block_checksums(void **state)
+{
+    (void)state;
+    const int chunks[] = {1, 7, 16, 64};
+    const int lens[] = {15, 16, 17, 48, 100};
+    for (size_t ci = 0; ci < sizeof(chunks) / sizeof(chunks[0]); ci++) {
+        td_engine_config c;
+        td_engine_config_default(&c);
+        c.model_path = td_test_shared_path("models/stories260K.gguf");
+        c.n_threads = 2;
+        c.pin_threads = false;
+        c.max_num_batched_tokens = chunks[ci];
+        c.kv_checksums = true;
+        td_engine *p = NULL;
+        td_err err = {0};
+        assert_int_equal(td_engine_create(&p, &c, &err), 0);
+        td_kv_info ki;
+        td_engine_kv_info(p, &ki);
+        assert_non_null(ki.block_crc);
+        assert_non_null(ki.block_crc_ok);
+        for (size_t k = 0; k < sizeof(lens) / sizeof(lens[0]); k++) {
+            int n = lens[k];
+            int32_t prompt[128], blocks[64];
+            fill_prompt(prompt, n, (uint32_t)(31 * ci + k));
+            td_sampling sp;
+            sampling(&sp, 1, 0.0f, 1);
+            uint64_t id;
+            int nb = 0;
+            run_producer(p, prompt, n, &sp, &id, blocks, &nb);
+            int full = n / ki.block_size;
+            for (int l = 0; l < ki.n_layers; l++)
+                for (int i = 0; i < nb; i++) {
+                    size_t at = (size_t)l * (size_t)ki.n_blocks + (size_t)blocks[i];
+                    const uint8_t *bytes = (const uint8_t *)ki.base + (size_t)l * ki.layer_bytes +
+                                           (size_t)blocks[i] * ki.block_bytes;
+                    if (i < full) {
+                        assert_int_equal(ki.block_crc_ok[at], 1);
+                        assert_int_equal(ki.block_crc[at], td_crc32c(0, bytes, ki.block_bytes));
+                    } else {
+                        assert_int_equal(ki.block_crc_ok[at], 0);
+                    }
+                }
+            assert_int_equal(td_engine_kv_release(p, id), 0);
+        }
+        assert_pools_idle(p);
+        td_engine_free(p);
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -570,6 +626,7 @@ int main(void)
         cmocka_unit_test(test_first_token_ends),
         cmocka_unit_test(test_hold_edges),
         cmocka_unit_test(test_stream_layers_and_late_first_token),
+        cmocka_unit_test(test_block_checksums),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

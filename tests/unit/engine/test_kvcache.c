@@ -39,6 +39,31 @@ static void test_layout_and_alloc(void **state)
     kv_pool_free(&p);
 }
 
+/* Kept checksums survive a block's release and a prefix-cache revival (the bytes are
+ * unchanged) and are cleared in every layer when the block is handed out again. */
+static void test_checksums_cleared_on_reuse(void **state)
+{
+    (void)state;
+    kv_pool p;
+    td_err err;
+    assert_int_equal(kv_pool_init(&p, 3, 64, 16, TD_TYPE_F16, 2, false, &err), 0);
+    assert_null(p.crc);
+    assert_int_equal(kv_pool_keep_checksums(&p, &err), 0);
+    assert_non_null(p.crc);
+    int a = kv_alloc(&p);
+    for (int l = 0; l < 3; l++) p.crc_ok[l * 2 + a] = 1;
+    kv_register(&p, a, 77);
+    kv_release(&p, a);
+    assert_int_equal(kv_lookup(&p, 77), a); /* revived: contents and checksums kept */
+    for (int l = 0; l < 3; l++) assert_int_equal(p.crc_ok[l * 2 + a], 1);
+    kv_release(&p, a);
+    int b = kv_alloc(&p), c = kv_alloc(&p); /* the second one evicts a */
+    assert_int_equal(b + c, 1);
+    for (int l = 0; l < 3; l++) assert_int_equal(p.crc_ok[l * 2 + a], 0);
+    kv_pool_free(&p);
+    assert_null(p.crc);
+}
+
 /* A shareable pool lives in a memfd that another mapping sees; prefaulting commits the
  * pages and leaves the contents alone. */
 static void test_shareable_and_prefault(void **state)
@@ -132,6 +157,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_layout_and_alloc),
         cmocka_unit_test(test_shareable_and_prefault),
+        cmocka_unit_test(test_checksums_cleared_on_reuse),
         cmocka_unit_test(test_prefix_index),
         cmocka_unit_test(test_sampler),
     };

@@ -7,7 +7,8 @@
  * destroyed, while a consumer copies must not hand the blocks back before the copy ends
  * (release_cb scribbles over them here); expired leases, deadlines, a producer destroyed
  * before it grants, the old engine id after a restart (whose mapping goes away), and the
- * SHM_INFO_ACK frame's strict decoding.
+ * SHM_INFO_ACK frame's strict decoding; and the checksums a producer keeps as it writes
+ * (sent instead of computed, over shm and tcp).
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -138,18 +139,23 @@ static kvx_agent *agent(side *p)
     return a;
 }
 
-static kvx_client *client(side *c)
+static kvx_client *client_proto(side *c, kvx_protocol proto)
 {
     kvx_client_opts o;
     kvx_client_opts_default(&o);
     o.layout = layout();
     o.region = c->region;
     o.transfer_timeout_ms = 5000;
-    o.protocol = KVX_PROTO_SHM;
+    o.protocol = proto;
     kvx_client *k;
     td_err err;
     assert_int_equal(kvx_client_create(&k, &o, &err), 0);
     return k;
+}
+
+static kvx_client *client(side *c)
+{
+    return client_proto(c, KVX_PROTO_SHM);
 }
 
 /* Start a read of producer blocks [src, src + n) into consumer blocks [dst, dst + n). */
@@ -561,6 +567,55 @@ static void test_shm_info_frame(void **state)
 }
 
 /* Every CRC32C implementation this CPU has gives the portable one's values. */
+/*
+ * Checksums the producer kept as it wrote its blocks (kvx_region.block_crc) are the ones
+ * sent, over shm (grant) and tcp (read trailer): the blocks without one are checksummed
+ * at grant time and arrive intact, and a kept checksum that is wrong (as if the block
+ * changed after it was computed) fails the transfer with a checksum mismatch.
+ */
+static void test_kept_checksums(void **state)
+{
+    (void)state;
+    side p, c;
+    producer_side(&p, true, 7);
+    uint32_t *crc = calloc((size_t)N_SEG * N_BLOCKS, sizeof(uint32_t));
+    uint8_t *ok = calloc((size_t)N_SEG * N_BLOCKS, 1);
+    for (int s = 0; s < N_SEG; s++)
+        for (int b = 0; b < 30; b++) {
+            if (b >= 10 && b < 20) continue; /* not kept: computed at grant */
+            size_t i = (size_t)s * N_BLOCKS + (size_t)b;
+            crc[i] = td_crc32c(0, p.mem + s * STRIDE + (size_t)b * BLOCK_BYTES, BLOCK_BYTES);
+            ok[i] = 1;
+        }
+    crc[2 * N_BLOCKS + 25] ^= 1; /* kept, and wrong */
+    p.region.block_crc = crc;
+    p.region.block_crc_ok = ok;
+    kvx_agent *a = agent(&p);
+    const kvx_protocol protos[] = {KVX_PROTO_SHM, KVX_PROTO_TCP};
+    for (int pi = 0; pi < 2; pi++) {
+        consumer_side(&c);
+        kvx_client *k = client_proto(&c, protos[pi]);
+        char tid[KVX_ID_HEX];
+        td_err res;
+        kvx_xfer *x = start(a, k, 0, 100, 20, tid, NULL);
+        assert_int_equal(kvx_xfer_wait(x, &res), 0);
+        kvx_xfer_free(x);
+        assert_true(same(&p, &c, 0, 100, 20));
+        kvx_agent_cancel(a, tid);
+        x = start(a, k, 20, 100, 10, tid, NULL);
+        assert_int_equal(kvx_xfer_wait(x, &res), TD_EPROTO);
+        assert_non_null(strstr(res.msg, "checksum"));
+        kvx_xfer_free(x);
+        kvx_agent_cancel(a, tid);
+        kvx_client_destroy(k);
+        side_free(&c);
+    }
+    kvx_agent_destroy(a);
+    side_free(&p);
+    free(crc);
+    free(ok);
+}
+
 static void test_crc32c_impls(void **state)
 {
     (void)state;
@@ -568,35 +623,35 @@ static void test_crc32c_impls(void **state)
     uint8_t *data = malloc(cap), *copy = malloc(cap + 8);
     for (size_t i = 0; i < cap; i++)
         data[i] = (uint8_t)((i * 2654435761u) >> 11);
-    int was = kvx__crc32c_use(0);
+    int was = td_crc32c_use(0);
     assert_true(was >= 0);
     for (int impl = 0; impl <= 2; impl++) {
-        if (kvx__crc32c_use(impl) < 0) continue;
-        assert_int_equal(kvx__crc32c(0, "123456789", 9), 0xE3069283u);
+        if (td_crc32c_use(impl) < 0) continue;
+        assert_int_equal(td_crc32c(0, "123456789", 9), 0xE3069283u);
         for (size_t len = 0; len < 1100; len++)
             for (size_t off = 0; off < 3; off++)
-                assert_int_equal(kvx__crc32c(7, data + off, len),
-                                 kvx__crc32c_portable(7, data + off, len));
-        assert_int_equal(kvx__crc32c(kvx__crc32c(0, data, 100), data + 100, 5000),
-                         kvx__crc32c_portable(0, data, 5100));
+                assert_int_equal(td_crc32c(7, data + off, len),
+                                 td_crc32c_portable(7, data + off, len));
+        assert_int_equal(td_crc32c(td_crc32c(0, data, 100), data + 100, 5000),
+                         td_crc32c_portable(0, data, 5100));
         const uint64_t sizes[] = {1027, 4096, 8192};
         for (size_t s = 0; s < 3; s++)
             for (uint32_t count = 1; count <= 13; count++) {
                 uint32_t out[13], out2[13];
-                kvx__crc32c_blocks(data + 1, sizes[s], count, out);
+                td_crc32c_blocks(data + 1, sizes[s], count, out);
                 memset(copy, 0, cap);
-                kvx__crc32c_copy_blocks(copy + 3, data + 1, sizes[s], count, out2);
+                td_crc32c_copy_blocks(copy + 3, data + 1, sizes[s], count, out2);
                 assert_memory_equal(copy + 3, data + 1, count * sizes[s]);
                 assert_int_equal(copy[2], 0);
                 assert_int_equal(copy[3 + count * sizes[s]], 0);
                 for (uint32_t i = 0; i < count; i++) {
-                    uint32_t want = kvx__crc32c_portable(0, data + 1 + i * sizes[s], sizes[s]);
+                    uint32_t want = td_crc32c_portable(0, data + 1 + i * sizes[s], sizes[s]);
                     assert_int_equal(out[i], want);
                     assert_int_equal(out2[i], want);
                 }
             }
     }
-    kvx__crc32c_use(was);
+    td_crc32c_use(was);
     free(data);
     free(copy);
 }
@@ -612,6 +667,7 @@ int main(void)
         cmocka_unit_test(test_shm_deadline_and_death),
         cmocka_unit_test(test_shm_restart_drops_mapping),
         cmocka_unit_test(test_shm_info_frame),
+        cmocka_unit_test(test_kept_checksums),
         cmocka_unit_test(test_crc32c_impls),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
