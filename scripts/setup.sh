@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 pkgs=(build-essential cmake pkg-config clang libevent-dev libcjson-dev libpcre2-dev
-      libcmocka-dev libcurl4-openssl-dev libclang-rt-14-dev libssl-dev jq
+      libcmocka-dev libcurl4-openssl-dev libclang-rt-14-dev libssl-dev jq curl iproute2
       libucx-dev) # libucx-dev: the kvx ucx transport (optional; built when present)
 missing=()
 for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done

@@ -25,8 +25,11 @@
  *
  * The figures are printed, never asserted.
  */
+#include <errno.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdio.h>
 #include <sys/mman.h>
 #include <stdlib.h>
@@ -38,9 +41,11 @@
 #include "cli/cli.h"
 #include "cli/flags.h"
 #include "kvx/kvx.h"
+#include "kvx/rails.h"
 #include "util/crc32c.h"
 
 typedef struct bench {
+    const char *host; /* the producer's control address (127.0.0.1, or --producer-host) */
     uint8_t *prod, *cons;
     kvx_region prod_region, cons_region;
     uint64_t seg_prod, seg_cons; /* bytes per segment */
@@ -229,7 +234,7 @@ static int run_cell(bench *b, kvx_agent *a, kvx_client *c, uint64_t size, int co
             rc = kvx_agent_register(a, src, per, 0, NULL, tid[t], &err);
         double t0 = td_now_s();
         for (int t = 0; t < conc && !rc; t++) {
-            kvx_read_req rq = {.host = "127.0.0.1",
+            kvx_read_req rq = {.host = b->host,
                                .port = kvx_agent_port(a),
                                .engine_id = kvx_agent_engine_id(a),
                                .transfer_id = tid[t],
@@ -250,7 +255,7 @@ static int run_cell(bench *b, kvx_agent *a, kvx_client *c, uint64_t size, int co
         }
         total_s += td_now_s() - t0;
         for (int t = 0; t < conc; t++)
-            kvx_release(c, "127.0.0.1", kvx_agent_port(a), kvx_agent_engine_id(a), tid[t], &err);
+            kvx_release(c, b->host, kvx_agent_port(a), kvx_agent_engine_id(a), tid[t], &err);
     }
     if (rc) fprintf(stderr, "bench-xfer: transfer failed: %s\n", err.msg);
     *gbps = (double)size * conc * reps / total_s / 1e9;
@@ -261,6 +266,95 @@ static int run_cell(bench *b, kvx_agent *a, kvx_client *c, uint64_t size, int co
     free(tid);
     free(x);
     return rc;
+}
+
+/* ---------------------------------------------------------------- rails, namespaces, probe */
+
+/* Move this thread into network namespace `name` (/var/run/netns/<name>, as made by
+ * `ip netns add`); threads it starts afterwards live there too. */
+static int enter_netns(const char *name)
+{
+    char path[300];
+    snprintf(path, sizeof(path), "/var/run/netns/%s", name);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0 || setns(fd, CLONE_NEWNET) != 0) {
+        fprintf(stderr, "bench-xfer: cannot enter network namespace %s: %s\n", name,
+                strerror(errno));
+        if (fd >= 0) close(fd);
+        return -1;
+    }
+    close(fd);
+    return 0;
+}
+
+/* Rails from a comma list and the device among them (no sysfs check: a benchmark across
+ * namespaces sees the host's /sys). */
+static int rails_from(const char *list, const char *device, kvx_rails *out)
+{
+    memset(out, 0, sizeof(*out));
+    out->primary = -1;
+    char buf[1024];
+    snprintf(buf, sizeof(buf), "%s", list);
+    for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+        if (out->n == KVX_MAX_RAILS || strlen(tok) >= KVX_RAIL_NAME) return -1;
+        if (!strcmp(tok, device)) out->primary = out->n;
+        snprintf(out->name[out->n++], KVX_RAIL_NAME, "%s", tok);
+    }
+    return out->primary < 0 ? -1 : 0;
+}
+
+/*
+ * The byte-integrity probe: transfers of 64 B, 64 KiB and 1 MiB (1, 1024 and 16384
+ * blocks of 64 bytes, one segment) from different producer offsets to different consumer
+ * offsets, each destination fenced by 16 guard blocks on either side; every byte of each
+ * destination must equal its source, and every guard byte must be untouched.
+ */
+static int run_probe(bench *b, kvx_agent *a, kvx_client *c)
+{
+    static const struct {
+        int src, dst, n;
+    } cases[] = {{7, 3 + 16, 1}, {333, 100, 1024}, {5000, 2000, 16384}, {1, 40000, 1024},
+                 {20000, 19000, 1}};
+    const uint64_t bb = b->prod_region.block_bytes;
+    int bad = 0;
+    for (size_t k = 0; k < sizeof(cases) / sizeof(cases[0]); k++) {
+        int src = cases[k].src, dst = cases[k].dst, n = cases[k].n;
+        if ((uint64_t)(src + n) > b->prod_region.n_blocks ||
+            (uint64_t)(dst + n + 16) > b->cons_region.n_blocks || dst < 16) {
+            fprintf(stderr, "bench-xfer: the probe needs larger regions\n");
+            return 1;
+        }
+        memset(b->cons + (dst - 16) * bb, 0xa5, (n + 32) * bb);
+        int32_t *s = malloc((size_t)n * sizeof(int32_t)), *d = malloc((size_t)n * sizeof(int32_t));
+        for (int i = 0; i < n; i++) s[i] = src + i, d[i] = dst + i;
+        char tid[KVX_ID_HEX];
+        td_err err;
+        int rc = kvx_agent_register(a, s, n, 0, NULL, tid, &err);
+        kvx_xfer *x = NULL;
+        if (!rc) {
+            kvx_read_req rq = {.host = b->host, .port = kvx_agent_port(a),
+                               .engine_id = kvx_agent_engine_id(a), .transfer_id = tid,
+                               .src_blocks = s, .dst_blocks = d, .n_blocks = n};
+            rc = kvx_read_start(c, &rq, &x, &err);
+        }
+        if (!rc) rc = kvx_xfer_wait(x, &err);
+        kvx_xfer_free(x);
+        kvx_agent_cancel(a, tid);
+        free(s);
+        free(d);
+        bool same = !rc && !memcmp(b->cons + dst * bb, b->prod + src * bb, n * bb);
+        bool guards = true;
+        for (uint64_t i = 0; i < 16 * bb; i++)
+            guards = guards && b->cons[(dst - 16) * bb + i] == 0xa5 &&
+                     b->cons[(dst + n) * bb + i] == 0xa5;
+        printf("probe: %8llu bytes, producer offset %8llu -> consumer offset %8llu: %s%s%s\n",
+               (unsigned long long)(n * bb), (unsigned long long)(src * bb),
+               (unsigned long long)(dst * bb), rc ? err.msg : same ? "data ok" : "DATA DIFFERS",
+               rc ? "" : guards ? ", guards ok" : ", GUARDS OVERWRITTEN", "");
+        bad += rc || !same || !guards;
+    }
+    printf("probe: %s\n", bad ? "FAILED" : "all verified");
+    return bad ? 1 : 0;
 }
 
 static int parse_list(const char *s, uint64_t *out, int max, bool sizes)
@@ -284,6 +378,9 @@ int cli_bench_xfer(int argc, char **argv)
 {
     const char *sizes_s = "64K,1M,16M,64M", *conc_s = "1,4,16", *transport_s = "tcp";
     const char *pcrc_s = "kept";
+    const char *host = "127.0.0.1", *pns = NULL, *cns = NULL, *rails_s = NULL, *rail_dev = NULL,
+               *prail_dev = NULL;
+    bool probe = false, no_matched = false;
     int64_t threads = 4, qp = 4, segments = 8, min_mb = 256, trials = 3;
     uint64_t block_bytes = 8192;
     bool no_checksums = false, no_floor = false;
@@ -299,6 +396,17 @@ int cli_bench_xfer(int argc, char **argv)
         CLI_FLAG("no-checksums", CLI_FLAG_BOOL, &no_checksums, "turn CRC32C off"),
         CLI_FLAG("producer-checksums", CLI_FLAG_STR, &pcrc_s,
                  "kept (computed as blocks are written, like an engine) or grant (per transfer)"),
+        CLI_FLAG("producer-host", CLI_FLAG_STR, &host, "the producer's control address (127.0.0.1)"),
+        CLI_FLAG("producer-netns", CLI_FLAG_STR, &pns, "run the producer in this network namespace"),
+        CLI_FLAG("consumer-netns", CLI_FLAG_STR, &cns, "run the consumer in this network namespace"),
+        CLI_FLAG("rails", CLI_FLAG_STR, &rails_s, "matched rails, a comma list of interfaces (tcp)"),
+        CLI_FLAG("rail-device", CLI_FLAG_STR, &rail_dev, "the consumer's rail (one of --rails)"),
+        CLI_FLAG("producer-rail-device", CLI_FLAG_STR, &prail_dev,
+                 "the producer's primary rail (default: --rail-device)"),
+        CLI_FLAG("no-matched-rails", CLI_FLAG_BOOL, &no_matched,
+                 "one device per side, not matched by name"),
+        CLI_FLAG("probe", CLI_FLAG_BOOL, &probe,
+                 "check bytes and guard bytes of 64 B, 64 KiB and 1 MiB transfers, then exit"),
         CLI_FLAG("no-floor", CLI_FLAG_BOOL, &no_floor, "skip the memcpy and raw TCP figures"),
         CLI_FLAG("transport", CLI_FLAG_STR, &transport_s,
                  "kvx transport: tcp, shm, or ucx where built (UCX_TLS picks UCX's own)"),
@@ -331,6 +439,29 @@ int cli_bench_xfer(int argc, char **argv)
         fprintf(stderr, "bench-xfer: transport '%s' is unknown or not built in\n", transport_s);
         return 2;
     }
+    kvx_rails crails, prails;
+    if (rails_s || rail_dev || prail_dev) {
+        const char *pd = prail_dev ? prail_dev : rail_dev;
+        int bad = !rail_dev || proto != KVX_PROTO_TCP;
+        if (!bad && no_matched) { /* one device each */
+            bad = rails_from(rail_dev, rail_dev, &crails) || rails_from(pd, pd, &prails);
+        } else if (!bad) {
+            bad = !rails_s || rails_from(rails_s, rail_dev, &crails) || rails_from(rails_s, pd, &prails);
+        }
+        if (bad) {
+            fprintf(stderr, "bench-xfer: rails need --transport tcp, --rail-device among --rails "
+                            "(and --producer-rail-device among them too)\n");
+            return 2;
+        }
+    }
+    bool use_rails = rail_dev != NULL;
+    if (probe) { /* 64-byte blocks in one segment, up to 1 MiB per transfer */
+        block_bytes = 64;
+        segments = 1;
+        n_sizes = n_conc = 1;
+        sizes[0] = 1 << 20;
+        concs[0] = 1;
+    }
     uint64_t max_size = 0, max_conc = 0;
     for (int i = 0; i < n_sizes; i++) {
         if (sizes[i] % (block_bytes * (uint64_t)segments)) {
@@ -343,7 +474,7 @@ int cli_bench_xfer(int argc, char **argv)
     for (int i = 0; i < n_conc; i++)
         max_conc = TD_MAX(max_conc, concs[i]);
 
-    bench b = {.threads = (int)threads, .qp = (int)qp};
+    bench b = {.threads = (int)threads, .qp = (int)qp, .host = host};
     b.seg_prod = TD_MAX(max_size, (uint64_t)64 << 20) / (uint64_t)segments;
     b.seg_cons = TD_MAX(max_size * max_conc, (uint64_t)(qp + 1) << 26) / (uint64_t)segments;
     b.seg_prod = TD_ALIGN_UP(b.seg_prod, block_bytes);
@@ -403,6 +534,9 @@ int cli_bench_xfer(int argc, char **argv)
     ao.layout = layout;
     ao.region = b.prod_region;
     ao.checksums = !no_checksums;
+    ao.host = host;
+    ao.rails = use_rails ? &prails : NULL;
+    ao.matched_rails = !no_matched;
     kvx_client_opts co;
     kvx_client_opts_default(&co);
     co.layout = layout;
@@ -412,12 +546,30 @@ int cli_bench_xfer(int argc, char **argv)
     co.verify_checksums = !no_checksums;
     co.transfer_timeout_ms = 120000;
     co.protocol = proto;
+    co.rails = use_rails ? &crails : NULL;
+    co.matched_rails = !no_matched;
     kvx_agent *a;
     kvx_client *c;
     td_err err;
-    if (kvx_agent_create(&a, &ao, &err) || kvx_client_create(&c, &co, &err)) {
-        fprintf(stderr, "bench-xfer: %s\n", err.msg);
+    /* Each side is made inside its namespace; the threads it starts stay there. */
+    if ((pns && enter_netns(pns)) || kvx_agent_create(&a, &ao, &err)) {
+        if (pns) fprintf(stderr, "bench-xfer: %s\n", err.msg);
         return 1;
+    }
+    if ((cns && enter_netns(cns)) || kvx_client_create(&c, &co, &err)) {
+        fprintf(stderr, "bench-xfer: %s\n", err.msg);
+        kvx_agent_destroy(a);
+        return 1;
+    }
+    if (probe) {
+        int prc = run_probe(&b, a, c);
+        kvx_client_destroy(c);
+        kvx_agent_destroy(a);
+        td_aligned_free(b.prod);
+        td_aligned_free(b.cons);
+        free(kept_crc);
+        free(kept_ok);
+        return prc;
     }
 
     int ncpu = (int)sysconf(_SC_NPROCESSORS_ONLN);

@@ -116,9 +116,14 @@ int cli_serve(int argc, char **argv)
     srv_kv_config kv;
     bool have_kv = false;
     if (kv_json) {
-        char msg[320];
+        char msg[600];
         if (srv_kv_config_parse(&kv, kv_json, msg, sizeof(msg))) {
             fprintf(stderr, "error: %s\n", msg);
+            return 2;
+        }
+        if (srv_kv_rails(&kv, msg, sizeof(msg))) {
+            fprintf(stderr, "error: --kv-transfer-config: %s\n", msg);
+            srv_kv_config_free(&kv);
             return 2;
         }
         have_kv = true;

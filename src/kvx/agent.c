@@ -57,7 +57,19 @@ typedef struct conn {
     struct kvx_agent *agent;
     struct conn *next;
     bool pinned; /* holds a grant's pin (under agent->mu): kvx_agent_destroy waits for it */
+    int rail;    /* the rail engine that accepted it, -1 for the handshake listener */
 } conn;
+
+/* A listening socket and its accept thread: the handshake listener (rail -1), or a rail's
+ * engine on the tcp transport (bound to the rail's address and device). */
+typedef struct listener {
+    struct kvx_agent *agent;
+    int fd, rail;
+    uint16_t port;
+    char addr[64];
+    _Atomic bool stop;
+    pthread_t thread;
+} listener;
 
 struct kvx_agent {
     kvx_agent_opts opts;
@@ -67,6 +79,12 @@ struct kvx_agent {
     int listen_fd;
     uint16_t port;
     pthread_t accept_thread, lease_thread;
+    listener main_listener;
+    /* Rails (opts.rails): a copy of the list, each rail's engine (a listener), reads per
+     * rail. railpool is NULL without rails. */
+    kvx_rails rails;
+    kvx__railpool *railpool;
+    char rail_addr[KVX_MAX_RAILS][64];
 
     pthread_mutex_t mu;
     pthread_cond_t cv; /* lease thread wake-ups; connection exits */
@@ -116,6 +134,9 @@ const char *kvx_agent_engine_id(const kvx_agent *a)
 {
     return a->engine_hex;
 }
+
+_Static_assert(KVX_MAX_RAILS == sizeof(((kvx_agent_stats *)0)->rail_reads) / sizeof(uint64_t),
+               "kvx_agent_stats.rail_reads holds one counter per rail");
 
 static void lease_free(lease *l)
 {
@@ -923,14 +944,27 @@ static int serve_write(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m)
     return rc;
 }
 
-static int serve_hello(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m,
+static int serve_hello(kvx_agent *a, conn *c, conn_bufs *b, const kvx_msg *m,
                        const uint8_t np[KVX_ID_BYTES])
 {
     static const uint8_t zero[KVX_ID_BYTES];
+    int fd = c->fd;
     td_err e;
     char msg[300];
     int code = 0;
-    if (memcmp(m->u.hello.expect_engine_id, zero, KVX_ID_BYTES) &&
+    const char *mine = c->rail >= 0 ? a->rails.name[c->rail] : "";
+    if (c->rail >= 0 && !m->u.hello.rail[0]) {
+        snprintf(msg, sizeof(msg),
+                 "this is the endpoint of rail %s: a consumer connecting here must name its rail",
+                 mine);
+        code = TD_EPROTO;
+    } else if (c->rail >= 0 && a->opts.matched_rails && strcmp(m->u.hello.rail, mine)) {
+        snprintf(msg, sizeof(msg),
+                 "this is the endpoint of rail %s, and the consumer is on rail %.63s: matched "
+                 "rails pair a rail only with the rail of the same name",
+                 mine, m->u.hello.rail);
+        code = TD_EPROTO;
+    } else if (memcmp(m->u.hello.expect_engine_id, zero, KVX_ID_BYTES) &&
         memcmp(m->u.hello.expect_engine_id, a->engine_id, KVX_ID_BYTES)) {
         char want[KVX_ID_HEX];
         kvx_id_to_hex(m->u.hello.expect_engine_id, want);
@@ -954,6 +988,42 @@ static int serve_hello(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m,
     memcpy(ack.nonce, np, KVX_ID_BYTES);
     ack.features = a->token[0] ? KVX_ACK_FEAT_AUTH : 0;
     size_t n = kvx_wire_encode_hello(b->out, b->out_cap, KVX_MSG_HELLO_ACK, m->hdr.tag, &ack);
+    return kvx__send_all(fd, b->out, n, td_now_ns() + SEND_TIMEOUT_NS, &e);
+}
+
+/*
+ * RAIL: where this producer serves transfers for the consumer's rail. Matched rails: the
+ * rail of that name, its engine made now if this is its first use; a name that is empty,
+ * a list, or not one of ours is refused (no fallback to another rail). One device only:
+ * that device, whatever the consumer's rail.
+ */
+static int serve_rail(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m)
+{
+    td_err e = {0};
+    int rail = -1, rc = 0;
+    if (!a->railpool) {
+        rc = td_err_set(&e, TD_EUNSUPPORTED,
+                        "this producer has no rails: configure rail_device (and matched_rails) "
+                        "on both sides, or on neither");
+    } else if (a->opts.matched_rails) {
+        rc = kvx_rails_check_peer(&a->rails, m->u.rail.name, &rail, &e);
+    } else {
+        rail = a->rails.primary;
+    }
+    void *eng = NULL;
+    if (!rc) rc = kvx__railpool_get(a->railpool, rail, &eng, &e);
+    if (rc) {
+        pthread_mutex_lock(&a->mu);
+        a->stats.rails_refused++;
+        pthread_mutex_unlock(&a->mu);
+        TD_WARN("kvx agent %s:%u: refusing rail %s: %s", a->opts.host, a->port,
+                m->u.rail.name[0] ? m->u.rail.name : "(none named)", e.msg);
+        set_last_error(a, e.msg);
+        return send_error(fd, b, m->hdr.tag, rc, e.msg);
+    }
+    listener *L = eng;
+    size_t n = kvx_wire_encode_rail_ack(b->out, b->out_cap, m->hdr.tag, L->addr, L->port,
+                                        a->rails.name[rail]);
     return kvx__send_all(fd, b->out, n, td_now_ns() + SEND_TIMEOUT_NS, &e);
 }
 
@@ -1032,7 +1102,7 @@ static void *conn_main(void *arg)
                 }
             }
             rc = greeted ? send_error(c->fd, &b, m.hdr.tag, TD_EPROTO, "second HELLO")
-                         : serve_hello(a, c->fd, &b, &m, np);
+                         : serve_hello(a, c, &b, &m, np);
             if (!rc) {
                 greeted = true;
                 authed = !a->token[0]; /* without a token, AUTH is refused below */
@@ -1050,7 +1120,31 @@ static void *conn_main(void *arg)
             if (!rc) authed = true;
             break;
         case KVX_MSG_READ:
-            rc = serve_read(a, c->fd, &b, &m);
+        case KVX_MSG_UCX_GRANT:
+        case KVX_MSG_SHM_INFO:
+        case KVX_MSG_UCX_INFO:
+            if (a->railpool && c->rail < 0) { /* rails: data moves only on a rail's engine */
+                char why[200];
+                snprintf(why, sizeof(why),
+                         "this producer serves transfers only on its rails (%s): the consumer "
+                         "must use a rail (rail_device / matched_rails)",
+                         a->rails.name[a->rails.primary]);
+                send_error(c->fd, &b, m.hdr.tag, TD_EPROTO, why);
+                rc = -1;
+                break;
+            }
+            if (c->rail >= 0 && m.hdr.type != KVX_MSG_SHM_INFO && m.hdr.type != KVX_MSG_UCX_INFO) {
+                pthread_mutex_lock(&a->mu);
+                a->stats.rail_reads[c->rail]++;
+                pthread_mutex_unlock(&a->mu);
+            }
+            if (m.hdr.type == KVX_MSG_READ) rc = serve_read(a, c->fd, &b, &m);
+            else if (m.hdr.type == KVX_MSG_UCX_GRANT) rc = serve_ucx_grant(a, c, c->fd, &b, &m, &pin);
+            else if (m.hdr.type == KVX_MSG_SHM_INFO) rc = serve_shm_info(a, c->fd, &b, &m);
+            else rc = serve_ucx_info(a, c->fd, &b, &m);
+            break;
+        case KVX_MSG_RAIL:
+            rc = serve_rail(a, c->fd, &b, &m);
             break;
         case KVX_MSG_WRITE:
             rc = serve_write(a, c->fd, &b, &m);
@@ -1060,15 +1154,6 @@ static void *conn_main(void *arg)
             break;
         case KVX_MSG_HEARTBEAT:
             rc = serve_heartbeat(a, c->fd, &b, &m);
-            break;
-        case KVX_MSG_UCX_INFO:
-            rc = serve_ucx_info(a, c->fd, &b, &m);
-            break;
-        case KVX_MSG_SHM_INFO:
-            rc = serve_shm_info(a, c->fd, &b, &m);
-            break;
-        case KVX_MSG_UCX_GRANT:
-            rc = serve_ucx_grant(a, c, c->fd, &b, &m, &pin);
             break;
         case KVX_MSG_UCX_DONE: /* no answer: the next request follows on this connection */
             if (!pin.l) {
@@ -1112,11 +1197,12 @@ static void *conn_main(void *arg)
 
 static void *accept_main(void *arg)
 {
-    kvx_agent *a = arg;
+    listener *L = arg;
+    kvx_agent *a = L->agent;
     for (;;) {
-        int fd = accept4(a->listen_fd, NULL, NULL, SOCK_CLOEXEC);
+        int fd = accept4(L->fd, NULL, NULL, SOCK_CLOEXEC);
         pthread_mutex_lock(&a->mu);
-        bool stop = a->stopping;
+        bool stop = a->stopping || atomic_load(&L->stop);
         pthread_mutex_unlock(&a->mu);
         if (stop) {
             if (fd >= 0) close(fd);
@@ -1137,6 +1223,7 @@ static void *accept_main(void *arg)
         if (!full) {
             c->fd = fd;
             c->agent = a;
+            c->rail = L->rail;
             c->next = a->conns;
             a->conns = c;
             a->n_conns++;
@@ -1164,6 +1251,78 @@ static void *accept_main(void *arg)
         }
         pthread_attr_destroy(&attr);
     }
+}
+
+/* ---------------------------------------------------------------- rail engines (tcp) */
+
+/* Rail i's engine on the tcp transport: a listener on the rail's address, bound to its
+ * network device, with its own accept thread; connections it accepts serve transfers. */
+static int rail_open(void *user, int rail, const char *name, void **eng, td_err *err)
+{
+    kvx_agent *a = user;
+    listener *L = calloc(1, sizeof(*L));
+    if (!L) return td_err_set(err, TD_ENOMEM, "kvx: out of memory");
+    L->agent = a;
+    L->rail = rail;
+    L->fd = -1;
+    bool given = a->rail_addr[rail][0] != 0;
+    int rc = given ? (snprintf(L->addr, sizeof(L->addr), "%s", a->rail_addr[rail]), 0)
+                   : kvx__iface_addr(name, L->addr, sizeof(L->addr), err);
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM,
+                             .ai_flags = AI_NUMERICHOST | AI_PASSIVE};
+    struct addrinfo *res = NULL;
+    if (!rc && getaddrinfo(L->addr, "0", &hints, &res))
+        rc = td_err_set(err, TD_EINVAL, "kvx: rail %s: bad address %s", name, L->addr);
+    if (!rc) {
+        L->fd = socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        if (L->fd < 0) rc = td_err_set(err, TD_EIO, "kvx: rail %s: socket: %s", name, strerror(errno));
+    }
+    if (!rc && !given) kvx__bind_device(L->fd, name);
+    if (!rc && (bind(L->fd, res->ai_addr, res->ai_addrlen) < 0 || listen(L->fd, 128) < 0))
+        rc = td_err_set(err, TD_EIO, "kvx: rail %s: cannot listen on %s: %s", name, L->addr,
+                        strerror(errno));
+    if (res) freeaddrinfo(res);
+    if (!rc) {
+        struct sockaddr_storage ss;
+        socklen_t sl = sizeof(ss);
+        getsockname(L->fd, (struct sockaddr *)&ss, &sl);
+        L->port = ntohs(ss.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&ss)->sin6_port
+                                                 : ((struct sockaddr_in *)&ss)->sin_port);
+        if (atomic_load(&kvx__test_rail_fail) == rail + 1)
+            rc = td_err_set(err, TD_EIO, "kvx: rail %s: failure injected by a test", name);
+    }
+    if (!rc && pthread_create(&L->thread, NULL, accept_main, L))
+        rc = td_err_set(err, TD_ENOMEM, "kvx: rail %s: cannot start its accept thread", name);
+    if (rc) {
+        if (L->fd >= 0) close(L->fd);
+        free(L);
+        return rc;
+    }
+    TD_INFO("kvx agent: rail %s serves transfers on %s:%u", name, L->addr, L->port);
+    *eng = L;
+    return 0;
+}
+
+static int rail_reg(void *user, void *eng, int range, td_err *err)
+{
+    (void)user, (void)eng, (void)range, (void)err;
+    return 0; /* not called: tcp registers nothing (n_ranges 0) */
+}
+
+static void rail_unreg(void *user, void *eng, int range)
+{
+    (void)user, (void)eng, (void)range;
+}
+
+static void rail_close(void *user, void *eng)
+{
+    (void)user;
+    listener *L = eng;
+    atomic_store(&L->stop, true);
+    shutdown(L->fd, SHUT_RDWR); /* wakes accept() */
+    pthread_join(L->thread, NULL);
+    close(L->fd);
+    free(L);
 }
 
 int kvx_agent_create(kvx_agent **out, const kvx_agent_opts *opts, td_err *err)
@@ -1247,7 +1406,8 @@ int kvx_agent_create(kvx_agent **out, const kvx_agent_opts *opts, td_err *err)
         free(a);
         return td_err_set(err, TD_ENOMEM, "kvx: cannot start the lease thread");
     }
-    if (pthread_create(&a->accept_thread, NULL, accept_main, a)) {
+    a->main_listener = (listener){.agent = a, .fd = a->listen_fd, .rail = -1, .port = a->port};
+    if (pthread_create(&a->accept_thread, NULL, accept_main, &a->main_listener)) {
         pthread_mutex_lock(&a->mu);
         a->stopping = true;
         pthread_cond_broadcast(&a->cv);
@@ -1257,8 +1417,27 @@ int kvx_agent_create(kvx_agent **out, const kvx_agent_opts *opts, td_err *err)
         free(a);
         return td_err_set(err, TD_ENOMEM, "kvx: cannot start the accept thread");
     }
+    if (opts->rails && opts->rails->n > 0) {
+        a->rails = *opts->rails;
+        for (int i = 0; i < a->rails.n && opts->rail_addrs; i++)
+            snprintf(a->rail_addr[i], sizeof(a->rail_addr[i]), "%s", opts->rail_addrs[i]);
+        static const kvx__rail_ops tcp_rail_ops = {rail_open, rail_reg, rail_unreg, rail_close};
+        /* tcp sends straight from this process's memory: nothing to register per rail. */
+        rc = kvx__railpool_create(&a->railpool, &a->rails, 0, &tcp_rail_ops, a, err);
+        if (rc) {
+            kvx_agent_destroy(a);
+            return rc;
+        }
+    }
+    a->opts.rails = NULL; /* copied above */
+    a->opts.rail_addrs = NULL;
     *out = a;
     return 0;
+}
+
+int kvx_agent_rail_state(kvx_agent *a, int rail)
+{
+    return a->railpool ? kvx__railpool_state(a->railpool, rail) : -1;
 }
 
 void kvx_agent_destroy(kvx_agent *a)
@@ -1272,6 +1451,7 @@ void kvx_agent_destroy(kvx_agent *a)
     pthread_join(a->accept_thread, NULL);
     pthread_join(a->lease_thread, NULL);
     close(a->listen_fd);
+    kvx__railpool_destroy(a->railpool); /* the rails' listeners, the same way */
 
     /* Hang up on every consumer and wait for the connection threads to leave. A connection
      * holding a pin is left to finish it (its UCX_DONE, its hang-up, or the pin's time

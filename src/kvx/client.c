@@ -33,6 +33,12 @@ typedef struct kvx__session {
     struct kvx_client *client;
     char host[256];
     uint16_t port;
+    /* A rail's data session (rail >= 0: the index of this consumer's rail): connections go
+     * from that rail to the producer's endpoint for it, learned with RAIL on first use
+     * (data_port 0 until then, under mu). rail -1: the handshake address itself. */
+    int rail;
+    char data_host[KVX_MAX_RAIL + 1];
+    uint16_t data_port;
     uint8_t engine_id[KVX_ID_BYTES];
     char engine_hex[KVX_ID_HEX];
     int refs;              /* under client->mu: the cache's and each user's */
@@ -80,6 +86,7 @@ struct kvx_xfer {
     int fd; /* the push connection, -1 when none (kvx_client_destroy shuts it down) */
     int outstanding, sub_code;
     td_err sub_err;
+    struct kvx__session *ds; /* a push's data session when reads go over a rail, else NULL */
     uint8_t note[KVX_MAX_NOTE];
     uint32_t note_len;
     uint64_t done_ns; /* when PUSH_DONE arrived */
@@ -104,9 +111,18 @@ struct kvx_client {
     kvx__session *sessions;
     char token[256]; /* auth_token ("" = none), wiped at destroy */
     struct kvx_xfer *pushes; /* push transfers whose thread runs */
+    kvx_rails rails;          /* n == 0: no rails */
+    char rail_addr[KVX_MAX_RAILS][64]; /* each rail's local address ("" = not resolved) */
+    bool rail_addr_given;     /* opts.rail_addrs: no device binding */
 };
 
 static const kvx__transport tcp_transport;
+
+/* The rail this consumer's transfers use (its primary), or -1 without rails. */
+static int data_rail(const kvx_client *c)
+{
+    return c->rails.n > 0 ? c->rails.primary : -1;
+}
 
 void kvx_client_opts_default(kvx_client_opts *o)
 {
@@ -145,7 +161,7 @@ static void session_put(kvx__session *s)
  * same address but another engine id belongs to a dead incarnation: it is dropped.
  */
 static int session_get(kvx_client *c, const char *host, uint16_t port, const char *engine_hex,
-                       kvx__session **out, td_err *err)
+                       int rail, kvx__session **out, td_err *err)
 {
     uint8_t id[KVX_ID_BYTES];
     if (!host || strlen(host) >= sizeof(((kvx__session *)0)->host))
@@ -156,7 +172,7 @@ static int session_get(kvx_client *c, const char *host, uint16_t port, const cha
     pthread_mutex_lock(&c->mu);
     for (kvx__session **pp = &c->sessions; *pp; pp = &(*pp)->next) {
         kvx__session *s = *pp;
-        if (s->port != port || strcmp(s->host, host)) continue;
+        if (s->port != port || strcmp(s->host, host) || s->rail != rail) continue;
         if (!memcmp(s->engine_id, id, KVX_ID_BYTES)) {
             s->refs++;
             pthread_mutex_unlock(&c->mu);
@@ -180,6 +196,7 @@ static int session_get(kvx_client *c, const char *host, uint16_t port, const cha
     s->client = c;
     snprintf(s->host, sizeof(s->host), "%s", host);
     s->port = port;
+    s->rail = rail;
     memcpy(s->engine_id, id, KVX_ID_BYTES);
     kvx_id_to_hex(id, s->engine_hex);
     s->refs = 2;
@@ -255,11 +272,12 @@ static int authenticate(kvx__session *s, int fd, const uint8_t nc[KVX_ID_BYTES],
 }
 
 /* Greet a fresh connection: our HELLO, then the producer's HELLO_ACK or its refusal. */
-static int handshake(kvx__session *s, int fd, uint64_t deadline_ns, td_err *err)
+static int handshake(kvx__session *s, int fd, const char *rail, uint64_t deadline_ns, td_err *err)
 {
     kvx_client *c = s->client;
     kvx_hello h = c->hello;
     memcpy(h.expect_engine_id, s->engine_id, KVX_ID_BYTES);
+    snprintf(h.rail, sizeof(h.rail), "%s", rail);
     h.features = c->opts.verify_checksums ? KVX_FEAT_CHECKSUMS : 0;
     if (kvx__random_id(h.nonce)) return td_err_set(err, TD_EIO, "kvx: getrandom failed");
     uint8_t buf[512];
@@ -288,6 +306,70 @@ static int handshake(kvx__session *s, int fd, uint64_t deadline_ns, td_err *err)
     return authenticate(s, fd, h.nonce, &m.u.hello, deadline_ns, err);
 }
 
+/*
+ * Where the producer serves our rail: ask over a connection to its handshake address
+ * (RAIL; matched rails name ours, a single device asks for the producer's own). Refusals
+ * (no such rail, a failed rail, no rails there) end the transfer: no other rail is tried.
+ */
+static int rail_resolve(kvx__session *s, uint64_t deadline_ns, char *host, uint16_t *port,
+                        td_err *err)
+{
+    kvx_client *c = s->client;
+    int fd;
+    int rc = kvx__connect(s->host, s->port, deadline_ns, &fd, err);
+    if (rc) return rc;
+    int rail = s->rail;
+    rc = handshake(s, fd, "", deadline_ns, err); /* a control connection */
+    uint8_t buf[512];
+    kvx_msg m;
+    if (!rc) {
+        size_t n = kvx_wire_encode_rail(buf, sizeof(buf), 1,
+                                        c->opts.matched_rails ? c->rails.name[rail] : "");
+        rc = kvx__send_all(fd, buf, n, deadline_ns, err);
+    }
+    if (!rc) rc = kvx__recv_frame(fd, buf, sizeof(buf), &m, deadline_ns, err);
+    close(fd);
+    if (rc) return rc;
+    if (m.hdr.type == KVX_MSG_ERROR)
+        return td_err_set(err, m.u.error.code ? m.u.error.code : TD_EPROTO,
+                          "kvx: producer %s:%u refused rail %s: %s", s->host, s->port,
+                          c->rails.name[rail], m.u.error.msg);
+    if (m.hdr.type != KVX_MSG_RAIL_ACK)
+        return td_err_set(err, TD_EPROTO, "kvx: producer %s:%u answered RAIL with %s", s->host,
+                          s->port, kvx_wire_type_name(m.hdr.type));
+    if (c->opts.matched_rails && strcmp(m.u.rail.name, c->rails.name[rail]))
+        return td_err_set(err, TD_EPROTO,
+                          "kvx: producer %s:%u offered rail %s for rail %s (matched rails pair "
+                          "rails of the same name only)",
+                          s->host, s->port, m.u.rail.name, c->rails.name[rail]);
+    snprintf(host, KVX_MAX_RAIL + 1, "%s", m.u.rail.addr);
+    *port = m.u.rail.port;
+    return 0;
+}
+
+/* A new connection of a session: to the handshake address, or over our rail. */
+static int session_dial(kvx__session *s, uint64_t deadline_ns, int *fd, td_err *err)
+{
+    if (s->rail < 0) return kvx__connect(s->host, s->port, deadline_ns, fd, err);
+    kvx_client *c = s->client;
+    pthread_mutex_lock(&s->mu);
+    char host[KVX_MAX_RAIL + 1];
+    snprintf(host, sizeof(host), "%s", s->data_host);
+    uint16_t port = s->data_port;
+    pthread_mutex_unlock(&s->mu);
+    if (!port) {
+        int rc = rail_resolve(s, deadline_ns, host, &port, err);
+        if (rc) return rc;
+        pthread_mutex_lock(&s->mu);
+        snprintf(s->data_host, sizeof(s->data_host), "%s", host);
+        s->data_port = port;
+        pthread_mutex_unlock(&s->mu);
+    }
+    return kvx__connect_from(host, port, c->rail_addr[s->rail],
+                             c->rail_addr_given ? NULL : c->rails.name[s->rail], deadline_ns, fd,
+                             err);
+}
+
 /* A connection of the session: an idle one, a new one (greeted), or wait for one. */
 static int conn_get(kvx__session *s, uint64_t deadline_ns, int *fd, bool *fresh, td_err *err)
 {
@@ -310,9 +392,10 @@ static int conn_get(kvx__session *s, uint64_t deadline_ns, int *fd, bool *fresh,
         if (s->n_open < s->max_open) {
             s->n_open++;
             pthread_mutex_unlock(&s->mu);
-            int rc = kvx__connect(s->host, s->port, deadline_ns, fd, err);
+            int rc = session_dial(s, deadline_ns, fd, err);
             if (!rc) {
-                rc = handshake(s, *fd, deadline_ns, err);
+                rc = handshake(s, *fd, s->rail >= 0 ? s->client->rails.name[s->rail] : "",
+                               deadline_ns, err);
                 if (rc) close(*fd);
             }
             if (rc) {
@@ -553,7 +636,7 @@ void *kvx__session_client_state(const kvx__session *s)
 int kvx__session_connect(kvx__session *s, uint64_t deadline_ns, int *fd, td_err *err)
 {
     int rc = kvx__connect(s->host, s->port, deadline_ns, fd, err);
-    if (!rc && (rc = handshake(s, *fd, deadline_ns, err))) close(*fd);
+    if (!rc && (rc = handshake(s, *fd, "", deadline_ns, err))) close(*fd);
     return rc;
 }
 
@@ -583,6 +666,8 @@ static void xfer_complete(struct kvx_xfer *x)
     if (x->code == 0) td_err_clear(&x->result);
     session_put(x->s);
     x->s = NULL;
+    if (x->ds) session_put(x->ds);
+    x->ds = NULL;
     if (x->cb) x->cb(x->user, x, &x->result);
     pthread_mutex_lock(&c->mu);
     x->done = true;
@@ -719,6 +804,29 @@ int kvx_client_create(kvx_client **out, const kvx_client_opts *opts, td_err *err
         free(c);
         return td_err_set(err, TD_EINVAL, "kvx: at most 256 worker threads and connections");
     }
+    if (opts->rails && opts->rails->n > 0) {
+        if (opts->protocol != KVX_PROTO_TCP) {
+            free(c);
+            return td_err_set(err, TD_EUNSUPPORTED,
+                              "kvx: rails work with protocol tcp only (not %s) for now",
+                              kvx_protocol_name(opts->protocol));
+        }
+        c->rails = *opts->rails;
+        c->rail_addr_given = opts->rail_addrs != NULL;
+        int p = c->rails.primary;
+        if (opts->rail_addrs)
+            for (int i = 0; i < c->rails.n; i++)
+                snprintf(c->rail_addr[i], sizeof(c->rail_addr[i]), "%s", opts->rail_addrs[i]);
+        else if ((rc = kvx__iface_addr(c->rails.name[p], c->rail_addr[p], sizeof(c->rail_addr[p]),
+                                       err))) {
+            free(c);
+            return rc;
+        }
+        TD_INFO("kvx client: transfers go over rail %s (%s)%s", c->rails.name[p], c->rail_addr[p],
+                opts->matched_rails ? ", matched" : "");
+    }
+    c->opts.rails = NULL; /* copied above */
+    c->opts.rail_addrs = NULL;
     uint8_t id[KVX_ID_BYTES];
     if (kvx__random_id(id)) {
         free(c);
@@ -954,7 +1062,7 @@ int kvx_read_start(kvx_client *c, const kvx_read_req *req, kvx_xfer **out, td_er
     if (kvx_id_from_hex(req->transfer_id, id))
         return td_err_set(err, TD_EINVAL, "kvx: transfer id must be 32 hex digits");
     kvx__session *s;
-    int rc = session_get(c, req->host, req->port, req->engine_id, &s, err);
+    int rc = session_get(c, req->host, req->port, req->engine_id, data_rail(c), &s, err);
     if (rc) return rc;
     return read_begin(c, s, id, req->src_blocks, req->dst_blocks, req->n_blocks, 0,
                       c->opts.region.n_segments, req->timeout_ms, req->done, req->user, out, err);
@@ -999,13 +1107,14 @@ static int push_read(struct kvx_xfer *x, const kvx_msg *m, int32_t *src, int32_t
         k++;
     }
     if (k == 0) return 0;
+    kvx__session *ds = x->ds ? x->ds : x->s;
     pthread_mutex_lock(&c->mu);
-    x->s->refs++;
+    ds->refs++;
     x->outstanding++;
     x->info.n_runs++;
     pthread_mutex_unlock(&c->mu);
     kvx_xfer *sub;
-    int rc = read_begin(c, x->s, x->transfer_id, src, dst, k, seg, seg + n_seg, x->timeout_ms,
+    int rc = read_begin(c, ds, x->transfer_id, src, dst, k, seg, seg + n_seg, x->timeout_ms,
                         push_sub_done, x, &sub, err);
     if (rc) {
         pthread_mutex_lock(&c->mu);
@@ -1126,7 +1235,11 @@ int kvx_write_start(kvx_client *c, const kvx_write_req *req, kvx_xfer **out, td_
     x->timeout_ms = req->timeout_ms ? req->timeout_ms : c->opts.transfer_timeout_ms;
     x->cb = req->done;
     x->user = req->user;
-    int rc = session_get(c, req->host, req->port, req->engine_id, &x->s, err);
+    int rc = session_get(c, req->host, req->port, req->engine_id, -1, &x->s, err);
+    if (!rc && data_rail(c) >= 0) {
+        rc = session_get(c, req->host, req->port, req->engine_id, data_rail(c), &x->ds, err);
+        if (rc) session_put(x->s);
+    }
     if (rc) {
         xfer_free_mem(x);
         return rc;
@@ -1219,7 +1332,7 @@ static int control(kvx_client *c, uint8_t type, const char *host, uint16_t port,
     if (kvx_id_from_hex(transfer_id, id))
         return td_err_set(err, TD_EINVAL, "kvx: transfer id must be 32 hex digits");
     kvx__session *s;
-    int rc = session_get(c, host, port, engine_id, &s, err);
+    int rc = session_get(c, host, port, engine_id, -1, &s, err);
     if (rc) return rc;
     uint64_t deadline = td_now_ns() + (uint64_t)c->opts.transfer_timeout_ms * 1000000ull;
     rc = c->transport->control(s, type, id, deadline, err);
@@ -1243,7 +1356,7 @@ int kvx_session_check(kvx_client *c, const char *host, uint16_t port, const char
                       td_err *err)
 {
     kvx__session *s;
-    int rc = session_get(c, host, port, engine_id, &s, err);
+    int rc = session_get(c, host, port, engine_id, data_rail(c), &s, err);
     if (rc) return rc;
     int fd;
     bool fresh;

@@ -5,12 +5,14 @@
 #include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <ifaddrs.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <limits.h>
 #include <poll.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/random.h>
@@ -21,6 +23,7 @@
 
 _Atomic int kvx__test_corrupt_pieces;
 _Atomic int kvx__test_send_delay_ms;
+_Atomic int kvx__test_rail_fail;
 
 /* ---------------------------------------------------------------- ids, layouts, runs */
 
@@ -179,23 +182,81 @@ static int wait_fd(int fd, short events, uint64_t deadline_ns, const char *what,
     }
 }
 
-int kvx__connect(const char *host, uint16_t port, uint64_t deadline_ns, int *fd_out, td_err *err)
+int kvx__bind_device(int fd, const char *device)
 {
-    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM};
+    static _Atomic bool warned;
+    if (setsockopt(fd, SOL_SOCKET, SO_BINDTODEVICE, device, (socklen_t)strlen(device) + 1) == 0)
+        return 0;
+    int e = errno;
+    if (!atomic_exchange(&warned, true))
+        TD_WARN("kvx: cannot bind sockets to network device %s (%s): rails then rely on their "
+                "source addresses and the routes alone (grant CAP_NET_RAW to pin them)",
+                device, strerror(e));
+    return -1;
+}
+
+int kvx__iface_addr(const char *ifname, char *out, size_t cap, td_err *err)
+{
+    struct ifaddrs *ifs = NULL;
+    if (getifaddrs(&ifs) != 0)
+        return td_err_set(err, TD_EIO, "kvx: getifaddrs: %s", strerror(errno));
+    int found = 0; /* 2: IPv4, 1: global IPv6 */
+    for (struct ifaddrs *i = ifs; i && found < 2; i = i->ifa_next) {
+        if (!i->ifa_addr || strcmp(i->ifa_name, ifname)) continue;
+        int fam = i->ifa_addr->sa_family;
+        if (fam == AF_INET6 && (found ||
+                                IN6_IS_ADDR_LINKLOCAL(&((struct sockaddr_in6 *)i->ifa_addr)->sin6_addr)))
+            continue;
+        if (fam != AF_INET && fam != AF_INET6) continue;
+        socklen_t sl = fam == AF_INET ? sizeof(struct sockaddr_in) : sizeof(struct sockaddr_in6);
+        if (getnameinfo(i->ifa_addr, sl, out, (socklen_t)cap, NULL, 0, NI_NUMERICHOST) == 0)
+            found = fam == AF_INET ? 2 : 1;
+    }
+    freeifaddrs(ifs);
+    if (!found)
+        return td_err_set(err, TD_ENOTFOUND,
+                          "kvx: network interface %s has no usable address (a TCP rail needs an "
+                          "IPv4 or global IPv6 address on it)",
+                          ifname);
+    return 0;
+}
+
+int kvx__connect_from(const char *host, uint16_t port, const char *local_addr, const char *device,
+                      uint64_t deadline_ns, int *fd_out, td_err *err)
+{
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM,
+                             .ai_flags = AI_NUMERICHOST};
+    struct addrinfo *local = NULL;
+    if (local_addr && getaddrinfo(local_addr, NULL, &hints, &local))
+        return td_err_set(err, TD_EINVAL, "kvx: bad local address %s", local_addr);
+    hints.ai_flags = 0;
     struct addrinfo *res = NULL;
     char ports[8];
     snprintf(ports, sizeof(ports), "%u", port);
     int g = getaddrinfo(host, ports, &hints, &res);
-    if (g) return td_err_set(err, TD_ECONN, "kvx: cannot resolve %s: %s", host, gai_strerror(g));
-    int rc = TD_ECONN;
-    td_err_set(err, TD_ECONN, "kvx: no address for %s:%u", host, port);
+    if (g) {
+        if (local) freeaddrinfo(local);
+        return td_err_set(err, TD_ECONN, "kvx: cannot resolve %s: %s", host, gai_strerror(g));
+    }
+    const char *via = device ? device : "";
+    int rc = td_err_set(err, TD_ECONN, "kvx: no address for %s:%u%s%s", host, port,
+                        device ? " reachable from rail " : "", via);
     for (struct addrinfo *ai = res; ai; ai = ai->ai_next) {
+        if (local && ai->ai_family != local->ai_family) continue;
         int fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
         if (fd < 0) continue;
         kvx__set_sock_opts(fd);
-        if (connect(fd, ai->ai_addr, ai->ai_addrlen) < 0 && errno != EINPROGRESS) {
-            rc = td_err_set(err, TD_ECONN, "kvx: connect to %s:%u failed: %s", host, port,
+        if (device) kvx__bind_device(fd, device);
+        if (local && bind(fd, local->ai_addr, local->ai_addrlen) < 0) {
+            rc = td_err_set(err, TD_ECONN, "kvx: cannot bind to %s (rail %s): %s", local_addr, via,
                             strerror(errno));
+            close(fd);
+            continue;
+        }
+        if (connect(fd, ai->ai_addr, ai->ai_addrlen) < 0 && errno != EINPROGRESS) {
+            rc = td_err_set(err, TD_ECONN, "kvx: connect to %s:%u from %s%s%s failed: %s", host,
+                            port, local_addr ? local_addr : "any address", device ? " on rail " : "",
+                            via, strerror(errno));
             close(fd);
             continue;
         }
@@ -204,8 +265,9 @@ int kvx__connect(const char *host, uint16_t port, uint64_t deadline_ns, int *fd_
         socklen_t sl = sizeof(soerr);
         if (!rc) getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &sl);
         if (!rc && soerr)
-            rc = td_err_set(err, TD_ECONN, "kvx: connect to %s:%u failed: %s", host, port,
-                            strerror(soerr));
+            rc = td_err_set(err, TD_ECONN, "kvx: connect to %s:%u from %s%s%s failed: %s", host,
+                            port, local_addr ? local_addr : "any address", device ? " on rail " : "",
+                            via, strerror(soerr));
         if (rc) {
             close(fd);
             continue;
@@ -214,7 +276,13 @@ int kvx__connect(const char *host, uint16_t port, uint64_t deadline_ns, int *fd_
         break;
     }
     freeaddrinfo(res);
+    if (local) freeaddrinfo(local);
     return rc;
+}
+
+int kvx__connect(const char *host, uint16_t port, uint64_t deadline_ns, int *fd_out, td_err *err)
+{
+    return kvx__connect_from(host, port, NULL, NULL, deadline_ns, fd_out, err);
 }
 
 static int io_error(td_err *err, const char *what, ssize_t r)

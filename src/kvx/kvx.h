@@ -156,6 +156,17 @@ typedef struct kvx_agent_opts {
     /* Shared secret: when set (non-empty), every connection must pass the challenge-
      * response before anything else; NULL or "" = no authentication. Copied. */
     const char *auth_token;
+    /* Rails (docs/ARCHITECTURE.md "Matched rails"; tcp only). NULL or n == 0: transfers
+     * are served on the handshake listener, as always. Otherwise they are served only on
+     * a listener per rail (its "engine", bound to that network device), the primary's made
+     * at create and the others on first use, and a consumer asks for its rail's endpoint
+     * with RAIL. matched_rails: a consumer must name one of these rails and gets exactly
+     * it (no fallback); false: rails holds this producer's single device, which serves
+     * every consumer. rail_addrs (optional, tests): each rail's address, instead of the
+     * device's own; then no socket is bound to a device. Copied. */
+    const struct kvx_rails *rails;
+    bool matched_rails;
+    const char (*rail_addrs)[64];
 } kvx_agent_opts;
 
 typedef struct kvx_agent kvx_agent;
@@ -226,7 +237,11 @@ int kvx_agent_push_finish(kvx_agent *a, const char *transfer_id, const int32_t *
 typedef struct kvx_agent_stats {
     uint64_t bytes_sent, reads, leases_expired, leases_released, handshakes_refused,
         unknown_transfer, pushes;
+    uint64_t rail_reads[32]; /* READs (and grants) served on each rail's engine */
+    uint64_t rails_refused;  /* RAIL requests refused (no such rail, failed rail) */
 } kvx_agent_stats;
+/** A rail engine's state: 0 not made yet, 1 ready, 2 failed (until restart); -1 no rail. */
+int kvx_agent_rail_state(kvx_agent *a, int rail);
 void kvx_agent_get_stats(kvx_agent *a, kvx_agent_stats *out);
 
 /** The last handshake refusal or protocol error the agent saw ("" if none). */
@@ -243,6 +258,14 @@ typedef struct kvx_client_opts {
     bool verify_checksums;        /* default on */
     kvx_protocol protocol;        /* default tcp */
     const char *auth_token;       /* shared secret for the challenge-response; NULL = none */
+    /* Rails (see kvx_agent_opts; tcp only). NULL or n == 0: data moves over connections to
+     * the producer's handshake address. Otherwise over connections from this consumer's
+     * primary rail (its address, bound to its device) to the producer's endpoint for that
+     * rail, which a RAIL request names: with matched_rails the rail of the same name, else
+     * the producer's own device. rail_addrs as in kvx_agent_opts. Copied. */
+    const struct kvx_rails *rails;
+    bool matched_rails;
+    const char (*rail_addrs)[64];
 } kvx_client_opts;
 
 typedef struct kvx_client kvx_client;

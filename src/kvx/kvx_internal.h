@@ -9,6 +9,7 @@
 #include <sys/uio.h>
 
 #include "kvx/kvx.h"
+#include "kvx/rails.h"
 #include "kvx/wire.h"
 #include "util/crc32c.h"
 
@@ -49,6 +50,37 @@ int kvx__recv_all(int fd, void *buf, size_t n, uint64_t deadline_ns, td_err *err
 int kvx__writev_all(int fd, struct iovec *iov, int n_iov, uint64_t deadline_ns, td_err *err);
 int kvx__readv_all(int fd, struct iovec *iov, int n_iov, uint64_t deadline_ns, td_err *err);
 void kvx__set_sock_opts(int fd);
+/**
+ * kvx__connect from a given local address, and where device is set, through that network
+ * device only (SO_BINDTODEVICE; without the privilege for it, the source address alone
+ * is bound, logged once): a rail's connections must not take another rail's route.
+ */
+int kvx__connect_from(const char *host, uint16_t port, const char *local_addr, const char *device,
+                      uint64_t deadline_ns, int *fd_out, td_err *err);
+/** Bind fd to a network device (SO_BINDTODEVICE); 0, or -1 when not permitted (logged once). */
+int kvx__bind_device(int fd, const char *device);
+/** The numeric address (IPv4 first, else global IPv6) of network interface ifname. */
+int kvx__iface_addr(const char *ifname, char *out, size_t cap, td_err *err);
+
+/*
+ * Rail engines (railpool.c): one per matched rail, the primary's made at once, the others
+ * on first use (see railpool.c). ops are what an engine is for a transport: open it on a
+ * rail, register range k of the region with it (its own keys), undo both.
+ */
+enum { KVX__RAIL_NONE = 0, KVX__RAIL_READY = 1, KVX__RAIL_FAILED = 2 };
+typedef struct kvx__rail_ops {
+    int (*open)(void *user, int rail, const char *name, void **eng, td_err *err);
+    int (*reg)(void *user, void *eng, int range, td_err *err);
+    void (*unreg)(void *user, void *eng, int range);
+    void (*close)(void *user, void *eng);
+} kvx__rail_ops;
+typedef struct kvx__railpool kvx__railpool;
+int kvx__railpool_create(kvx__railpool **out, const kvx_rails *rails, int n_ranges,
+                         const kvx__rail_ops *ops, void *user, td_err *err);
+/** Rail `rail`'s engine, made now if this is its first use; TD_EIO if it failed (ever). */
+int kvx__railpool_get(kvx__railpool *p, int rail, void **eng, td_err *err);
+int kvx__railpool_state(kvx__railpool *p, int rail);
+void kvx__railpool_destroy(kvx__railpool *p);
 
 /**
  * Receive one frame: header then payload into buf (cap >= KVX_MAX_PAYLOAD is always
@@ -150,5 +182,8 @@ extern _Atomic int kvx__test_send_delay_ms;
  * counting each such sleep that begins in kvx__test_copies_delayed. */
 extern _Atomic int kvx__test_copy_delay_ms;
 extern _Atomic int kvx__test_copies_delayed;
+/* When > 0, opening the engine of rail (value - 1) fails after its listener is made
+ * (agent.c), as a registration failure would: tests of the rollback. */
+extern _Atomic int kvx__test_rail_fail;
 
 #endif

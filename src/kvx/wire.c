@@ -54,6 +54,8 @@ const char *kvx_wire_type_name(int type)
     case KVX_MSG_WRITE: return "WRITE";
     case KVX_MSG_PUSH_READY: return "PUSH_READY";
     case KVX_MSG_PUSH_DONE: return "PUSH_DONE";
+    case KVX_MSG_RAIL: return "RAIL";
+    case KVX_MSG_RAIL_ACK: return "RAIL_ACK";
     }
     return "unknown";
 }
@@ -100,6 +102,44 @@ static int bad_len(td_err *err, const kvx_hdr *h, size_t want)
                       kvx_wire_type_name(h->type), h->payload_len, want);
 }
 
+/*
+ * A short string field at p (u8 length, then the bytes), within len bytes: copied to out
+ * (KVX_MAX_RAIL + 1 bytes). Length in [min, KVX_MAX_RAIL], printable ASCII only. Returns
+ * the bytes it took, or 0 with err set.
+ */
+static size_t get_str(const kvx_hdr *h, const char *what, const uint8_t *p, size_t len,
+                      size_t min, char *out, td_err *err)
+{
+    if (len < 1 || len < 1u + p[0]) {
+        td_err_set(err, TD_EFORMAT, "kvx: %s %s runs past the payload", kvx_wire_type_name(h->type),
+                   what);
+        return 0;
+    }
+    size_t n = p[0];
+    if (n < min || n > KVX_MAX_RAIL) {
+        td_err_set(err, TD_EFORMAT, "kvx: %s %s of %zu bytes (limit %zu..%d)",
+                   kvx_wire_type_name(h->type), what, n, min, KVX_MAX_RAIL);
+        return 0;
+    }
+    for (size_t i = 0; i < n; i++)
+        if (p[1 + i] < 0x21 || p[1 + i] > 0x7e) {
+            td_err_set(err, TD_EFORMAT, "kvx: %s %s has a byte 0x%02x that is not printable",
+                       kvx_wire_type_name(h->type), what, p[1 + i]);
+            return 0;
+        }
+    memcpy(out, p + 1, n);
+    out[n] = 0;
+    return 1 + n;
+}
+
+static size_t put_str(uint8_t *p, const char *s)
+{
+    size_t n = strlen(s);
+    p[0] = (uint8_t)n;
+    memcpy(p + 1, s, n);
+    return 1 + n;
+}
+
 static void get_layout(const uint8_t *p, kvx_layout *l)
 {
     l->model_fingerprint = get64(p);
@@ -134,8 +174,13 @@ int kvx_wire_decode(const kvx_hdr *h, const uint8_t *p, size_t len, kvx_msg *m, 
     switch (h->type) {
     case KVX_MSG_HELLO:
     case KVX_MSG_HELLO_ACK: {
-        if (len != HELLO_PAYLOAD) return bad_len(err, h, HELLO_PAYLOAD);
+        if (len < HELLO_PAYLOAD) return bad_len(err, h, HELLO_PAYLOAD);
         kvx_hello *x = &m->u.hello;
+        if (len > HELLO_PAYLOAD) { /* the optional rail */
+            size_t used = get_str(h, "rail", p + HELLO_PAYLOAD, len - HELLO_PAYLOAD, 1, x->rail, err);
+            if (!used) return TD_EFORMAT;
+            if (HELLO_PAYLOAD + used != len) return bad_len(err, h, HELLO_PAYLOAD + used);
+        }
         memcpy(x->engine_id, p, 16);
         memcpy(x->expect_engine_id, p + 16, 16);
         get_layout(p + 32, &x->layout);
@@ -207,6 +252,21 @@ int kvx_wire_decode(const kvx_hdr *h, const uint8_t *p, size_t len, kvx_msg *m, 
         if (len != want) return bad_len(err, h, want);
         m->u.push_ready.ids = p + 16;
         return 0;
+    }
+    case KVX_MSG_RAIL: {
+        size_t used = get_str(h, "rail name", p, len, 0, m->u.rail.name, err);
+        if (!used) return TD_EFORMAT;
+        return used == len ? 0 : bad_len(err, h, used);
+    }
+    case KVX_MSG_RAIL_ACK: {
+        if (len < 2) return bad_len(err, h, 2);
+        m->u.rail.port = get16(p);
+        if (m->u.rail.port == 0) return td_err_set(err, TD_EFORMAT, "kvx: RAIL_ACK with port 0");
+        size_t a = get_str(h, "address", p + 2, len - 2, 1, m->u.rail.addr, err);
+        if (!a) return TD_EFORMAT;
+        size_t b = get_str(h, "rail name", p + 2 + a, len - 2 - a, 1, m->u.rail.name, err);
+        if (!b) return TD_EFORMAT;
+        return 2 + a + b == len ? 0 : bad_len(err, h, 2 + a + b);
     }
     case KVX_MSG_PUSH_DONE:
         if (len < 4) return bad_len(err, h, 4);
@@ -353,7 +413,9 @@ size_t kvx_wire_encode_hello(uint8_t *buf, size_t cap, uint8_t type, uint32_t ta
                              const kvx_hello *x)
 {
     if (type != KVX_MSG_HELLO && type != KVX_MSG_HELLO_ACK) return 0;
-    size_t n = put_hdr(buf, cap, type, tag, HELLO_PAYLOAD);
+    size_t rail = strnlen(x->rail, sizeof(x->rail));
+    if (rail > KVX_MAX_RAIL) return 0;
+    size_t n = put_hdr(buf, cap, type, tag, HELLO_PAYLOAD + (rail ? 1 + rail : 0));
     if (!n) return 0;
     uint8_t *p = buf + KVX_HDR_BYTES;
     memcpy(p, x->engine_id, 16);
@@ -363,6 +425,29 @@ size_t kvx_wire_encode_hello(uint8_t *buf, size_t cap, uint8_t type, uint32_t ta
     put64(p + 72, x->block_bytes);
     memcpy(p + 80, x->nonce, 16);
     put32(p + 96, x->features);
+    if (rail) put_str(p + HELLO_PAYLOAD, x->rail);
+    return n;
+}
+
+size_t kvx_wire_encode_rail(uint8_t *buf, size_t cap, uint32_t tag, const char *name)
+{
+    size_t len = strlen(name);
+    if (len > KVX_MAX_RAIL) return 0;
+    size_t n = put_hdr(buf, cap, KVX_MSG_RAIL, tag, 1 + len);
+    if (n) put_str(buf + KVX_HDR_BYTES, name);
+    return n;
+}
+
+size_t kvx_wire_encode_rail_ack(uint8_t *buf, size_t cap, uint32_t tag, const char *addr,
+                                uint16_t port, const char *name)
+{
+    size_t a = strlen(addr), b = strlen(name);
+    if (!a || !b || a > KVX_MAX_RAIL || b > KVX_MAX_RAIL || !port) return 0;
+    size_t n = put_hdr(buf, cap, KVX_MSG_RAIL_ACK, tag, 2 + 1 + a + 1 + b);
+    if (!n) return 0;
+    uint8_t *p = buf + KVX_HDR_BYTES;
+    put16(p, port);
+    put_str(p + 2 + put_str(p + 2, addr), name);
     return n;
 }
 

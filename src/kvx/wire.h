@@ -37,6 +37,7 @@
 #define KVX_MAX_ERRMSG 255
 #define KVX_DESC_BYTES 12
 #define KVX_MAX_UCX_BLOB 65536 /* a UCX worker address or packed rkey, bytes */
+#define KVX_MAX_RAIL 63        /* bytes of a rail (device) name or a rail's address */
 
 
 typedef enum kvx_msg_type {
@@ -55,6 +56,10 @@ typedef enum kvx_msg_type {
     KVX_MSG_WRITE = 10,      /* consumer -> producer: send me this transfer from block skip */
     KVX_MSG_PUSH_READY = 11, /* producer -> consumer: these blocks are final in these segments */
     KVX_MSG_PUSH_DONE = 12,  /* producer -> consumer: all announced; the producer's note */
+    /* Rails (kvx_rails, docs/ARCHITECTURE.md "Matched rails"): where a producer serves
+     * transfers on a given rail. */
+    KVX_MSG_RAIL = 13,     /* consumer -> producer: your endpoint on rail <name> ("" = yours) */
+    KVX_MSG_RAIL_ACK = 14, /* producer -> consumer: address, port and name of that rail */
     /* The ucx transport (ucx.c): the data moves by one-sided UCX get, these frames only
      * advertise the producer's memory and validate and pin ranges. Numbers from 20. */
     KVX_MSG_UCX_INFO = 20,    /* consumer -> producer: send me your worker address and rkey */
@@ -91,6 +96,10 @@ typedef struct kvx_hello {
     uint64_t block_bytes;
     uint8_t nonce[KVX_ID_BYTES]; /* the sender's fresh challenge for AUTH */
     uint32_t features;           /* HELLO: KVX_FEAT_*; HELLO_ACK: KVX_ACK_FEAT_AUTH (1) if AUTH is required */
+    /* Optional, after the fixed fields (u8 length, then the bytes): the rail this
+     * connection runs on; "" = none, and then the field is not sent, so a consumer without
+     * rails greets any producer as before. */
+    char rail[KVX_MAX_RAIL + 1];
 } kvx_hello;
 
 typedef struct kvx_msg {
@@ -156,6 +165,12 @@ typedef struct kvx_msg {
             uint32_t note_len;
             const uint8_t *note; /* inside the decoded buffer */
         } push_done;
+        struct {
+            char name[KVX_MAX_RAIL + 1]; /* RAIL: the consumer's rail ("" = the producer's
+                                            own primary); RAIL_ACK: the producer's rail */
+            char addr[KVX_MAX_RAIL + 1]; /* RAIL_ACK: numeric address of its listener */
+            uint16_t port;               /* RAIL_ACK */
+        } rail;
     } u;
 } kvx_msg;
 
@@ -217,6 +232,11 @@ size_t kvx_wire_encode_push_ready(uint8_t *buf, size_t cap, uint32_t tag, uint32
                                   uint32_t n_seg, uint32_t index, const int32_t *ids, uint32_t n);
 size_t kvx_wire_encode_push_done(uint8_t *buf, size_t cap, uint32_t tag, const void *note,
                                  uint32_t note_len);
+/* RAIL: u8 length + name (0..KVX_MAX_RAIL printable bytes). RAIL_ACK: u16 port (> 0),
+ * u8 length + address (1..KVX_MAX_RAIL), u8 length + name (1..KVX_MAX_RAIL). */
+size_t kvx_wire_encode_rail(uint8_t *buf, size_t cap, uint32_t tag, const char *name);
+size_t kvx_wire_encode_rail_ack(uint8_t *buf, size_t cap, uint32_t tag, const char *addr,
+                                uint16_t port, const char *name);
 /** Entry i of a PUSH_READY's ids. */
 uint32_t kvx_wire_push_id(const kvx_msg *m, uint32_t i);
 

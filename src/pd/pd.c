@@ -15,6 +15,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "kvx/rails.h"
 #include "util/td.h"
 
 enum { FAIL_TIMEOUT, FAIL_CONN, FAIL_CHECKSUM, FAIL_PROTOCOL, FAIL_NOT_FOUND, FAIL_CANCELED,
@@ -43,6 +44,7 @@ typedef struct watch_item {
 
 struct pd_connector {
     pd_config cfg;
+    kvx_rails rails; /* n 0: none (cfg.rails points here after pd_create) */
     char host[256];
     char token[256];
     td_kv_info kv;
@@ -540,6 +542,8 @@ int pd_create(pd_connector **out, const pd_config *cfg, const td_kv_info *kv,
     pd_connector *pd = calloc(1, sizeof(*pd));
     if (!pd) return td_err_set(err, TD_ENOMEM, "out of memory");
     pd->cfg = *cfg;
+    if (cfg->rails && cfg->rails->n > 0) pd->rails = *cfg->rails;
+    pd->cfg.rails = pd->rails.n > 0 ? &pd->rails : NULL;
     snprintf(pd->host, sizeof(pd->host), "%s", cfg->host && cfg->host[0] ? cfg->host : "127.0.0.1");
     pd->cfg.host = pd->host;
     snprintf(pd->token, sizeof(pd->token), "%s", cfg->auth_token ? cfg->auth_token : "");
@@ -585,6 +589,8 @@ int pd_create(pd_connector **out, const pd_config *cfg, const td_kv_info *kv,
         ao.release_cb = on_lease_end;
         ao.release_user = pd;
         ao.auth_token = pd->token[0] ? pd->token : NULL;
+        ao.rails = cfg->rails;
+        ao.matched_rails = cfg->matched_rails;
         rc = kvx_agent_create(&pd->agent, &ao, err);
         if (rc) goto fail;
     }
@@ -599,6 +605,8 @@ int pd_create(pd_connector **out, const pd_config *cfg, const td_kv_info *kv,
         co.verify_checksums = cfg->verify_checksums;
         co.protocol = cfg->protocol;
         co.auth_token = pd->token[0] ? pd->token : NULL;
+        co.rails = cfg->rails;
+        co.matched_rails = cfg->matched_rails;
         rc = kvx_client_create(&pd->client, &co, err);
         if (rc) goto fail;
         if (pthread_create(&pd->rel_thread, NULL, rel_main, pd) != 0) {
@@ -766,6 +774,26 @@ char *pd_metrics_render(pd_connector *pd)
                (unsigned long long)st.handshakes_refused,
                (unsigned long long)st.unknown_transfer, (unsigned long long)push_opened,
                (unsigned long long)st.pushes);
+        if (pd->rails.n > 0) {
+            sb_add(&b, "%s",
+                   "# HELP tandem_kv_rail_reads_total Reads served on each rail's engine.\n"
+                   "# TYPE tandem_kv_rail_reads_total counter\n");
+            for (int i = 0; i < pd->rails.n; i++)
+                sb_add(&b, "tandem_kv_rail_reads_total{rail=\"%s\"} %llu\n", pd->rails.name[i],
+                       (unsigned long long)st.rail_reads[i]);
+            sb_add(&b, "%s",
+                   "# HELP tandem_kv_rail_state Each rail's engine: 0 not made yet, 1 ready, "
+                   "2 failed (until restart).\n# TYPE tandem_kv_rail_state gauge\n");
+            for (int i = 0; i < pd->rails.n; i++)
+                sb_add(&b, "tandem_kv_rail_state{rail=\"%s\"} %d\n", pd->rails.name[i],
+                       kvx_agent_rail_state(pd->agent, i));
+            sb_add(&b,
+                   "# HELP tandem_kv_rails_refused_total Consumers' rail requests refused (a "
+                   "rail this producer does not have, or a failed one).\n"
+                   "# TYPE tandem_kv_rails_refused_total counter\ntandem_kv_rails_refused_total "
+                   "%llu\n",
+                   (unsigned long long)st.rails_refused);
+        }
     }
     if (!b.p) sb_add(&b, "%s", "");
     return b.p;

@@ -33,6 +33,8 @@ typedef struct pd_config {
     bool verify_checksums;
     const char *auth_token; /* NULL or "" = none */
     int tp_rank, tp_size;
+    const struct kvx_rails *rails; /* NULL or n 0: no rails (kvx_agent_opts.rails) */
+    bool matched_rails;
 } pd_config;
 
 /** Where a consumer finds a prompt's KV (from kv_transfer_params). */

@@ -420,9 +420,18 @@ static int start_pd(srv_server *s, td_engine *e, const srv_kv_config *kv, td_err
     const char *host = s->cfg.host;
     if (kv->ip[0])
         host = kv->ip;
+    else if (srv_kv_host_ip()) /* TANDEM_HOST_IP: the control address, never a rail's */
+        host = srv_kv_host_ip();
     else if (!host || !strcmp(host, "0.0.0.0") || !strcmp(host, "::") || !host[0])
         host = "127.0.0.1";
     pc.host = host;
+    if (kv->rails.n > 0) { /* resolved by srv_kv_rails at start-up */
+        char desc[600];
+        kvx_rails_describe(&kv->rails, desc, sizeof(desc));
+        TD_INFO("kv transfer rails (%s): %s", kv->rails_matched ? "matched" : "one device", desc);
+        pc.rails = &kv->rails;
+        pc.matched_rails = kv->rails_matched;
+    }
     const char *env = getenv("TANDEM_KV_TOKEN");
     pc.auth_token = kv->auth_token[0] ? kv->auth_token : env && env[0] ? env : NULL;
     if (kv->notes[0]) TD_INFO("kv transfer config: %s", kv->notes);

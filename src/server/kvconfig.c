@@ -13,6 +13,7 @@
 
 #include <cjson/cJSON.h>
 
+#include "kvx/rails.h"
 #include "server/server.h"
 
 const char *srv_kv_role_name(srv_kv_role r)
@@ -79,7 +80,8 @@ static int bool_val(const cJSON *v, bool *out)
     "kv_rank, kv_parallel_size, kv_buffer_device, kv_buffer_size, num_worker_threads, "         \
     "qp_per_transfer, lease_ms, transfer_timeout_ms, kv_load_failure_policy, "                  \
     "verify_checksums, proxy_ip, proxy_ping_port, http_port, auth_token, post_batch_size, "     \
-    "max_send_wr, max_cqe_num, max_msg_sge, enable_notification, kv_connector_extra_config"
+    "max_send_wr, max_cqe_num, max_msg_sge, enable_notification, kv_connector_extra_config, "    \
+    "rail_device, ib_device, matched_rails"
 
 /* Integer keys: name, range, where to store, and the message for a bad value. */
 typedef struct int_key {
@@ -215,6 +217,19 @@ int srv_kv_config_parse(srv_kv_config *c, const char *json, char *err, size_t ca
                 rc = fail(err, cap, " must be a non-empty string (a host or address)", k);
                 goto out;
             }
+        } else if (!strcmp(k, "rail_device") || !strcmp(k, "ib_device")) {
+            if (str_val(v, c->rail_device, sizeof(c->rail_device)) || strchr(c->rail_device, ',')) {
+                rc = fail(err, cap,
+                          " must name one device (an RDMA device or a network interface), "
+                          "not a list",
+                          k);
+                goto out;
+            }
+        } else if (!strcmp(k, "matched_rails")) {
+            if (str_val(v, c->matched_rails, sizeof(c->matched_rails))) {
+                rc = fail(err, cap, " must be \"auto\" or a comma-separated list of devices", k);
+                goto out;
+            }
         } else if (!strcmp(k, "auth_token")) {
             if (str_val(v, c->auth_token, sizeof(c->auth_token))) {
                 rc = fail(err, cap, " must be a non-empty string of at most 255 bytes", k);
@@ -283,4 +298,126 @@ void srv_kv_config_free(srv_kv_config *c)
     cJSON_Delete(c->extra);
     c->extra = NULL;
     explicit_bzero(c->auth_token, sizeof(c->auth_token));
+}
+
+/* One setting that two variables may give (ours and the seed's alias): the value, NULL if
+ * neither is set, or an error when they disagree. */
+static int env_pair(const char *ours, const char *alias, const char **out, char *err, size_t cap)
+{
+    const char *a = getenv(ours), *b = getenv(alias);
+    if (a && !a[0]) a = NULL;
+    if (b && !b[0]) b = NULL;
+    if (a && b && strcmp(a, b)) {
+        snprintf(err, cap, "%s=%s and %s=%s disagree: set one of them", ours, a, alias, b);
+        return TD_EINVAL;
+    }
+    *out = a ? a : b;
+    return 0;
+}
+
+const char *srv_kv_host_ip(void)
+{
+    const char *v = getenv("TANDEM_HOST_IP");
+    if (!v || !v[0]) v = getenv("ATOM_HOST_IP");
+    return v && v[0] ? v : NULL;
+}
+
+/* TANDEM_RDMA_SL / TC (or MORI's): checked, and handed to UCX unless UCX's own are set. */
+static int rdma_qos(char *err, size_t cap)
+{
+    static const struct {
+        const char *ours, *alias, *ucx;
+        long max;
+    } q[] = {{"TANDEM_RDMA_SL", "MORI_RDMA_SL", "UCX_IB_SL", 15},
+             {"TANDEM_RDMA_TC", "MORI_RDMA_TC", "UCX_IB_TRAFFIC_CLASS", 255}};
+    for (int i = 0; i < 2; i++) {
+        const char *v;
+        if (env_pair(q[i].ours, q[i].alias, &v, err, cap)) return TD_EINVAL;
+        if (!v) continue;
+        char *end;
+        long n = strtol(v, &end, 10);
+        if (*end || end == v || n < 0 || n > q[i].max) {
+            snprintf(err, cap, "%s=%s must be an integer in [0, %ld]", q[i].ours, v, q[i].max);
+            return TD_EINVAL;
+        }
+        setenv(q[i].ucx, v, 0);
+    }
+    return 0;
+}
+
+int srv_kv_rails(srv_kv_config *c, char *err, size_t cap)
+{
+    kvx_rails *out = &c->rails;
+    bool *matched = &c->rails_matched;
+    memset(out, 0, sizeof(*out));
+    *matched = false;
+    if (rdma_qos(err, cap)) return TD_EINVAL;
+    const char *spec, *dev, *allow;
+    if (env_pair("TANDEM_MATCHED_RAILS", "ATOM_MOONCAKE_MATCHED_RAILS", &spec, err, cap) ||
+        env_pair("TANDEM_RAIL_DEVICE", "ATOM_MOONCAKE_IB_DEVICE", &dev, err, cap) ||
+        env_pair("TANDEM_RDMA_DEVICES", "MORI_RDMA_DEVICES", &allow, err, cap))
+        return TD_EINVAL;
+    if (c->matched_rails[0]) {
+        if (spec && strcmp(spec, c->matched_rails)) {
+            snprintf(err, cap, "matched_rails \"%s\" in the config and \"%s\" in the environment "
+                     "disagree: set one of them", c->matched_rails, spec);
+            return TD_EINVAL;
+        }
+        spec = c->matched_rails;
+    }
+    if (c->rail_device[0]) {
+        if (dev && strcmp(dev, c->rail_device)) {
+            snprintf(err, cap, "rail_device \"%s\" in the config and \"%s\" in the environment "
+                     "disagree: set one of them", c->rail_device, dev);
+            return TD_EINVAL;
+        }
+        dev = c->rail_device;
+    }
+    if (!spec && !dev) return 0;
+    if (c->protocol != SRV_KV_TCP) {
+        snprintf(err, cap,
+                 "rails (rail_device, matched_rails) work with protocol tcp only for now, not "
+                 "%s",
+                 srv_kv_protocol_name(c->protocol));
+        return TD_EINVAL;
+    }
+    const char *root = getenv("TANDEM_SYSFS_ROOT");
+    if (!root || !root[0]) root = "/sys";
+    td_err e = {0};
+    if (spec) {
+        if (kvx_rails_resolve(spec, dev, allow, root, out, &e)) {
+            snprintf(err, cap, "matched rails: %s", e.msg);
+            return TD_EINVAL;
+        }
+        *matched = true;
+    } else {
+        /* One device, not matched: it must exist and be up. */
+        kvx_rail_kind kind;
+        bool up = false;
+        if (strchr(dev, ',')) {
+            snprintf(err, cap, "rail_device must name one device, not the list \"%s\"", dev);
+            return TD_EINVAL;
+        }
+        if (kvx_rail_state(root, dev, &kind, &up, &e)) {
+            snprintf(err, cap, "rail_device: %s", e.msg);
+            return TD_EINVAL;
+        }
+        if (!up) {
+            snprintf(err, cap, "rail_device %s: its link is not up", dev);
+            return TD_EINVAL;
+        }
+        out->n = 1;
+        snprintf(out->name[0], sizeof(out->name[0]), "%s", dev);
+        out->primary = 0;
+        out->kind = kind;
+    }
+    if (out->kind == KVX_RAIL_RDMA) {
+        snprintf(err, cap,
+                 "%s is an RDMA device: rails over RDMA need protocol ucx, whose rail engines "
+                 "are not built yet; use network interfaces as TCP rails",
+                 out->name[out->primary]);
+        memset(out, 0, sizeof(*out));
+        return TD_EINVAL;
+    }
+    return 0;
 }

@@ -21,6 +21,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kvx/rails.h"
 #include "tandem/engine.h"
 
 /* ---- request parsing (request.c) ---- */
@@ -174,6 +175,10 @@ typedef struct srv_kv_config {
     int post_batch_size, max_send_wr, max_cqe_num, max_msg_sge;
     int enable_notification; /* -1 unset, 0, 1 */
     char notes[320];        /* what the parser accepted but will not use, for the startup log */
+    char rail_device[64];   /* rail_device (alias ib_device): this engine's own transfer device */
+    char matched_rails[1024]; /* matched_rails: "auto" or a comma list ("" = off) */
+    kvx_rails rails;          /* resolved by srv_kv_rails (n 0: none) */
+    bool rails_matched;
     void *extra; /* kv_connector_extra_config (cJSON object, owned) or NULL */
 } srv_kv_config;
 
@@ -183,6 +188,20 @@ typedef struct srv_kv_config {
  */
 int srv_kv_config_parse(srv_kv_config *out, const char *json, char *err, size_t err_cap);
 void srv_kv_config_free(srv_kv_config *c);
+
+/**
+ * Resolve the rails this engine's transfers use (c->rails, c->rails_matched) from the
+ * config and the environment
+ * (TANDEM_MATCHED_RAILS or ATOM_MOONCAKE_MATCHED_RAILS, TANDEM_RAIL_DEVICE or
+ * ATOM_MOONCAKE_IB_DEVICE, TANDEM_RDMA_DEVICES or MORI_RDMA_DEVICES, and TANDEM_SYSFS_ROOT
+ * for tests), against sysfs. rails.n 0: no rails; rails_matched: matched rails (else one
+ * device). Conflicting settings, a missing or inactive device and a protocol other
+ * than tcp are errors. Also applies the RDMA service level and traffic class variables
+ * (TANDEM_RDMA_SL / MORI_RDMA_SL, TANDEM_RDMA_TC / MORI_RDMA_TC) to UCX's.
+ */
+int srv_kv_rails(srv_kv_config *c, char *err, size_t cap);
+/** TANDEM_HOST_IP (or ATOM_HOST_IP): the control address to use when kv_ip is not set. */
+const char *srv_kv_host_ip(void);
 const char *srv_kv_role_name(srv_kv_role r);
 const char *srv_kv_protocol_name(srv_kv_protocol p);
 

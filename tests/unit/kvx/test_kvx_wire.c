@@ -5,6 +5,7 @@
 #include <stddef.h>
 #include <cmocka.h>
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -164,7 +165,7 @@ static void test_bad_headers(void **state)
     assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), TD_EUNSUPPORTED);
     assert_non_null(strstr(err.msg, "version 2"));
 
-    int bad_types[] = {0, 13, 77, 255};
+    int bad_types[] = {0, 15, 77, 255};
     for (size_t i = 0; i < TD_ARRAY_LEN(bad_types); i++) {
         memcpy(buf, good, n);
         buf[6] = (uint8_t)bad_types[i];
@@ -463,12 +464,64 @@ static void test_push_frames(void **state)
     assert_int_equal(kvx_wire_encode_push_done(buf, sizeof(buf), 1, buf, KVX_MAX_NOTE + 1), 0);
 }
 
+/* Rails: HELLO's optional rail field, RAIL and RAIL_ACK, and their bad forms. */
+static void test_rail_frames(void **state)
+{
+    (void)state;
+    uint8_t buf[512];
+    kvx_msg m;
+    td_err err;
+    kvx_hello h = {0};
+    h.layout = sample_layout();
+    size_t plain = kvx_wire_encode_hello(buf, sizeof(buf), KVX_MSG_HELLO, 1, &h);
+    assert_int_equal(kvx_wire_decode_frame(buf, plain, &m, &err), 0);
+    assert_string_equal(m.u.hello.rail, "");
+    snprintf(h.rail, sizeof(h.rail), "tdr3");
+    size_t n = kvx_wire_encode_hello(buf, sizeof(buf), KVX_MSG_HELLO, 1, &h);
+    assert_int_equal(n, plain + 5);
+    assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), 0);
+    assert_string_equal(m.u.hello.rail, "tdr3");
+    buf[plain] = 9; /* the rail's length runs past the payload */
+    assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), TD_EFORMAT);
+    buf[plain] = 2; /* shorter than the payload: bytes left over */
+    assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), TD_EFORMAT);
+    buf[plain] = 4;
+    buf[plain + 2] = 0; /* a NUL inside */
+    assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), TD_EFORMAT);
+    assert_non_null(strstr(err.msg, "not printable"));
+
+    n = kvx_wire_encode_rail(buf, sizeof(buf), 3, "mlx5_2");
+    assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), 0);
+    assert_int_equal(m.hdr.type, KVX_MSG_RAIL);
+    assert_string_equal(m.u.rail.name, "mlx5_2");
+    n = kvx_wire_encode_rail(buf, sizeof(buf), 3, ""); /* "your primary" */
+    assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), 0);
+    assert_string_equal(m.u.rail.name, "");
+    char longname[KVX_MAX_RAIL + 2];
+    memset(longname, 'a', sizeof(longname) - 1);
+    longname[sizeof(longname) - 1] = 0;
+    assert_int_equal(kvx_wire_encode_rail(buf, sizeof(buf), 3, longname), 0);
+
+    n = kvx_wire_encode_rail_ack(buf, sizeof(buf), 4, "10.100.2.1", 40123, "tdr2");
+    assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), 0);
+    assert_int_equal(m.hdr.type, KVX_MSG_RAIL_ACK);
+    assert_string_equal(m.u.rail.addr, "10.100.2.1");
+    assert_string_equal(m.u.rail.name, "tdr2");
+    assert_int_equal(m.u.rail.port, 40123);
+    assert_int_equal(kvx_wire_decode_frame(buf, n - 1, &m, &err), TD_EFORMAT); /* truncated */
+    buf[KVX_HDR_BYTES] = buf[KVX_HDR_BYTES + 1] = 0; /* port 0 */
+    assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), TD_EFORMAT);
+    assert_int_equal(kvx_wire_encode_rail_ack(buf, sizeof(buf), 4, "", 1, "tdr2"), 0);
+    assert_int_equal(kvx_wire_encode_rail_ack(buf, sizeof(buf), 4, "10.0.0.1", 0, "tdr2"), 0);
+    assert_int_equal(kvx_wire_encode_rail_ack(buf, sizeof(buf), 4, "10.0.0.1", 1, ""), 0);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_roundtrip),      cmocka_unit_test(test_truncated),
         cmocka_unit_test(test_bad_headers),    cmocka_unit_test(test_bad_payloads),
-        cmocka_unit_test(test_push_frames),
+        cmocka_unit_test(test_push_frames),    cmocka_unit_test(test_rail_frames),
         cmocka_unit_test(test_crc32c),         cmocka_unit_test(test_coalesce),
         cmocka_unit_test(test_layout_and_ids), cmocka_unit_test(test_auth_frame),
     };
