@@ -8,7 +8,9 @@
 #   - one more rail, tdr<N>, that exists on both sides with its link down.
 #
 #   scripts/rail_fabric.sh check            exit 0 if namespaces can be made here
-#   scripts/rail_fabric.sh up NAME [N]      build it (N rails, default 4)
+#   scripts/rail_fabric.sh up NAME [N] [RATE]  build it (N rails, default 4); RATE (e.g.
+#                                           1gbit) caps each rail both ways like a NIC
+#                                           (tc tbf), for the striping benchmark
 #   scripts/rail_fabric.sh down NAME        remove it
 #
 # Run a process on a host with: ip netns exec NAME-p CMD (the namespace sees its own
@@ -18,6 +20,7 @@ set -euo pipefail
 cmd=${1:-}
 name=${2:-}
 rails=${3:-4}
+rate=${4:-}
 
 check() {
     command -v ip >/dev/null || { echo "rail fabric: the ip command (iproute2) is missing" >&2; return 2; }
@@ -55,7 +58,13 @@ up() {
         ip -n "$name-p" addr add "10.100.$i.1/24" dev "tdr$i"
         ip -n "$name-d" addr add "10.100.$i.2/24" dev "tdr$i"
         if ((i < rails)); then
-            for h in p d; do ip -n "$name-$h" link set "tdr$i" up; done
+            for h in p d; do
+                ip -n "$name-$h" link set "tdr$i" up
+                if [ -n "$rate" ]; then
+                    ip netns exec "$name-$h" tc qdisc add dev "tdr$i" root tbf rate "$rate" \
+                        burst 256kb latency 50ms
+                fi
+            done
         fi
     done
     trap - ERR
@@ -63,7 +72,7 @@ up() {
 
 case "$cmd" in
 check) check ;;
-up) [ -n "$name" ] || { echo "usage: $0 up NAME [RAILS]" >&2; exit 2; }; up ;;
+up) [ -n "$name" ] || { echo "usage: $0 up NAME [RAILS] [RATE]" >&2; exit 2; }; up ;;
 down) [ -n "$name" ] || { echo "usage: $0 down NAME" >&2; exit 2; }; down ;;
-*) echo "usage: $0 check | up NAME [RAILS] | down NAME" >&2; exit 2 ;;
+*) echo "usage: $0 check | up NAME [RAILS] [RATE] | down NAME" >&2; exit 2 ;;
 esac

@@ -380,7 +380,7 @@ int cli_bench_xfer(int argc, char **argv)
     const char *pcrc_s = "kept";
     const char *host = "127.0.0.1", *pns = NULL, *cns = NULL, *rails_s = NULL, *rail_dev = NULL,
                *prail_dev = NULL;
-    bool probe = false, no_matched = false;
+    bool probe = false, no_matched = false, striping = false;
     int64_t threads = 4, qp = 4, segments = 8, min_mb = 256, trials = 3;
     uint64_t block_bytes = 8192;
     bool no_checksums = false, no_floor = false;
@@ -405,6 +405,8 @@ int cli_bench_xfer(int argc, char **argv)
                  "the producer's primary rail (default: --rail-device)"),
         CLI_FLAG("no-matched-rails", CLI_FLAG_BOOL, &no_matched,
                  "one device per side, not matched by name"),
+        CLI_FLAG("rail-striping", CLI_FLAG_BOOL, &striping,
+                 "cut each transfer over every rail of --rails (matched)"),
         CLI_FLAG("probe", CLI_FLAG_BOOL, &probe,
                  "check bytes and guard bytes of 64 B, 64 KiB and 1 MiB transfers, then exit"),
         CLI_FLAG("no-floor", CLI_FLAG_BOOL, &no_floor, "skip the memcpy and raw TCP figures"),
@@ -548,6 +550,7 @@ int cli_bench_xfer(int argc, char **argv)
     co.protocol = proto;
     co.rails = use_rails ? &crails : NULL;
     co.matched_rails = !no_matched;
+    co.rail_striping = striping;
     kvx_agent *a;
     kvx_client *c;
     td_err err;
@@ -574,11 +577,17 @@ int cli_bench_xfer(int argc, char **argv)
 
     int ncpu = (int)sysconf(_SC_NPROCESSORS_ONLN);
     const char *tls = getenv("UCX_TLS");
-    printf("bench-xfer: kvx %s%s%s%s over loopback, %d CPUs, %lld segments x %llu-byte blocks, "
+    if (use_rails)
+        printf("bench-xfer: rails %s, consumer on %s%s%s%s%s, producer control address %s\n",
+               no_matched ? rail_dev : rails_s, rail_dev, no_matched ? "" : " (matched)",
+               striping ? ", striped" : "", pns || cns ? ", producer namespace " : "",
+               pns || cns ? (pns ? pns : "-") : "", host);
+    printf("bench-xfer: kvx %s%s%s%s over %s, %d CPUs, %lld segments x %llu-byte blocks, "
            "%lld workers, %lld connections per peer, checksums %s\n",
            kvx_protocol_name(proto), proto == KVX_PROTO_UCX ? " (UCX_TLS=" : "",
            proto == KVX_PROTO_UCX ? (tls ? tls : "default") : "",
-           proto == KVX_PROTO_UCX ? ")" : "", ncpu, (long long)segments, (unsigned long long)block_bytes, (long long)threads,
+           proto == KVX_PROTO_UCX ? ")" : "", use_rails ? "rails" : "loopback", ncpu,
+           (long long)segments, (unsigned long long)block_bytes, (long long)threads,
            (long long)qp,
            no_checksums ? "off"
            : kept       ? "on (CRC32C; the producer's kept as written)"

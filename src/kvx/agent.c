@@ -1138,6 +1138,7 @@ static void *conn_main(void *arg)
                 a->stats.rail_reads[c->rail]++;
                 pthread_mutex_unlock(&a->mu);
             }
+            if (c->rail >= 0 && atomic_load(&kvx__test_slow_rail) == c->rail + 1) usleep(20000);
             if (m.hdr.type == KVX_MSG_READ) rc = serve_read(a, c->fd, &b, &m);
             else if (m.hdr.type == KVX_MSG_UCX_GRANT) rc = serve_ucx_grant(a, c, c->fd, &b, &m, &pin);
             else if (m.hdr.type == KVX_MSG_SHM_INFO) rc = serve_shm_info(a, c->fd, &b, &m);

@@ -39,6 +39,11 @@ typedef struct kvx__session {
     int rail;
     char data_host[KVX_MAX_RAIL + 1];
     uint16_t data_port;
+    /* Striping, under client->mu: this rail's measured throughput (bytes per ns, EWMA; 0
+     * until measured), the bytes of pieces running on it, and until when it is left out
+     * after a failure. */
+    double rate;
+    uint64_t inflight, down_until_ns, rated_ns;
     uint8_t engine_id[KVX_ID_BYTES];
     char engine_hex[KVX_ID_HEX];
     int refs;              /* under client->mu: the cache's and each user's */
@@ -60,6 +65,7 @@ typedef struct kvx__piece {
     uint32_t first, count; /* descriptors x->pd[first .. first + count) */
     uint64_t bytes, blocks;
     struct kvx__piece *next;
+    int tries; /* striping: rails this piece failed on */
 } kvx__piece;
 
 struct kvx_xfer {
@@ -70,6 +76,9 @@ struct kvx_xfer {
     uint32_t n_pd;
     kvx__piece *pieces;
     int n_pieces, pending;
+    /* Striping: the data session of every rail (NULL where not used), rail index order. */
+    bool stripe;
+    struct kvx__session *rs[KVX_MAX_RAILS];
     uint64_t start_ns, deadline_ns;
     int code;
     td_err result;
@@ -112,6 +121,7 @@ struct kvx_client {
     char token[256]; /* auth_token ("" = none), wiped at destroy */
     struct kvx_xfer *pushes; /* push transfers whose thread runs */
     kvx_rails rails;          /* n == 0: no rails */
+    bool striping;            /* opts.rail_striping with matched rails */
     char rail_addr[KVX_MAX_RAILS][64]; /* each rail's local address ("" = not resolved) */
     bool rail_addr_given;     /* opts.rail_addrs: no device binding */
 };
@@ -668,6 +678,11 @@ static void xfer_complete(struct kvx_xfer *x)
     x->s = NULL;
     if (x->ds) session_put(x->ds);
     x->ds = NULL;
+    for (int i = 0; i < KVX_MAX_RAILS; i++)
+        if (x->rs[i]) {
+            session_put(x->rs[i]);
+            x->rs[i] = NULL;
+        }
     if (x->cb) x->cb(x->user, x, &x->result);
     pthread_mutex_lock(&c->mu);
     x->done = true;
@@ -698,6 +713,74 @@ static void piece_finish(kvx_client *c, kvx__piece *p, int rc, const td_err *e)
     if (last) xfer_complete(x);
 }
 
+/*
+ * Striping: run piece p on the rail expected to finish it first, (bytes running there +
+ * p's bytes) / its measured rate, among rails not left out; an unmeasured rail is assumed
+ * as fast as the fastest measured one, so every rail gets tried. A failure that a rail
+ * may cause (connection, refusal, timeout before the deadline) leaves that rail out for
+ * 10 s and puts the piece back at the head of the queue for another rail (TD_EAGAIN);
+ * when no rail is left, the piece fails with the last error.
+ */
+#define STRIPE_DOWN_NS (10ull * 1000000000ull)
+#define STRIPE_STALE_NS (500ull * 1000000ull)
+
+static int stripe_run(kvx_client *c, struct kvx_xfer *x, kvx__piece *p, td_err *e)
+{
+    pthread_mutex_lock(&c->mu);
+    uint64_t now = td_now_ns();
+    double fastest = 0;
+    for (int r = 0; r < c->rails.n; r++)
+        if (x->rs[r] && x->rs[r]->rate > fastest) fastest = x->rs[r]->rate;
+    kvx__session *s = NULL;
+    double best = 0;
+    for (int r = 0; r < c->rails.n; r++) {
+        kvx__session *q = x->rs[r];
+        if (!q || q->down_until_ns > now) continue;
+        bool fresh = q->rate > 0 && now - q->rated_ns < STRIPE_STALE_NS;
+        double rate = fresh ? q->rate : fastest > 0 ? fastest : 1.0;
+        double t = (double)(q->inflight + p->bytes) / rate;
+        if (!s || t < best) s = q, best = t;
+    }
+    if (!s) {
+        pthread_mutex_unlock(&c->mu);
+        if (!e->code)
+            td_err_set(e, TD_ECONN, "kvx: no rail to the producer is usable (all failed)");
+        return e->code;
+    }
+    s->inflight += p->bytes;
+    pthread_mutex_unlock(&c->mu);
+
+    uint64_t t0 = td_now_ns();
+    int rc = c->transport->run_piece(s, p, e);
+    uint64_t t1 = td_now_ns();
+
+    pthread_mutex_lock(&c->mu);
+    s->inflight -= p->bytes;
+    if (!rc) {
+        double r = (double)p->bytes / (double)TD_MAX(t1 - t0, 1000);
+        s->rate = s->rate > 0 && t1 - s->rated_ns < STRIPE_STALE_NS ? 0.7 * s->rate + 0.3 * r : r;
+        s->rated_ns = t1;
+    }
+    bool rail_fault = rc == TD_ECONN || rc == TD_EIO || rc == TD_EINVAL || rc == TD_EUNSUPPORTED ||
+                      (rc == TD_ETIMEDOUT && t1 < x->deadline_ns);
+    bool retry = rail_fault && !x->code && t1 < x->deadline_ns && ++p->tries < c->rails.n;
+    if (rail_fault) {
+        s->down_until_ns = t1 + STRIPE_DOWN_NS;
+        s->rate = 0;
+        TD_WARN("kvx: rail %s to %s:%u failed (%s); its share goes to the other rails for 10 s",
+                c->rails.name[s->rail], s->host, s->port, e->msg);
+    }
+    if (retry) { /* to the head of the queue: it is late already */
+        p->next = c->qhead;
+        c->qhead = p;
+        if (!c->qtail) c->qtail = p;
+        pthread_cond_signal(&c->work_cv);
+        rc = TD_EAGAIN;
+    }
+    pthread_mutex_unlock(&c->mu);
+    return rc;
+}
+
 static void *worker_main(void *arg)
 {
     kvx_client *c = arg;
@@ -723,8 +806,11 @@ static void *worker_main(void *arg)
             rc = failed; /* another piece already decided the outcome */
         else if (td_now_ns() >= x->deadline_ns)
             rc = td_err_set(&e, TD_ETIMEDOUT, "kvx: transfer deadline passed before it could run");
+        else if (x->stripe)
+            rc = stripe_run(c, x, p, &e);
         else
             rc = c->transport->run_piece(x->s, p, &e);
+        if (rc == TD_EAGAIN) continue; /* requeued for another rail */
         piece_finish(c, p, rc, &e);
     }
 }
@@ -822,8 +908,17 @@ int kvx_client_create(kvx_client **out, const kvx_client_opts *opts, td_err *err
             free(c);
             return rc;
         }
-        TD_INFO("kvx client: transfers go over rail %s (%s)%s", c->rails.name[p], c->rail_addr[p],
-                opts->matched_rails ? ", matched" : "");
+        c->striping = opts->rail_striping && opts->matched_rails && c->rails.n > 1;
+        /* Striping reads over every rail: each needs its local address now. */
+        for (int i = 0; c->striping && !opts->rail_addrs && i < c->rails.n; i++)
+            if (i != p && (rc = kvx__iface_addr(c->rails.name[i], c->rail_addr[i],
+                                                sizeof(c->rail_addr[i]), err))) {
+                free(c);
+                return rc;
+            }
+        TD_INFO("kvx client: transfers go over rail %s (%s)%s%s", c->rails.name[p], c->rail_addr[p],
+                opts->matched_rails ? ", matched" : "",
+                c->striping ? ", striped over every matched rail" : "");
     }
     c->opts.rails = NULL; /* copied above */
     c->opts.rail_addrs = NULL;
@@ -980,6 +1075,24 @@ static int xfer_plan(struct kvx_xfer *x, const kvx_run *runs, int n_runs, const 
     return 0;
 }
 
+/* Striping: a session per rail for x (the primary's is x->s); 0 or TD_ENOMEM. */
+static int stripe_sessions(kvx_client *c, struct kvx_xfer *x, td_err *err)
+{
+    x->stripe = true;
+    for (int r = 0; r < c->rails.n; r++) {
+        if (r == x->s->rail) {
+            pthread_mutex_lock(&c->mu);
+            x->s->refs++;
+            pthread_mutex_unlock(&c->mu);
+            x->rs[r] = x->s;
+            continue;
+        }
+        int rc = session_get(c, x->s->host, x->s->port, x->s->engine_hex, r, &x->rs[r], err);
+        if (rc) return rc;
+    }
+    return 0;
+}
+
 /*
  * Start a read of src[i] -> dst[i] (i < n) in segments [seg0, seg1) on session s, whose
  * reference the transfer takes over (it is dropped here on failure).
@@ -1012,8 +1125,10 @@ static int read_begin(kvx_client *c, kvx__session *s, const uint8_t id[KVX_ID_BY
     x->user = user;
     x->info.n_runs = (uint32_t)n_runs;
     x->info.n_descriptors = (uint32_t)n_runs * (seg1 - seg0);
-    if (xfer_plan(x, runs, n_runs, &c->opts.region, (uint32_t)c->opts.qp_per_transfer, seg0,
-                  seg1)) {
+    x->s = s;
+    if (c->striping && s->rail >= 0 && (rc = stripe_sessions(c, x, err))) goto fail;
+    uint32_t qp = (uint32_t)c->opts.qp_per_transfer * (x->stripe ? (uint32_t)c->rails.n : 1);
+    if (xfer_plan(x, runs, n_runs, &c->opts.region, qp, seg0, seg1)) {
         rc = td_err_set(err, TD_ENOMEM, "kvx: out of memory");
         goto fail;
     }
@@ -1047,6 +1162,8 @@ static int read_begin(kvx_client *c, kvx__session *s, const uint8_t id[KVX_ID_BY
     *out = x;
     return 0;
 fail:
+    for (int i = 0; x && i < KVX_MAX_RAILS; i++)
+        if (x->rs[i]) session_put(x->rs[i]);
     session_put(s);
     free(runs);
     if (x) xfer_free_mem(x);

@@ -24,6 +24,7 @@
 _Atomic int kvx__test_corrupt_pieces;
 _Atomic int kvx__test_send_delay_ms;
 _Atomic int kvx__test_rail_fail;
+_Atomic int kvx__test_slow_rail;
 
 /* ---------------------------------------------------------------- ids, layouts, runs */
 

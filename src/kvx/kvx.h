@@ -266,6 +266,11 @@ typedef struct kvx_client_opts {
     const struct kvx_rails *rails;
     bool matched_rails;
     const char (*rail_addrs)[64];
+    /* With matched rails: cut each read into pieces over every rail the producer also has
+     * (qp_per_transfer pieces per rail), each piece to the rail expected to finish it
+     * first by its measured throughput; a rail that fails is left out for 10 s and its
+     * pieces go to the others. */
+    bool rail_striping;
 } kvx_client_opts;
 
 typedef struct kvx_client kvx_client;

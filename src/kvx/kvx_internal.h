@@ -185,5 +185,8 @@ extern _Atomic int kvx__test_copies_delayed;
 /* When > 0, opening the engine of rail (value - 1) fails after its listener is made
  * (agent.c), as a registration failure would: tests of the rollback. */
 extern _Atomic int kvx__test_rail_fail;
+/* When > 0, the agent sleeps 20 ms before serving each READ on rail (value - 1): a slow
+ * rail, for tests of striping. */
+extern _Atomic int kvx__test_slow_rail;
 
 #endif

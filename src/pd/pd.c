@@ -607,6 +607,7 @@ int pd_create(pd_connector **out, const pd_config *cfg, const td_kv_info *kv,
         co.auth_token = pd->token[0] ? pd->token : NULL;
         co.rails = cfg->rails;
         co.matched_rails = cfg->matched_rails;
+        co.rail_striping = cfg->rail_striping;
         rc = kvx_client_create(&pd->client, &co, err);
         if (rc) goto fail;
         if (pthread_create(&pd->rel_thread, NULL, rel_main, pd) != 0) {

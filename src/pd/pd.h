@@ -35,6 +35,7 @@ typedef struct pd_config {
     int tp_rank, tp_size;
     const struct kvx_rails *rails; /* NULL or n 0: no rails (kvx_agent_opts.rails) */
     bool matched_rails;
+    bool rail_striping; /* a consumer's reads over every matched rail */
 } pd_config;
 
 /** Where a consumer finds a prompt's KV (from kv_transfer_params). */

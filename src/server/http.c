@@ -431,6 +431,7 @@ static int start_pd(srv_server *s, td_engine *e, const srv_kv_config *kv, td_err
         TD_INFO("kv transfer rails (%s): %s", kv->rails_matched ? "matched" : "one device", desc);
         pc.rails = &kv->rails;
         pc.matched_rails = kv->rails_matched;
+        pc.rail_striping = kv->rail_striping;
     }
     const char *env = getenv("TANDEM_KV_TOKEN");
     pc.auth_token = kv->auth_token[0] ? kv->auth_token : env && env[0] ? env : NULL;

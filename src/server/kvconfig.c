@@ -81,7 +81,7 @@ static int bool_val(const cJSON *v, bool *out)
     "qp_per_transfer, lease_ms, transfer_timeout_ms, kv_load_failure_policy, "                  \
     "verify_checksums, proxy_ip, proxy_ping_port, http_port, auth_token, post_batch_size, "     \
     "max_send_wr, max_cqe_num, max_msg_sge, enable_notification, kv_connector_extra_config, "    \
-    "rail_device, ib_device, matched_rails"
+    "rail_device, ib_device, matched_rails, rail_striping"
 
 /* Integer keys: name, range, where to store, and the message for a bad value. */
 typedef struct int_key {
@@ -223,6 +223,11 @@ int srv_kv_config_parse(srv_kv_config *c, const char *json, char *err, size_t ca
                           " must name one device (an RDMA device or a network interface), "
                           "not a list",
                           k);
+                goto out;
+            }
+        } else if (!strcmp(k, "rail_striping")) {
+            if (bool_val(v, &c->rail_striping)) {
+                rc = fail(err, cap, " must be true or false", k);
                 goto out;
             }
         } else if (!strcmp(k, "matched_rails")) {
@@ -373,7 +378,11 @@ int srv_kv_rails(srv_kv_config *c, char *err, size_t cap)
         }
         dev = c->rail_device;
     }
-    if (!spec && !dev) return 0;
+    if (!spec && !dev) {
+        if (!c->rail_striping) return 0;
+        snprintf(err, cap, "rail_striping needs matched_rails and rail_device");
+        return TD_EINVAL;
+    }
     if (c->protocol != SRV_KV_TCP) {
         snprintf(err, cap,
                  "rails (rail_device, matched_rails) work with protocol tcp only for now, not "
@@ -390,6 +399,9 @@ int srv_kv_rails(srv_kv_config *c, char *err, size_t cap)
             return TD_EINVAL;
         }
         *matched = true;
+    } else if (c->rail_striping) {
+        snprintf(err, cap, "rail_striping needs matched_rails (auto or a list)");
+        return TD_EINVAL;
     } else {
         /* One device, not matched: it must exist and be up. */
         kvx_rail_kind kind;

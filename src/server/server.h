@@ -177,6 +177,7 @@ typedef struct srv_kv_config {
     char notes[320];        /* what the parser accepted but will not use, for the startup log */
     char rail_device[64];   /* rail_device (alias ib_device): this engine's own transfer device */
     char matched_rails[1024]; /* matched_rails: "auto" or a comma list ("" = off) */
+    bool rail_striping;       /* rail_striping: one transfer over every matched rail */
     kvx_rails rails;          /* resolved by srv_kv_rails (n 0: none) */
     bool rails_matched;
     void *extra; /* kv_connector_extra_config (cJSON object, owned) or NULL */

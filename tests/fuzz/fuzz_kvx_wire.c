@@ -82,6 +82,11 @@ static size_t reencode(const kvx_msg *m, uint8_t *out, size_t cap)
     case KVX_MSG_PUSH_DONE:
         return kvx_wire_encode_push_done(out, cap, m->hdr.tag, m->u.push_done.note,
                                          m->u.push_done.note_len);
+    case KVX_MSG_RAIL:
+        return kvx_wire_encode_rail(out, cap, m->hdr.tag, m->u.rail.name);
+    case KVX_MSG_RAIL_ACK:
+        return kvx_wire_encode_rail_ack(out, cap, m->hdr.tag, m->u.rail.addr, m->u.rail.port,
+                                        m->u.rail.name);
     }
     return 0; /* ERROR messages are sanitized on decode, so they do not round-trip */
 }

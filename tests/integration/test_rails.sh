@@ -6,6 +6,7 @@
 #    list without the primary are start-up errors.
 #  - Every producer rail x consumer rail pair (4 x 4) moves the KV over the consumer's rail,
 #    three concurrent requests per pair, with output equal to one aggregated engine's.
+#  - Striping (rail_striping): outputs equal; striping without matched rails is an error.
 #  - The transport-level byte-integrity probe (bench-xfer --probe) across the namespaces.
 #  - Matched rails off and the rails crossed (producer device tdr1, consumer tdr3): the
 #    request ends quickly with a clear error (kv_load_failure_policy fail), not a hang.
@@ -121,6 +122,16 @@ for pr in 0 1 2 3; do
             fail "producer tdr$pr served nothing on rail tdr$cr: $(echo "$m" | grep rail)"
     done
 done
+
+# Striping: a consumer that cuts each transfer over every matched rail.
+serve_in "$D" STRIPE 10.99.0.2 \
+    '{"kv_role":"kv_consumer","rail_device":"tdr0","matched_rails":"auto","rail_striping":true,"kv_load_failure_policy":"fail"}'
+grep -q "striped over every matched rail" "$tmp/STRIPE.err" || fail "striping not on: $(cat "$tmp/STRIPE.err")"
+for k in 0 1 2; do
+    pd_request "$PROD2_URL" "$STRIPE_URL" "${PROMPTS[$k]}" "$tmp/stripe.$k"
+    [ "$(jq -r '.choices[0].text' "$tmp/stripe.$k")" = "${want[$k]}" ] || fail "striped: $(cat "$tmp/stripe.$k")"
+done
+startup_error "$D" '{"kv_role":"kv_consumer","rail_device":"tdr0","rail_striping":true}' "matched_rails"
 
 # The byte-integrity probe at the transport level, across the hosts: 64 B, 64 KiB and
 # 1 MiB at different offsets, guard bytes around each destination (consumer tdr2, producer

@@ -299,12 +299,102 @@ static void test_kv_config(void **state)
         "{\"kv_role\":\"kv_both\",\"max_send_wr\":-3}",
         "{\"kv_role\":\"kv_both\",\"enable_notification\":\"yes\"}",
         "{\"kv_role\":\"kv_both\",\"qp_per_transfers\":4}",
+        "{\"kv_role\":\"kv_both\",\"rail_device\":\"tdr0,tdr1\"}",
+        "{\"kv_role\":\"kv_both\",\"ib_device\":7}",
+        "{\"kv_role\":\"kv_both\",\"matched_rails\":\"\"}",
+        "{\"kv_role\":\"kv_both\",\"rail_striping\":\"yes\"}",
     };
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
         msg[0] = '\0';
         if (srv_kv_config_parse(&c, bad[i], msg, sizeof(msg)) == 0) fail_msg("accepted %s", bad[i]);
         assert_non_null(strstr(msg, "--kv-transfer-config"));
     }
+}
+
+/* Rails from the config and the environment, resolved on a fixture sysfs. */
+static void test_kv_rails(void **state)
+{
+    (void)state;
+    char root[] = "/tmp/td-kvrails-XXXXXX", path[256], msg[600];
+    assert_non_null(mkdtemp(root));
+    const char *devs[] = {"tdr0", "tdr1", "tdr2"};
+    for (int i = 0; i < 3; i++) {
+        snprintf(path, sizeof(path), "mkdir -p %s/class/net/%s %s/class/infiniband/mlx5_0/ports/1 && "
+                 "echo up > %s/class/net/%s/operstate && echo '4: ACTIVE' > "
+                 "%s/class/infiniband/mlx5_0/ports/1/state", root, devs[i], root, root, devs[i], root);
+        assert_int_equal(system(path), 0);
+    }
+    setenv("TANDEM_SYSFS_ROOT", root, 1);
+    srv_kv_config c;
+    assert_int_equal(srv_kv_config_parse(&c, "{\"kv_role\":\"kv_consumer\",\"ib_device\":"
+                                             "\"tdr1\",\"matched_rails\":\"auto\","
+                                             "\"rail_striping\":true}",
+                                         msg, sizeof(msg)),
+                     0);
+    assert_string_equal(c.rail_device, "tdr1");
+    assert_true(c.rail_striping);
+    assert_int_equal(srv_kv_rails(&c, msg, sizeof(msg)), 0);
+    assert_int_equal(c.rails.n, 3);
+    assert_int_equal(c.rails.primary, 1);
+    assert_true(c.rails_matched);
+    /* The environment may say the same; saying something else is an error. */
+    setenv("TANDEM_MATCHED_RAILS", "auto", 1);
+    assert_int_equal(srv_kv_rails(&c, msg, sizeof(msg)), 0);
+    setenv("TANDEM_MATCHED_RAILS", "tdr0,tdr1", 1);
+    assert_int_equal(srv_kv_rails(&c, msg, sizeof(msg)), TD_EINVAL);
+    assert_non_null(strstr(msg, "disagree"));
+    unsetenv("TANDEM_MATCHED_RAILS");
+    srv_kv_config_free(&c);
+    /* Only the environment: the seed's names work, and two names that disagree do not. */
+    assert_int_equal(srv_kv_config_parse(&c, "{\"kv_role\":\"kv_producer\"}", msg, sizeof(msg)), 0);
+    assert_int_equal(srv_kv_rails(&c, msg, sizeof(msg)), 0);
+    assert_int_equal(c.rails.n, 0);
+    setenv("ATOM_MOONCAKE_MATCHED_RAILS", "tdr2,tdr0", 1);
+    setenv("ATOM_MOONCAKE_IB_DEVICE", "tdr0", 1);
+    assert_int_equal(srv_kv_rails(&c, msg, sizeof(msg)), 0);
+    assert_int_equal(c.rails.n, 2);
+    assert_string_equal(c.rails.name[c.rails.primary], "tdr0");
+    setenv("TANDEM_RAIL_DEVICE", "tdr2", 1);
+    assert_int_equal(srv_kv_rails(&c, msg, sizeof(msg)), TD_EINVAL);
+    assert_non_null(strstr(msg, "TANDEM_RAIL_DEVICE"));
+    unsetenv("TANDEM_RAIL_DEVICE");
+    unsetenv("ATOM_MOONCAKE_MATCHED_RAILS");
+    /* One device, not matched. */
+    assert_int_equal(srv_kv_rails(&c, msg, sizeof(msg)), 0);
+    assert_int_equal(c.rails.n, 1);
+    assert_false(c.rails_matched);
+    /* An RDMA device needs ucx rails (not built); rails need tcp; a bad SL. */
+    setenv("ATOM_MOONCAKE_IB_DEVICE", "mlx5_0", 1);
+    assert_int_equal(srv_kv_rails(&c, msg, sizeof(msg)), TD_EINVAL);
+    assert_non_null(strstr(msg, "RDMA device"));
+    unsetenv("ATOM_MOONCAKE_IB_DEVICE");
+    srv_kv_config_free(&c);
+    assert_int_equal(srv_kv_config_parse(&c, "{\"kv_role\":\"kv_producer\",\"protocol\":\"shm\","
+                                             "\"rail_device\":\"tdr0\"}",
+                                         msg, sizeof(msg)),
+                     0);
+    assert_int_equal(srv_kv_rails(&c, msg, sizeof(msg)), TD_EINVAL);
+    assert_non_null(strstr(msg, "tcp only"));
+    srv_kv_config_free(&c);
+    assert_int_equal(srv_kv_config_parse(&c, "{\"kv_role\":\"kv_producer\",\"rail_striping\":true}",
+                                         msg, sizeof(msg)),
+                     0);
+    assert_int_equal(srv_kv_rails(&c, msg, sizeof(msg)), TD_EINVAL);
+    assert_non_null(strstr(msg, "matched_rails"));
+    c.rail_striping = false;
+    setenv("MORI_RDMA_SL", "16", 1);
+    assert_int_equal(srv_kv_rails(&c, msg, sizeof(msg)), TD_EINVAL);
+    assert_non_null(strstr(msg, "[0, 15]"));
+    setenv("MORI_RDMA_SL", "3", 1);
+    unsetenv("UCX_IB_SL");
+    assert_int_equal(srv_kv_rails(&c, msg, sizeof(msg)), 0);
+    assert_string_equal(getenv("UCX_IB_SL"), "3");
+    unsetenv("MORI_RDMA_SL");
+    unsetenv("UCX_IB_SL");
+    srv_kv_config_free(&c);
+    unsetenv("TANDEM_SYSFS_ROOT");
+    snprintf(path, sizeof(path), "rm -rf %s", root);
+    assert_int_equal(system(path), 0);
 }
 
 static void test_kv_params(void **state)
@@ -451,6 +541,7 @@ int main(void)
         cmocka_unit_test(test_detect),
         cmocka_unit_test(test_bad),
         cmocka_unit_test(test_kv_config),
+        cmocka_unit_test(test_kv_rails),
         cmocka_unit_test(test_kv_params),
         cmocka_unit_test(test_detect_shared),
     };
