@@ -58,10 +58,12 @@ typedef struct conn {
     struct conn *next;
     bool pinned; /* holds a grant's pin (under agent->mu): kvx_agent_destroy waits for it */
     int rail;    /* the rail engine that accepted it, -1 for the handshake listener */
+    struct listener *listener; /* that engine */
 } conn;
 
 /* A listening socket and its accept thread: the handshake listener (rail -1), or a rail's
  * engine on the tcp transport (bound to the rail's address and device). */
+struct listener;
 typedef struct listener {
     struct kvx_agent *agent;
     int fd, rail;
@@ -69,6 +71,12 @@ typedef struct listener {
     char addr[64];
     _Atomic bool stop;
     pthread_t thread;
+    /* A rail's UCX engine (protocol ucx): a context restricted to the rail's device, with
+     * the region registered under its own keys; made on the rail's first UCX_INFO, under
+     * agent->mu, and kept (or its error) until the agent goes. */
+    struct kvx__ucx_agent *ucx;
+    bool ucx_tried;
+    char ucx_error[256];
 } listener;
 
 struct kvx_agent {
@@ -577,22 +585,37 @@ static int serve_shm_info(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m)
 }
 
 /* UCX_INFO: the producer's UCX worker address, region and packed rkey (ucx.c). */
-static int serve_ucx_info(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m)
+static int serve_ucx_info(kvx_agent *a, const conn *c, int fd, conn_bufs *b, const kvx_msg *m)
 {
 #ifdef TD_HAVE_UCX
+    /* The agent's own UCX engine, or on a rail's connection that rail's. */
+    listener *L = c->rail >= 0 ? c->listener : NULL;
+    struct kvx__ucx_agent **slot = L ? &L->ucx : &a->ucx;
+    bool *tried = L ? &L->ucx_tried : &a->ucx_tried;
+    char *error = L ? L->ucx_error : a->ucx_error;
     pthread_mutex_lock(&a->mu);
-    if (!a->ucx && !a->ucx_tried) {
-        /* Once per agent: a producer whose UCX cannot start keeps serving tcp. */
+    if (!*slot && !*tried) {
+        /* Once per agent (or rail): a producer whose UCX cannot start keeps serving tcp; a
+         * rail whose UCX engine cannot start stays failed for ucx until restart. */
         td_err e;
-        a->ucx_tried = true;
-        if (kvx__ucx_agent_create(&a->ucx, &a->opts.region, &e)) {
-            snprintf(a->ucx_error, sizeof(a->ucx_error), "%s", e.msg);
-            TD_WARN("kvx agent %s:%u: %s", a->opts.host, a->port, e.msg);
+        char dev[KVX_RAIL_NAME + 4];
+        if (L) kvx__rail_ucx_device(&a->rails, L->rail, dev, sizeof(dev));
+        *tried = true;
+        /* Rails with given addresses (tests on loopback) have no device to restrict to. */
+        bool restrict_dev = L && !a->rail_addr[L->rail][0];
+        if (kvx__ucx_agent_create(slot, &a->opts.region, restrict_dev ? dev : NULL, &e)) {
+            snprintf(error, 256, "%s%s%s", L ? "rail " : "", L ? a->rails.name[L->rail] : "",
+                     L ? " (stays failed until restart): " : "");
+            snprintf(error + strlen(error), 256 - strlen(error), "%s", e.msg);
+            TD_WARN("kvx agent %s:%u: %s", a->opts.host, a->port, error);
+        } else if (L) {
+            TD_INFO("kvx agent: rail %s's UCX engine is up (device %s, region registered)",
+                    a->rails.name[L->rail], dev);
         }
     }
-    struct kvx__ucx_agent *u = a->ucx;
+    struct kvx__ucx_agent *u = *slot;
     char why[256];
-    snprintf(why, sizeof(why), "%s", a->ucx_error);
+    snprintf(why, sizeof(why), "%s", error);
     pthread_mutex_unlock(&a->mu);
     if (!u) return send_error(fd, b, m->hdr.tag, TD_EUNSUPPORTED, why);
     size_t n = kvx__ucx_agent_info(u, b->out, b->out_cap, m->hdr.tag);
@@ -602,7 +625,7 @@ static int serve_ucx_info(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m)
     td_err e;
     return kvx__send_all(fd, b->out, n, td_now_ns() + SEND_TIMEOUT_NS, &e);
 #else
-    (void)a;
+    (void)a, (void)c;
     return send_error(fd, b, m->hdr.tag, TD_EUNSUPPORTED,
                       "this producer was built without ucx (libucx-dev)");
 #endif
@@ -1142,7 +1165,7 @@ static void *conn_main(void *arg)
             if (m.hdr.type == KVX_MSG_READ) rc = serve_read(a, c->fd, &b, &m);
             else if (m.hdr.type == KVX_MSG_UCX_GRANT) rc = serve_ucx_grant(a, c, c->fd, &b, &m, &pin);
             else if (m.hdr.type == KVX_MSG_SHM_INFO) rc = serve_shm_info(a, c->fd, &b, &m);
-            else rc = serve_ucx_info(a, c->fd, &b, &m);
+            else rc = serve_ucx_info(a, c, c->fd, &b, &m);
             break;
         case KVX_MSG_RAIL:
             rc = serve_rail(a, c->fd, &b, &m);
@@ -1225,6 +1248,7 @@ static void *accept_main(void *arg)
             c->fd = fd;
             c->agent = a;
             c->rail = L->rail;
+            c->listener = L;
             c->next = a->conns;
             a->conns = c;
             a->n_conns++;
@@ -1266,9 +1290,14 @@ static int rail_open(void *user, int rail, const char *name, void **eng, td_err 
     L->agent = a;
     L->rail = rail;
     L->fd = -1;
-    bool given = a->rail_addr[rail][0] != 0;
-    int rc = given ? (snprintf(L->addr, sizeof(L->addr), "%s", a->rail_addr[rail]), 0)
-                   : kvx__iface_addr(name, L->addr, sizeof(L->addr), err);
+    /* A network interface's engine listens on its address; an RDMA device has none, so its
+     * engine's control connections use the producer's control address (the data moves by
+     * UCX over the device). */
+    bool rdma = a->rails.kind == KVX_RAIL_RDMA;
+    bool given = a->rail_addr[rail][0] != 0 || rdma;
+    int rc = a->rail_addr[rail][0] ? (snprintf(L->addr, sizeof(L->addr), "%s", a->rail_addr[rail]), 0)
+             : rdma ? (snprintf(L->addr, sizeof(L->addr), "%s", a->opts.host), 0)
+                    : kvx__iface_addr(name, L->addr, sizeof(L->addr), err);
     struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM,
                              .ai_flags = AI_NUMERICHOST | AI_PASSIVE};
     struct addrinfo *res = NULL;
@@ -1315,6 +1344,13 @@ static void rail_unreg(void *user, void *eng, int range)
     (void)user, (void)eng, (void)range;
 }
 
+/* Agent shutdown, first step: no rail engine accepts any more (a->stopping is set). */
+static void rail_stop_accepting(void *eng, void *user)
+{
+    (void)user;
+    shutdown(((listener *)eng)->fd, SHUT_RDWR);
+}
+
 static void rail_close(void *user, void *eng)
 {
     (void)user;
@@ -1323,6 +1359,9 @@ static void rail_close(void *user, void *eng)
     shutdown(L->fd, SHUT_RDWR); /* wakes accept() */
     pthread_join(L->thread, NULL);
     close(L->fd);
+#ifdef TD_HAVE_UCX
+    kvx__ucx_agent_destroy(L->ucx);
+#endif
     free(L);
 }
 
@@ -1452,7 +1491,7 @@ void kvx_agent_destroy(kvx_agent *a)
     pthread_join(a->accept_thread, NULL);
     pthread_join(a->lease_thread, NULL);
     close(a->listen_fd);
-    kvx__railpool_destroy(a->railpool); /* the rails' listeners, the same way */
+    kvx__railpool_each(a->railpool, rail_stop_accepting, NULL); /* the rails' listeners too */
 
     /* Hang up on every consumer and wait for the connection threads to leave. A connection
      * holding a pin is left to finish it (its UCX_DONE, its hang-up, or the pin's time
@@ -1469,6 +1508,7 @@ void kvx_agent_destroy(kvx_agent *a)
      * the blocks go back, so no get can be served from them afterwards. */
     kvx__ucx_agent_destroy(a->ucx);
 #endif
+    kvx__railpool_destroy(a->railpool); /* the rails' engines, UCX ones included */
 
     for (int i = 0; i < a->n_leases; i++) {
         a->leases[i]->reason = KVX_RELEASED_SHUTDOWN;

@@ -124,6 +124,8 @@ struct kvx_client {
     bool striping;            /* opts.rail_striping with matched rails */
     char rail_addr[KVX_MAX_RAILS][64]; /* each rail's local address ("" = not resolved) */
     bool rail_addr_given;     /* opts.rail_addrs: no device binding */
+    void *rail_ucx[KVX_MAX_RAILS]; /* protocol ucx: each used rail's UCX context (its own
+                                      registration of the region), else NULL */
 };
 
 static const kvx__transport tcp_transport;
@@ -375,6 +377,8 @@ static int session_dial(kvx__session *s, uint64_t deadline_ns, int *fd, td_err *
         s->data_port = port;
         pthread_mutex_unlock(&s->mu);
     }
+    if (c->rails.kind == KVX_RAIL_RDMA) /* control over the control network, data over UCX */
+        return kvx__connect(host, port, deadline_ns, fd, err);
     return kvx__connect_from(host, port, c->rail_addr[s->rail],
                              c->rail_addr_given ? NULL : c->rails.name[s->rail], deadline_ns, fd,
                              err);
@@ -640,13 +644,16 @@ void **kvx__session_transport_state(kvx__session *s)
 
 void *kvx__session_client_state(const kvx__session *s)
 {
-    return s->client->transport_state;
+    const kvx_client *c = s->client;
+    return s->rail >= 0 && c->rail_ucx[s->rail] ? c->rail_ucx[s->rail] : c->transport_state;
 }
 
 int kvx__session_connect(kvx__session *s, uint64_t deadline_ns, int *fd, td_err *err)
 {
-    int rc = kvx__connect(s->host, s->port, deadline_ns, fd, err);
-    if (!rc && (rc = handshake(s, *fd, "", deadline_ns, err))) close(*fd);
+    int rc = session_dial(s, deadline_ns, fd, err);
+    if (!rc && (rc = handshake(s, *fd, s->rail >= 0 ? s->client->rails.name[s->rail] : "",
+                               deadline_ns, err)))
+        close(*fd);
     return rc;
 }
 
@@ -891,26 +898,30 @@ int kvx_client_create(kvx_client **out, const kvx_client_opts *opts, td_err *err
         return td_err_set(err, TD_EINVAL, "kvx: at most 256 worker threads and connections");
     }
     if (opts->rails && opts->rails->n > 0) {
-        if (opts->protocol != KVX_PROTO_TCP) {
+        if (opts->protocol == KVX_PROTO_SHM ||
+            (opts->protocol == KVX_PROTO_TCP && opts->rails->kind == KVX_RAIL_RDMA)) {
             free(c);
             return td_err_set(err, TD_EUNSUPPORTED,
-                              "kvx: rails work with protocol tcp only (not %s) for now",
-                              kvx_protocol_name(opts->protocol));
+                              "kvx: rails carry tcp over network interfaces, or ucx over "
+                              "network interfaces or RDMA devices (not %s over %s)",
+                              kvx_protocol_name(opts->protocol),
+                              opts->rails->kind == KVX_RAIL_RDMA ? "RDMA devices" : "rails");
         }
         c->rails = *opts->rails;
         c->rail_addr_given = opts->rail_addrs != NULL;
         int p = c->rails.primary;
+        bool rdma = c->rails.kind == KVX_RAIL_RDMA; /* no address on the device */
         if (opts->rail_addrs)
             for (int i = 0; i < c->rails.n; i++)
                 snprintf(c->rail_addr[i], sizeof(c->rail_addr[i]), "%s", opts->rail_addrs[i]);
-        else if ((rc = kvx__iface_addr(c->rails.name[p], c->rail_addr[p], sizeof(c->rail_addr[p]),
-                                       err))) {
+        else if (!rdma && (rc = kvx__iface_addr(c->rails.name[p], c->rail_addr[p],
+                                                sizeof(c->rail_addr[p]), err))) {
             free(c);
             return rc;
         }
         c->striping = opts->rail_striping && opts->matched_rails && c->rails.n > 1;
         /* Striping reads over every rail: each needs its local address now. */
-        for (int i = 0; c->striping && !opts->rail_addrs && i < c->rails.n; i++)
+        for (int i = 0; c->striping && !opts->rail_addrs && !rdma && i < c->rails.n; i++)
             if (i != p && (rc = kvx__iface_addr(c->rails.name[i], c->rail_addr[i],
                                                 sizeof(c->rail_addr[i]), err))) {
                 free(c);
@@ -933,12 +944,26 @@ int kvx_client_create(kvx_client **out, const kvx_client_opts *opts, td_err *err
     if (c->opts.protocol == KVX_PROTO_UCX) {
 #ifdef TD_HAVE_UCX
         struct kvx__ucx_client *u;
-        if ((rc = kvx__ucx_client_create(&u, &c->opts, err))) {
+        if ((rc = kvx__ucx_client_create(&u, &c->opts, NULL, err))) {
             free(c);
             return rc;
         }
         c->transport_state = u;
         c->transport = &kvx__ucx_transport;
+        /* Rails: a context per rail this consumer reads over, restricted to its device. */
+        for (int i = 0; i < c->rails.n && !rc; i++) {
+            if (i != c->rails.primary && !c->striping) continue;
+            char dev[KVX_RAIL_NAME + 4];
+            kvx__rail_ucx_device(&c->rails, i, dev, sizeof(dev));
+            rc = kvx__ucx_client_create((struct kvx__ucx_client **)&c->rail_ucx[i], &c->opts,
+                                        c->rail_addr_given ? NULL : dev, err);
+        }
+        if (rc) {
+            for (int i = 0; i < c->rails.n; i++) kvx__ucx_client_destroy(c->rail_ucx[i]);
+            kvx__ucx_client_destroy(u);
+            free(c);
+            return rc;
+        }
 #else
         free(c);
         return td_err_set(err, TD_EUNSUPPORTED,
@@ -1001,7 +1026,10 @@ void kvx_client_destroy(kvx_client *c)
         session_put(s);
     }
 #ifdef TD_HAVE_UCX
-    if (c->transport == &kvx__ucx_transport) kvx__ucx_client_destroy(c->transport_state);
+    if (c->transport == &kvx__ucx_transport) {
+        kvx__ucx_client_destroy(c->transport_state);
+        for (int i = 0; i < KVX_MAX_RAILS; i++) kvx__ucx_client_destroy(c->rail_ucx[i]);
+    }
 #endif
     pthread_mutex_destroy(&c->mu);
     pthread_cond_destroy(&c->work_cv);

@@ -80,6 +80,11 @@ int kvx__railpool_create(kvx__railpool **out, const kvx_rails *rails, int n_rang
 /** Rail `rail`'s engine, made now if this is its first use; TD_EIO if it failed (ever). */
 int kvx__railpool_get(kvx__railpool *p, int rail, void **eng, td_err *err);
 int kvx__railpool_state(kvx__railpool *p, int rail);
+/** Call fn on every ready engine (agent shutdown: stop their listeners first). */
+void kvx__railpool_each(kvx__railpool *p, void (*fn)(void *eng, void *user), void *user);
+/** UCX's name for a rail device: "tdr2" for a network interface, "mlx5_2:1" for port 1 of
+ *  an RDMA device. */
+void kvx__rail_ucx_device(const kvx_rails *r, int rail, char *out, size_t cap);
 void kvx__railpool_destroy(kvx__railpool *p);
 
 /**
@@ -132,14 +137,16 @@ extern const kvx__transport kvx__shm_transport;
  * (pooled channels) freed through the transport's session_free.
  */
 struct kvx__ucx_agent;
-int kvx__ucx_agent_create(struct kvx__ucx_agent **out, const kvx_region *r, td_err *err);
+/* device: NULL, or the one network device the context may use (a rail). */
+int kvx__ucx_agent_create(struct kvx__ucx_agent **out, const kvx_region *r, const char *device,
+                          td_err *err);
 void kvx__ucx_agent_destroy(struct kvx__ucx_agent *u); /* NULL is fine */
 /** Encode UCX_INFO_ACK into buf; 0 if it does not fit. */
 size_t kvx__ucx_agent_info(struct kvx__ucx_agent *u, uint8_t *buf, size_t cap, uint32_t tag);
 
 struct kvx__ucx_client;
 int kvx__ucx_client_create(struct kvx__ucx_client **out, const kvx_client_opts *opts,
-                           td_err *err);
+                           const char *device, td_err *err);
 void kvx__ucx_client_destroy(struct kvx__ucx_client *u); /* after every session is freed */
 extern const kvx__transport kvx__ucx_transport;
 #endif

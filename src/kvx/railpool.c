@@ -127,3 +127,17 @@ void kvx__railpool_destroy(kvx__railpool *p)
     pthread_mutex_destroy(&p->mu);
     free(p);
 }
+
+void kvx__railpool_each(kvx__railpool *p, void (*fn)(void *eng, void *user), void *user)
+{
+    if (!p) return;
+    pthread_mutex_lock(&p->mu);
+    for (int i = 0; i < p->rails.n; i++)
+        if (p->slot[i].state == KVX__RAIL_READY) fn(p->slot[i].eng, user);
+    pthread_mutex_unlock(&p->mu);
+}
+
+void kvx__rail_ucx_device(const kvx_rails *r, int rail, char *out, size_t cap)
+{
+    snprintf(out, cap, "%s%s", r->name[rail], r->kind == KVX_RAIL_RDMA ? ":1" : "");
+}

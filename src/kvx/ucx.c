@@ -72,11 +72,18 @@ static int ucx_fail(td_err *err, int code, const char *what, ucs_status_t st)
                       ucs_status_string(st));
 }
 
-static int context_create(ucp_context_h *out, bool shared, td_err *err)
+/* device: NULL, or the one network device this context may use (a rail: UCX_NET_DEVICES
+ * for this context only, e.g. "tdr2" or "mlx5_2:1"). */
+static int context_create(ucp_context_h *out, bool shared, const char *device, td_err *err)
 {
     ucp_config_t *cfg;
     ucs_status_t st = ucp_config_read(NULL, NULL, &cfg);
     if (st != UCS_OK) return ucx_fail(err, TD_EIO, "cannot read the configuration", st);
+    if (device && (st = ucp_config_modify(cfg, "NET_DEVICES", device)) != UCS_OK) {
+        ucp_config_release(cfg);
+        return td_err_set(err, TD_EIO, "kvx: ucx: cannot restrict a context to device %s: %s",
+                          device, ucs_status_string(st));
+    }
     ucp_params_t p = {.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED,
                       .features = UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP,
                       .mt_workers_shared = shared ? 1 : 0};
@@ -172,14 +179,15 @@ void kvx__ucx_agent_destroy(struct kvx__ucx_agent *u)
     free(u);
 }
 
-int kvx__ucx_agent_create(struct kvx__ucx_agent **out, const kvx_region *r, td_err *err)
+int kvx__ucx_agent_create(struct kvx__ucx_agent **out, const kvx_region *r, const char *device,
+                          td_err *err)
 {
     *out = NULL;
     struct kvx__ucx_agent *u = calloc(1, sizeof(*u));
     if (!u) return td_err_set(err, TD_ENOMEM, "kvx: out of memory");
     u->region = *r;
     u->wake[0] = u->wake[1] = -1;
-    int rc = context_create(&u->ctx, false, err);
+    int rc = context_create(&u->ctx, false, device, err);
     if (!rc) rc = worker_create(u->ctx, &u->worker, &u->efd, err);
     if (!rc) rc = map_region(u->ctx, r, &u->memh, err);
     ucs_status_t st;
@@ -239,12 +247,13 @@ typedef struct chan_pool {
     int n_idle, n_open, max_open;
 } chan_pool;
 
-int kvx__ucx_client_create(struct kvx__ucx_client **out, const kvx_client_opts *opts, td_err *err)
+int kvx__ucx_client_create(struct kvx__ucx_client **out, const kvx_client_opts *opts,
+                           const char *device, td_err *err)
 {
     *out = NULL;
     struct kvx__ucx_client *u = calloc(1, sizeof(*u));
     if (!u) return td_err_set(err, TD_ENOMEM, "kvx: out of memory");
-    int rc = context_create(&u->ctx, true, err);
+    int rc = context_create(&u->ctx, true, device, err);
     if (!rc && (rc = map_region(u->ctx, &opts->region, &u->memh, err))) ucp_cleanup(u->ctx);
     if (rc) {
         free(u);

@@ -383,10 +383,10 @@ int srv_kv_rails(srv_kv_config *c, char *err, size_t cap)
         snprintf(err, cap, "rail_striping needs matched_rails and rail_device");
         return TD_EINVAL;
     }
-    if (c->protocol != SRV_KV_TCP) {
+    if (c->protocol != SRV_KV_TCP && c->protocol != SRV_KV_UCX) {
         snprintf(err, cap,
-                 "rails (rail_device, matched_rails) work with protocol tcp only for now, not "
-                 "%s",
+                 "rails (rail_device, matched_rails) are for transfers between hosts: they "
+                 "need protocol tcp or ucx, not %s",
                  srv_kv_protocol_name(c->protocol));
         return TD_EINVAL;
     }
@@ -423,10 +423,10 @@ int srv_kv_rails(srv_kv_config *c, char *err, size_t cap)
         out->primary = 0;
         out->kind = kind;
     }
-    if (out->kind == KVX_RAIL_RDMA) {
+    if (out->kind == KVX_RAIL_RDMA && c->protocol != SRV_KV_UCX) {
         snprintf(err, cap,
-                 "%s is an RDMA device: rails over RDMA need protocol ucx, whose rail engines "
-                 "are not built yet; use network interfaces as TCP rails",
+                 "%s is an RDMA device: rails over RDMA devices need protocol ucx (tcp rails "
+                 "are network interfaces)",
                  out->name[out->primary]);
         memset(out, 0, sizeof(*out));
         return TD_EINVAL;

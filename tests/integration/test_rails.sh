@@ -7,6 +7,8 @@
 #  - Every producer rail x consumer rail pair (4 x 4) moves the KV over the consumer's rail,
 #    three concurrent requests per pair, with output equal to one aggregated engine's.
 #  - Striping (rail_striping): outputs equal; striping without matched rails is an error.
+#  - Protocol ucx over the rails (where UCX is built): outputs equal, and the producer's
+#    engine for the consumer's rail runs a UCX context restricted to that device.
 #  - The transport-level byte-integrity probe (bench-xfer --probe) across the namespaces.
 #  - Matched rails off and the rails crossed (producer device tdr1, consumer tdr3): the
 #    request ends quickly with a clear error (kv_load_failure_policy fail), not a hang.
@@ -67,7 +69,7 @@ startup_error() {
 startup_error "$D" '{"kv_role":"kv_consumer","rail_device":"tdr4","matched_rails":"auto"}' "tdr4"
 startup_error "$D" '{"kv_role":"kv_consumer","rail_device":"tdr9"}' "tdr9"
 startup_error "$D" '{"kv_role":"kv_consumer","rail_device":"tdr2","matched_rails":"tdr0,tdr1"}' "tdr2"
-startup_error "$D" '{"kv_role":"kv_consumer","rail_device":"tdr2","matched_rails":"auto","protocol":"shm"}' "tcp only"
+startup_error "$D" '{"kv_role":"kv_consumer","rail_device":"tdr2","matched_rails":"auto","protocol":"shm"}' "tcp or ucx"
 
 start_server AGG
 PROMPTS=("[1,5,6,7,8]" "[1,$(seq -s, 2 40)]" "[1,$(seq -s, 100 170)]")
@@ -132,6 +134,26 @@ for k in 0 1 2; do
     [ "$(jq -r '.choices[0].text' "$tmp/stripe.$k")" = "${want[$k]}" ] || fail "striped: $(cat "$tmp/stripe.$k")"
 done
 startup_error "$D" '{"kv_role":"kv_consumer","rail_device":"tdr0","rail_striping":true}' "matched_rails"
+
+# Protocol ucx over the rails (UCX's tcp transport on each rail's interface): each rail's
+# engine makes a UCX context restricted to its device (UCX_NET_DEVICES), with the region
+# registered under its own keys.
+if "$TD_BIN" bench-xfer --transport ucx --sizes 64K --concurrency 1 --trials 1 --min-mb 1 \
+    --no-floor >/dev/null 2>&1; then
+    export UCX_TLS=tcp
+    serve_in "$P" UP 10.99.0.1 '{"kv_role":"kv_producer","protocol":"ucx","rail_device":"tdr0","matched_rails":"auto"}'
+    serve_in "$D" UC 10.99.0.2 '{"kv_role":"kv_consumer","protocol":"ucx","rail_device":"tdr3","matched_rails":"auto","kv_load_failure_policy":"fail"}'
+    for k in 0 1 2; do
+        pd_request "$UP_URL" "$UC_URL" "${PROMPTS[$k]}" "$tmp/ucx.$k"
+        [ "$(jq -r '.choices[0].text' "$tmp/ucx.$k")" = "${want[$k]}" ] || fail "ucx rails: $(cat "$tmp/ucx.$k")"
+        [ "$(jq -r '.kv_transfer_params.kv_load' "$tmp/ucx.$k")" = transferred ] || fail "ucx rails: $(cat "$tmp/ucx.$k")"
+    done
+    grep -q "rail tdr3's UCX engine is up (device tdr3" "$tmp/UP.err" || fail "no UCX engine on tdr3: $(cat "$tmp/UP.err")"
+    unset UCX_TLS
+    echo "ucx over rails: ok"
+else
+    echo "ucx over rails: skipped (this build has no ucx)"
+fi
 
 # The byte-integrity probe at the transport level, across the hosts: 64 B, 64 KiB and
 # 1 MiB at different offsets, guard bytes around each destination (consumer tdr2, producer

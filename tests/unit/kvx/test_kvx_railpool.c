@@ -258,8 +258,8 @@ static kvx_agent *agent(uint8_t *mem, const kvx_rails *rails, bool matched)
     return a;
 }
 
-static kvx_client *client_striped(uint8_t *mem, const kvx_rails *rails, bool matched,
-                                  bool striping)
+static kvx_client *client_proto(uint8_t *mem, const kvx_rails *rails, bool matched,
+                                bool striping, kvx_protocol proto)
 {
     kvx_client_opts o;
     kvx_client_opts_default(&o);
@@ -270,10 +270,17 @@ static kvx_client *client_striped(uint8_t *mem, const kvx_rails *rails, bool mat
     o.matched_rails = matched;
     o.rail_addrs = rails ? rail_addrs : NULL;
     o.rail_striping = striping;
+    o.protocol = proto;
     kvx_client *k;
     td_err err;
     assert_int_equal(kvx_client_create(&k, &o, &err), 0);
     return k;
+}
+
+static kvx_client *client_striped(uint8_t *mem, const kvx_rails *rails, bool matched,
+                                  bool striping)
+{
+    return client_proto(mem, rails, matched, striping, KVX_PROTO_TCP);
 }
 
 static kvx_client *client(uint8_t *mem, const kvx_rails *rails, bool matched)
@@ -530,6 +537,41 @@ static void test_striping(void **state)
     free(cmem);
 }
 
+#ifdef TD_HAVE_UCX
+/* Rails with protocol ucx (over UCX's tcp): the consumer's grants go to the producer's
+ * engine of its rail, which made a UCX context of its own for it (here on loopback, so
+ * not restricted to a device); every rail's bytes arrive intact, striped or not. */
+static void test_ucx_rails(void **state)
+{
+    (void)state;
+    setenv("UCX_TLS", "tcp", 1);
+    uint8_t *pmem = pool_mem(9), *cmem = pool_mem(10);
+    kvx_rails prails = four_rails(0), c2 = four_rails(2);
+    kvx_agent *a = agent(pmem, &prails, true);
+    kvx_client *k = client_proto(cmem, &c2, true, false, KVX_PROTO_UCX);
+    td_err res;
+    int rc = transfer(a, k, 3, 20, 30, &res);
+    if (rc) fprintf(stderr, "ucx over rails: %s\n", res.msg);
+    assert_int_equal(rc, 0);
+    assert_true(same(pmem, cmem, 3, 20, 30));
+    kvx_agent_stats st;
+    kvx_agent_get_stats(a, &st);
+    assert_true(st.rail_reads[2] >= 1);
+    assert_int_equal(st.rail_reads[0] + st.rail_reads[1] + st.rail_reads[3], 0);
+    kvx_client_destroy(k);
+    kvx_rails c0 = four_rails(0);
+    k = client_proto(cmem, &c0, true, true, KVX_PROTO_UCX); /* striped */
+    memset(cmem, 0, (size_t)N_SEG * STRIDE);
+    assert_int_equal(transfer(a, k, 0, 0, N_BLOCKS, &res), 0);
+    assert_true(same(pmem, cmem, 0, 0, N_BLOCKS));
+    kvx_client_destroy(k);
+    kvx_agent_destroy(a);
+    free(pmem);
+    free(cmem);
+    unsetenv("UCX_TLS");
+}
+#endif
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -540,6 +582,9 @@ int main(void)
         cmocka_unit_test(test_rail_refusals),
         cmocka_unit_test(test_single_device),
         cmocka_unit_test(test_striping),
+#ifdef TD_HAVE_UCX
+        cmocka_unit_test(test_ucx_rails),
+#endif
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -363,10 +363,13 @@ static void test_kv_rails(void **state)
     assert_int_equal(srv_kv_rails(&c, msg, sizeof(msg)), 0);
     assert_int_equal(c.rails.n, 1);
     assert_false(c.rails_matched);
-    /* An RDMA device needs ucx rails (not built); rails need tcp; a bad SL. */
+    /* An RDMA device needs protocol ucx; rails need tcp or ucx; a bad SL. */
     setenv("ATOM_MOONCAKE_IB_DEVICE", "mlx5_0", 1);
     assert_int_equal(srv_kv_rails(&c, msg, sizeof(msg)), TD_EINVAL);
-    assert_non_null(strstr(msg, "RDMA device"));
+    assert_non_null(strstr(msg, "need protocol ucx"));
+    c.protocol = SRV_KV_UCX;
+    assert_int_equal(srv_kv_rails(&c, msg, sizeof(msg)), 0);
+    assert_int_equal(c.rails.kind, KVX_RAIL_RDMA);
     unsetenv("ATOM_MOONCAKE_IB_DEVICE");
     srv_kv_config_free(&c);
     assert_int_equal(srv_kv_config_parse(&c, "{\"kv_role\":\"kv_producer\",\"protocol\":\"shm\","
@@ -374,7 +377,7 @@ static void test_kv_rails(void **state)
                                          msg, sizeof(msg)),
                      0);
     assert_int_equal(srv_kv_rails(&c, msg, sizeof(msg)), TD_EINVAL);
-    assert_non_null(strstr(msg, "tcp only"));
+    assert_non_null(strstr(msg, "tcp or ucx"));
     srv_kv_config_free(&c);
     assert_int_equal(srv_kv_config_parse(&c, "{\"kv_role\":\"kv_producer\",\"rail_striping\":true}",
                                          msg, sizeof(msg)),
