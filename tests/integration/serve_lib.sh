@@ -19,6 +19,7 @@ fail() { echo "FAIL: $*" >&2; exit 1; }
 start_server() {
     local name=$1
     shift
+    : >"$tmp/$name.err" # exists before the server opens it: sed below must not race it
     "$TD_BIN" serve --model "$MODEL" --threads 2 --host 127.0.0.1 --server-port 0 \
         --log-level warn "$@" 2>"$tmp/$name.err" &
     local pid=$!
