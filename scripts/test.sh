@@ -27,6 +27,19 @@ cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DTD_SANITIZE=ON -DTD_SHARED_D
 cmake --build build-asan -j"$jobs"
 (cd build-asan && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 ctest --output-on-failure -j"$jobs")
 
+# The CUDA backend is compiled wherever nvcc is installed; its tests run where a GPU is
+# present and skip (with the reason) elsewhere.
+nvcc_bin=$(command -v nvcc || ls /usr/local/cuda/bin/nvcc 2>/dev/null || true)
+if [ -n "$nvcc_bin" ]; then
+    echo "== CUDA backend build ($nvcc_bin) and its tests"
+    cmake -S . -B build-cuda -DCMAKE_BUILD_TYPE=Release -DTANDEM_CUDA=ON \
+        -DCMAKE_CUDA_COMPILER="$nvcc_bin" -DTD_SHARED_DIR="$TD_SHARED_DIR" >/dev/null
+    cmake --build build-cuda -j"$jobs" --target tandem test_engine_cuda
+    (cd build-cuda && ctest --output-on-failure -R cuda)
+else
+    echo "== CUDA backend: nvcc not found, not built"
+fi
+
 if [ -x tests/fuzz/run_fuzz.sh ] && command -v clang >/dev/null; then
     echo "== fuzz smoke runs"
     tests/fuzz/run_fuzz.sh 20000

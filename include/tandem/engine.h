@@ -46,6 +46,9 @@ typedef struct td_engine_config {
                                     copies into fresh blocks then pay no page faults) */
     bool kv_checksums;           /* keep a CRC32C of every full block as it is written
                                     (td_kv_info.block_crc), for a KV producer's transfers */
+    const char *device;          /* "cpu" (default) or "cuda": where the forward pass, the
+                                    weights and the KV pool live (cuda: built with
+                                    -DTANDEM_CUDA=ON, and a GPU present) */
 } td_engine_config;
 
 /** Fill defaults. */

@@ -19,6 +19,7 @@ int engine_opts_register(engine_opts *o, cli_flag *f)
     o->max_model_len = d.max_model_len;
     o->seed = (int64_t)d.seed;
     o->log_level = "info";
+    o->device = d.device;
     int n = 0;
     f[n++] = CLI_FLAG("model", CLI_FLAG_STR, &o->model,
                         "GGUF file, or a preset (tiny, llama-134m, llama-1b, llama3-8b) with "
@@ -47,6 +48,8 @@ int engine_opts_register(engine_opts *o, cli_flag *f)
     f[n++] = CLI_FLAG("seed", CLI_FLAG_INT, &o->seed,
                         "seed for dummy weights and unseeded sampling (0)");
     f[n++] = CLI_FLAG("log-level", CLI_FLAG_STR, &o->log_level, "debug | info | warn | error");
+    f[n++] = CLI_FLAG("device", CLI_FLAG_STR, &o->device,
+                        "cpu | cuda (the GPU backend, in builds with -DTANDEM_CUDA=ON)");
     return n;
 }
 
@@ -89,6 +92,7 @@ int engine_opts_apply(const engine_opts *o, td_engine_config *c)
     c->max_num_batched_tokens = (int)o->max_num_batched_tokens;
     c->max_model_len = (int)o->max_model_len;
     c->enable_prefix_caching = !o->no_prefix_caching;
+    c->device = o->device;
     if (!o->model && strcmp(o->load_format, "dummy") != 0) {
         fprintf(stderr, "error: --model is required\n");
         return 2;

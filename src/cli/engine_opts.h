@@ -8,10 +8,10 @@
 #include "cli/flags.h"
 #include "tandem/engine.h"
 
-#define ENGINE_OPTS_MAX_FLAGS 20
+#define ENGINE_OPTS_MAX_FLAGS 21
 
 typedef struct engine_opts {
-    const char *model, *load_format, *dtype, *kv_cache_dtype, *log_level;
+    const char *model, *load_format, *dtype, *kv_cache_dtype, *log_level, *device;
     int64_t threads, block_size, max_num_seqs, max_num_batched_tokens, max_model_len, seed;
     uint64_t kv_cache_memory;
     bool no_prefix_caching, no_pin_threads;

@@ -19,6 +19,9 @@
 #include <unistd.h>
 
 #include "backend/cpu/cpu.h"
+#ifdef TD_HAVE_CUDA
+#include "backend/cuda/cuda_fwd.h"
+#endif
 
 #define DEFAULT_KV_CAP (4ull << 30)
 
@@ -37,6 +40,7 @@ void td_engine_config_default(td_engine_config *c)
     c->max_num_batched_tokens = 512;
     c->max_model_len = 0;
     c->enable_prefix_caching = true;
+    c->device = "cpu";
 }
 
 void td_sampling_default(td_sampling *sp)
@@ -87,6 +91,20 @@ static int check_config(const td_engine_config *c, td_err *err)
         return td_err_set(err, TD_EINVAL,
                           "--kv-cache-dtype must be f32, f16, bf16 or fp8 (fp8_e4m3), got '%s'",
                           c->kv_cache_dtype ? c->kv_cache_dtype : "");
+    const char *dev = c->device ? c->device : "cpu";
+    if (strcmp(dev, "cpu") && strcmp(dev, "cuda"))
+        return td_err_set(err, TD_EINVAL, "--device must be cpu or cuda, got '%s'", dev);
+    if (!strcmp(dev, "cuda")) {
+#ifndef TD_HAVE_CUDA
+        return td_err_set(err, TD_EUNSUPPORTED,
+                          "--device cuda: this build has no CUDA backend (configure with "
+                          "-DTANDEM_CUDA=ON where nvcc is installed)");
+#endif
+        if (c->kv_shareable || c->kv_checksums || c->kv_prefault)
+            return td_err_set(err, TD_EUNSUPPORTED,
+                              "--device cuda: KV transfer roles need the device-memory "
+                              "transports (cuda_ipc), which are not built yet");
+    }
     const char *lf = c->load_format ? c->load_format : "auto";
     if (strcmp(lf, "auto") && strcmp(lf, "gguf") && strcmp(lf, "dummy"))
         return td_err_set(err, TD_EINVAL, "--load-format must be auto, gguf or dummy, got '%s'", lf);
@@ -163,6 +181,14 @@ int td_engine_create(td_engine **out, const td_engine_config *cfg, td_err *err)
     if (cfg->kv_prefault) kv_pool_prefault(&e->kv);
     if (cfg->kv_checksums && (rc = kv_pool_keep_checksums(&e->kv, err))) goto fail;
     e->root_hash = td_hash64(&e->model->fingerprint, sizeof(uint64_t), (uint64_t)kv_type);
+#ifdef TD_HAVE_CUDA
+    /* The GPU holds the weights and the KV bytes; the pool above keeps only the block
+     * bookkeeping (its host mapping is never touched, so it costs no memory). */
+    if (cfg->device && !strcmp(cfg->device, "cuda") &&
+        (rc = td_cuda_fwd_create(&e->cuda, e->model, kv_type, cfg->block_size, (int)n_blocks,
+                                 e->max_batched, e->max_num_seqs, e->max_model_len, err)))
+        goto fail;
+#endif
 
     rc = sampler_scratch_init(&e->samp, s->n_vocab);
     if (rc) {
@@ -218,6 +244,9 @@ void td_engine_free(td_engine *e)
     for (int i = 0; i < e->n_holds; i++) free(e->holds[i].blocks);
     free(e->holds);
     fwd_free(&e->fwd);
+#ifdef TD_HAVE_CUDA
+    td_cuda_fwd_free(e->cuda);
+#endif
     kv_pool_free(&e->kv);
     sampler_scratch_free(&e->samp);
     td_pool_free(e->pool);

@@ -83,6 +83,7 @@ struct td_engine {
     td_pool *pool;
     kv_pool kv;
     fwd_ctx fwd;
+    struct td_cuda_fwd *cuda; /* --device cuda: the forward pass on the GPU, else NULL */
     sampler_scratch samp;
     td_rng rng;
     int max_model_len;

@@ -12,6 +12,9 @@
  * The whole batch runs through one forward pass.
  */
 #include "engine/engine_internal.h"
+#ifdef TD_HAVE_CUDA
+#include "backend/cuda/cuda_fwd.h"
+#endif
 
 #include <math.h>
 #include <stdio.h>
@@ -468,7 +471,17 @@ int sched__step(td_engine *e, td_err *err)
         b.kv_stored = step_kv_stored;
         b.kv_user = e;
     }
-    fwd_run(&e->fwd, &b);
+#ifdef TD_HAVE_CUDA
+    if (e->cuda) {
+        td_err ce = {0};
+        if (td_cuda_fwd_run(e->cuda, T, b.tokens, b.pos, b.seq, b.block_tables, n_sched,
+                            n_logits, b.logit_rows, b.logits, &ce)) {
+            TD_ERROR("engine: %s", ce.msg);
+            return td_err_set(err, ce.code, "%s", ce.msg);
+        }
+    } else
+#endif
+        fwd_run(&e->fwd, &b);
     e->stats.steps++;
 
     /* Sample and emit, then drop finished requests from the running list. */

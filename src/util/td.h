@@ -57,7 +57,11 @@ void td_err_clear(td_err *err);
     do {                                                                                           \
         if (__builtin_expect(!(cond), 0)) td__assert_fail(#cond, __FILE__, __LINE__);              \
     } while (0)
+#ifdef __cplusplus /* the CUDA backend's .cu files include this header */
+[[noreturn]] void td__assert_fail(const char *expr, const char *file, int line);
+#else
 _Noreturn void td__assert_fail(const char *expr, const char *file, int line);
+#endif
 
 #define TD_ARRAY_LEN(a) (sizeof(a) / sizeof((a)[0]))
 #define TD_MIN(a, b) ((a) < (b) ? (a) : (b))

@@ -1,0 +1,55 @@
+/*
+ * backend/cuda/cuda_fwd.h - the transformer forward pass on an NVIDIA GPU (built with
+ * -DTANDEM_CUDA=ON; TD_HAVE_CUDA is then defined).
+ *
+ * The same contract as engine/forward.h, on the device: the weights and the paged KV pool
+ * live in device memory, one call runs a flat batch of tokens from many sequences
+ * (prefill chunks and decodes together) through every layer, stores every token's K and V
+ * in its sequence's blocks first, and returns the logits of the requested rows to the host.
+ * The pool has the CPU pool's layout (per layer: block b holds K[block_size][kv_dim], then
+ * V), so the engine's block bookkeeping is unchanged.
+ *
+ * Numerics: matrices of an f32 model stay f32 (cuBLAS SGEMM, no TF32), so greedy output
+ * matches the CPU engine; other weight types are converted to bf16 at load, multiplied
+ * with bf16 activations and f32 accumulation. Norms, RoPE (angles in double, as on the
+ * CPU), softmax and the residual stream are f32.
+ *
+ * This header has no CUDA types: the engine (C) includes it.
+ */
+#ifndef TD_BACKEND_CUDA_FWD_H
+#define TD_BACKEND_CUDA_FWD_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "model/model.h"
+#include "util/td.h"
+
+typedef struct td_cuda_fwd td_cuda_fwd;
+
+/** Whether a CUDA device can be used; if not, why (no driver, no device). */
+bool td_cuda_available(char *why, size_t cap);
+
+/**
+ * Upload the model's weights and allocate the device KV pool (n_layers x n_blocks blocks
+ * of block_size tokens in kv_dtype: f32, f16 or bf16) and the workspace for max_tokens
+ * tokens, max_logits logit rows and max_ctx positions per sequence.
+ */
+int td_cuda_fwd_create(td_cuda_fwd **out, const td_model *m, td_type kv_dtype, int block_size,
+                       int n_blocks, int max_tokens, int max_logits, int max_ctx, td_err *err);
+void td_cuda_fwd_free(td_cuda_fwd *f);
+
+/** Bytes of device memory the pool and the weights took (for the memory plan's log). */
+size_t td_cuda_fwd_device_bytes(const td_cuda_fwd *f);
+
+/**
+ * Run a batch: token t is tokens[t] at position pos[t] of sequence seq[t], whose block ids
+ * are block_tables[seq[t]] (n_seqs tables). logits receives n_logits rows of n_vocab f32,
+ * for batch rows logit_rows[]. Returns 0, or TD_EIO with a message for a device failure.
+ */
+int td_cuda_fwd_run(td_cuda_fwd *f, int n_tokens, const int32_t *tokens, const int32_t *pos,
+                    const int32_t *seq, const int32_t *const *block_tables, int n_seqs,
+                    int n_logits, const int32_t *logit_rows, float *logits, td_err *err);
+
+#endif
