@@ -509,7 +509,8 @@ int td_cuda_fwd_run(td_cuda_fwd *f, int n_tokens, const int32_t *tokens, const i
 {
     const td_model_shape *s = &f->m->shape;
     int T = n_tokens, mb = f->max_blocks;
-    if (T < 1 || T > f->max_tokens || n_logits > f->max_logits || n_seqs > f->max_logits)
+    if (T < 1 || T > f->max_tokens || n_logits > f->max_logits || n_seqs > f->max_logits ||
+        n_seqs > 1024)
         return td_err_set(err, TD_EINVAL, "cuda: batch of %d tokens, %d logits, %d sequences exceeds the plan", T,
                           n_logits, n_seqs);
     /* Stage the integers: tokens, pos, seq, logit rows, then each sequence's block table
@@ -521,7 +522,7 @@ int td_cuda_fwd_run(td_cuda_fwd *f, int n_tokens, const int32_t *tokens, const i
     memcpy(h + 3 * T, logit_rows, (size_t)n_logits * 4);
     int32_t *tab = h + 3 * T + f->max_logits;
     int need[1024];
-    int ns = n_seqs < 1024 ? n_seqs : 1024;
+    int ns = n_seqs;
     for (int i = 0; i < ns; i++) need[i] = 0;
     for (int t = 0; t < T; t++) {
         int b = pos[t] / f->block_size + 1;
