@@ -41,7 +41,7 @@ struct td_cuda_fwd {
     int n_layer, d, qd, kd, hd, n_head, n_kv, ff, vocab;
     int block_size, n_blocks, max_tokens, max_logits, max_ctx, max_blocks;
     int kv_type; /* 0 f32, 1 f16, 2 bf16 */
-    size_t token_bytes, block_bytes, layer_bytes, device_bytes;
+    size_t token_bytes, block_bytes, layer_bytes, device_bytes, att_smem;
     cudaStream_t stream;
     cublasHandle_t blas;
     dev_mat embd, output;
@@ -280,48 +280,80 @@ __global__ void k_rope_store(float *q, float *k, float *v, const float *bq, cons
     (void)esize;
 }
 
-/* Causal attention over the pool for one (token, head); scores in shared memory. */
+/*
+ * Causal attention over the pool for one (token, KV head): the `group` query heads that
+ * share the KV head are done together, so each K and V row is read once for all of them.
+ * Scores: each warp takes positions in turn, its lanes split the head dimension (a K row
+ * is read by one warp in one coalesced sweep), and a shuffle reduction gives each head's
+ * dot product. Softmax per head over shared memory. Output: each thread owns (head, dim)
+ * pairs and sums over the positions, reading V rows coalesced. Shared memory:
+ * group x (max_ctx + 1) scores.
+ */
+#define ATT_THREADS 256
+#define ATT_MAX_GROUP 16
+#define ATT_MAX_PER_LANE 8 /* head_dim <= 256 */
+
 __global__ void k_attention(const float *q, float *out, const int32_t *pos, const int32_t *seq,
                             const int32_t *tables, int max_blocks, const uint8_t *layer, int n_head,
                             int n_kv, int hd, int block_size, size_t token_bytes, size_t block_bytes,
-                            int esize, int kv_type)
+                            int esize, int kv_type, int max_ctx)
 {
     extern __shared__ float sc[];
     __shared__ float red[32];
-    int t = blockIdx.x, h = blockIdx.y, kh = h / (n_head / n_kv);
-    int p = pos[t];
+    const int t = blockIdx.x, kh = blockIdx.y, group = n_head / n_kv;
+    const int p = pos[t], lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int n_warps = blockDim.x / 32, per_lane = (hd + 31) / 32;
     const int32_t *table = tables + (size_t)seq[t] * max_blocks;
-    const float *qh = q + (size_t)t * n_head * hd + (size_t)h * hd;
-    float scale = 1.0f / sqrtf((float)hd);
-    float mx = -INFINITY;
-    for (int j = threadIdx.x; j <= p; j += blockDim.x) {
+    const float scale = 1.0f / sqrtf((float)hd);
+    const float *qt = q + (size_t)t * n_head * hd + (size_t)kh * group * hd;
+    float qr[ATT_MAX_GROUP][ATT_MAX_PER_LANE];
+    for (int g = 0; g < group; g++)
+        for (int k = 0; k < per_lane; k++) {
+            int i = lane + 32 * k;
+            qr[g][k] = i < hd ? qt[(size_t)g * hd + i] : 0.0f;
+        }
+    for (int j = warp; j <= p; j += n_warps) {
         const uint8_t *kr = layer + (size_t)table[j / block_size] * block_bytes +
                             (size_t)(j % block_size) * token_bytes + (size_t)kh * hd * esize;
-        float s = 0.0f;
-        for (int i = 0; i < hd; i++) s += qh[i] * load_kv(kr, i, kv_type);
-        s *= scale;
-        sc[j] = s;
-        mx = fmaxf(mx, s);
+        float kv[ATT_MAX_PER_LANE];
+        for (int k = 0; k < per_lane; k++) {
+            int i = lane + 32 * k;
+            kv[k] = i < hd ? load_kv(kr, i, kv_type) : 0.0f;
+        }
+        for (int g = 0; g < group; g++) {
+            float s = 0.0f;
+            for (int k = 0; k < per_lane; k++) s += qr[g][k] * kv[k];
+            for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+            if (lane == 0) sc[(size_t)g * (max_ctx + 1) + j] = s * scale;
+        }
     }
-    mx = block_max(mx, red);
-    float sum = 0.0f;
-    for (int j = threadIdx.x; j <= p; j += blockDim.x) {
-        float e = expf(sc[j] - mx);
-        sc[j] = e;
-        sum += e;
-    }
-    sum = block_sum(sum, red);
-    float inv = 1.0f / sum;
     __syncthreads();
-    for (int i = threadIdx.x; i < hd; i += blockDim.x) {
+    for (int g = 0; g < group; g++) {
+        float *row = sc + (size_t)g * (max_ctx + 1);
+        float mx = -INFINITY;
+        for (int j = threadIdx.x; j <= p; j += blockDim.x) mx = fmaxf(mx, row[j]);
+        mx = block_max(mx, red);
+        float sum = 0.0f;
+        for (int j = threadIdx.x; j <= p; j += blockDim.x) {
+            float e = expf(row[j] - mx);
+            row[j] = e;
+            sum += e;
+        }
+        sum = block_sum(sum, red); /* the same value in every thread */
+        if (threadIdx.x == 0) row[max_ctx] = 1.0f / sum;
+        __syncthreads();
+    }
+    for (int c = threadIdx.x; c < group * hd; c += blockDim.x) {
+        int g = c / hd, i = c % hd;
+        const float *row = sc + (size_t)g * (max_ctx + 1);
         float acc = 0.0f;
         for (int j = 0; j <= p; j++) {
             const uint8_t *vr = layer + (size_t)table[j / block_size] * block_bytes +
                                 (size_t)block_size * token_bytes +
                                 (size_t)(j % block_size) * token_bytes + (size_t)kh * hd * esize;
-            acc += sc[j] * load_kv(vr, i, kv_type);
+            acc += row[j] * load_kv(vr, i, kv_type);
         }
-        out[(size_t)t * n_head * hd + (size_t)h * hd + i] = acc * inv;
+        out[(size_t)t * n_head * hd + (size_t)(kh * group + g) * hd + i] = acc * row[max_ctx];
     }
 }
 
@@ -487,12 +519,16 @@ int td_cuda_fwd_create(td_cuda_fwd **out, const td_model *m, td_type kv_dtype, i
     DMALLOC(f->tables, (size_t)max_logits * f->max_blocks * 4);
     if (!rc && cudaMallocHost((void **)&f->h_ints, (3 * T + (size_t)max_logits * (1 + f->max_blocks)) * 4) != cudaSuccess)
         rc = td_err_set(err, TD_ENOMEM, "cuda: cannot allocate pinned staging");
-    if (!rc && (size_t)(max_ctx + 1) * sizeof(float) > 200 * 1024)
-        rc = td_err_set(err, TD_EUNSUPPORTED, "cuda: a context of %d positions exceeds the attention kernel's shared memory", max_ctx);
-    if (!rc && (size_t)(max_ctx + 1) * sizeof(float) > 48 * 1024 &&
-        cudaFuncSetAttribute(k_attention, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             (int)((max_ctx + 1) * sizeof(float))) != cudaSuccess)
+    size_t att_smem = (size_t)(f->n_head / f->n_kv) * (size_t)(max_ctx + 1) * sizeof(float);
+    if (!rc && (f->n_head / f->n_kv > ATT_MAX_GROUP || f->hd > 32 * ATT_MAX_PER_LANE))
+        rc = td_err_set(err, TD_EUNSUPPORTED, "cuda: %d query heads per KV head or head_dim %d exceed the attention kernel (%d, %d)",
+                        f->n_head / f->n_kv, f->hd, ATT_MAX_GROUP, 32 * ATT_MAX_PER_LANE);
+    if (!rc && att_smem > 200 * 1024)
+        rc = td_err_set(err, TD_EUNSUPPORTED, "cuda: a context of %d positions exceeds the attention kernel's shared memory (lower --max-model-len)", max_ctx);
+    if (!rc && att_smem > 48 * 1024 &&
+        cudaFuncSetAttribute(k_attention, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)att_smem) != cudaSuccess)
         rc = td_err_set(err, TD_EIO, "cuda: cannot raise the attention kernel's shared memory");
+    f->att_smem = att_smem;
 #undef TRY
 #undef DMALLOC
     if (rc) {
@@ -552,10 +588,10 @@ int td_cuda_fwd_run(td_cuda_fwd *f, int n_tokens, const int32_t *tokens, const i
                                         layer, f->n_head, f->n_kv, f->hd, s->rope_theta, s->rope_freq_scale,
                                         f->rope_freqs, s->rope_type == TD_ROPE_NEOX, f->block_size,
                                         f->token_bytes, f->block_bytes, esize, f->kv_type);
-        dim3 grid((unsigned)T, (unsigned)f->n_head);
-        k_attention<<<grid, 128, (size_t)(f->max_ctx + 1) * sizeof(float), st>>>(
+        dim3 grid((unsigned)T, (unsigned)f->n_kv);
+        k_attention<<<grid, ATT_THREADS, f->att_smem, st>>>(
             f->q, f->att, f->pos, f->seq, f->tables, mb, layer, f->n_head, f->n_kv, f->hd, f->block_size,
-            f->token_bytes, f->block_bytes, esize, f->kv_type);
+            f->token_bytes, f->block_bytes, esize, f->kv_type, f->max_ctx);
         rc = gemm(f, f->xb2, f->att, &L->wo, T, err);
         if (rc) break;
         k_norm<<<T, 256, 0, st>>>(f->x, f->xb2, L->ffn_norm, f->xb, nullptr, d, eps);
