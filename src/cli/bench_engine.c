@@ -18,6 +18,9 @@
 #include "cli/cli.h"
 #include "cli/engine_opts.h"
 #include "backend/cpu/probe.h"
+#ifdef TD_HAVE_CUDA
+#include "backend/cuda/cuda_fwd.h"
+#endif
 #include "model/model.h"
 
 static double run_prefill(td_engine *e, int prompt_len, td_rng *rng)
@@ -161,7 +164,23 @@ int cli_bench_engine(int argc, char **argv)
            kv_checksums ? ", block checksums kept" : "");
     double dec_bytes, pf_flops, bw = 0, peak = 0;
     model_costs(m, (int)prompt_len, &dec_bytes, &pf_flops);
-    if (!no_floor) {
+    bool gpu = cfg.device && !strcmp(cfg.device, "cuda");
+#ifdef TD_HAVE_CUDA
+    if (!no_floor && gpu) {
+        double copy = 0, tflops = 0;
+        if (td_cuda_probe(&copy, &tflops, &err) == 0) {
+            printf("machine: GPU copy %.0f GB/s (read + write), bf16 GEMM 8192^3 %.0f TFLOP/s\n",
+                   copy, tflops);
+            printf("floor: decode reads %.2f GB/token -> %.3f ms/token at batch 1; pp%lld needs "
+                   "%.1f TFLOP -> %.0f tok/s at the GEMM rate\n",
+                   dec_bytes / 1e9, dec_bytes / (copy * 1e9) * 1e3, (long long)prompt_len,
+                   pf_flops / 1e12, tflops * 1e12 / pf_flops * (double)prompt_len);
+        } else {
+            fprintf(stderr, "warning: GPU probe: %s\n", err.msg);
+        }
+    }
+#endif
+    if (!no_floor && !gpu) {
         td_pool *pool;
         if (td_pool_create(&pool, cfg.n_threads > 0 ? cfg.n_threads : 1, cfg.pin_threads, &err) == 0) {
             bw = cpu_probe_read_gbs(pool, 1ull << 30, 3);

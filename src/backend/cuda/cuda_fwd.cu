@@ -616,3 +616,56 @@ int td_cuda_fwd_run(td_cuda_fwd *f, int n_tokens, const int32_t *tokens, const i
     CK(cudaGetLastError());
     return 0;
 }
+
+int td_cuda_probe(double *copy_gbs, double *gemm_tflops, td_err *err)
+{
+    *copy_gbs = *gemm_tflops = 0;
+    char why[256];
+    if (!td_cuda_available(why, sizeof(why))) return td_err_set(err, TD_EUNSUPPORTED, "%s", why);
+    const size_t bytes = (size_t)1 << 30;
+    const int n = 8192;
+    void *a = nullptr, *b = nullptr, *c = nullptr;
+    cublasHandle_t h = nullptr;
+    cudaEvent_t e0, e1;
+    int rc = 0;
+    if (cudaMalloc(&a, bytes) != cudaSuccess || cudaMalloc(&b, bytes) != cudaSuccess ||
+        cudaMalloc(&c, (size_t)n * n * 4) != cudaSuccess || cublasCreate(&h) != CUBLAS_STATUS_SUCCESS)
+        rc = td_err_set(err, TD_ENOMEM, "cuda: probe: cannot allocate");
+    cudaEventCreate(&e0);
+    cudaEventCreate(&e1);
+    if (!rc) {
+        cudaMemset(a, 1, bytes);
+        float best = 1e30f, ms;
+        for (int i = 0; i < 12; i++) {
+            cudaEventRecord(e0);
+            cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice);
+            cudaEventRecord(e1);
+            cudaEventSynchronize(e1);
+            cudaEventElapsedTime(&ms, e0, e1);
+            if (i >= 2 && ms < best) best = ms;
+        }
+        *copy_gbs = 2.0 * (double)bytes / (best * 1e-3) / 1e9;
+        /* a and b hold 8192 x 8192 bf16 (128 MiB) each, c the f32 result. */
+        const float one = 1.0f, zero = 0.0f;
+        best = 1e30f;
+        for (int i = 0; i < 8 && !rc; i++) {
+            cudaEventRecord(e0);
+            cublasStatus_t st = cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &one, a, CUDA_R_16BF, n,
+                                             b, CUDA_R_16BF, n, &zero, c, CUDA_R_32F, n,
+                                             CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+            cudaEventRecord(e1);
+            cudaEventSynchronize(e1);
+            cudaEventElapsedTime(&ms, e0, e1);
+            if (st != CUBLAS_STATUS_SUCCESS) rc = td_err_set(err, TD_EIO, "cuda: probe GEMM failed");
+            if (i >= 2 && ms < best) best = ms;
+        }
+        if (!rc) *gemm_tflops = 2.0 * n * (double)n * n / (best * 1e-3) / 1e12;
+    }
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    if (h) cublasDestroy(h);
+    cudaFree(a);
+    cudaFree(b);
+    cudaFree(c);
+    return rc;
+}

@@ -40,6 +40,13 @@ int td_cuda_fwd_create(td_cuda_fwd **out, const td_model *m, td_type kv_dtype, i
                        int n_blocks, int max_tokens, int max_logits, int max_ctx, td_err *err);
 void td_cuda_fwd_free(td_cuda_fwd *f);
 
+/**
+ * Measure the device's limits, for benchmark floors: a device-to-device copy of 1 GiB
+ * (bytes read plus written per second, as the anchors count it) and a bf16 GEMM of
+ * 8192^3 with f32 accumulation (TFLOP/s); best of several runs each.
+ */
+int td_cuda_probe(double *copy_gbs, double *gemm_tflops, td_err *err);
+
 /** Bytes of device memory the pool and the weights took (for the memory plan's log). */
 size_t td_cuda_fwd_device_bytes(const td_cuda_fwd *f);
 
