@@ -24,7 +24,13 @@ start_server() {
         --log-level warn "$@" 2>"$tmp/$name.err" &
     local pid=$!
     server_pids+=("$pid")
-    local port=""
+    wait_listening "$name" "$pid" 127.0.0.1
+}
+
+# wait_listening NAME PID HOST: wait for server NAME (process PID, log $tmp/NAME.err) to
+# print its port; sets ${NAME}_URL (http://HOST:port) and ${NAME}_PID.
+wait_listening() {
+    local name=$1 pid=$2 host=$3 port=""
     for _ in $(seq 1 600); do
         port=$(sed -n 's/^listening on .*:\([0-9]*\)$/\1/p' "$tmp/$name.err" | head -n 1)
         [ -n "$port" ] && break
@@ -32,6 +38,6 @@ start_server() {
         sleep 0.1
     done
     [ -n "$port" ] || fail "server $name did not start: $(cat "$tmp/$name.err")"
-    printf -v "${name}_URL" 'http://127.0.0.1:%s' "$port"
+    printf -v "${name}_URL" 'http://%s:%s' "$host" "$port"
     printf -v "${name}_PID" '%s' "$pid"
 }

@@ -48,15 +48,7 @@ serve_in() {
         --server-port 0 --log-level info --kv-transfer-config "$kv" 2>"$tmp/$name.err" &
     local pid=$!
     server_pids+=("$pid")
-    local port=""
-    for _ in $(seq 1 600); do
-        port=$(sed -n 's/^listening on .*:\([0-9]*\)$/\1/p' "$tmp/$name.err" | head -n 1)
-        [ -n "$port" ] && break
-        kill -0 "$pid" 2>/dev/null || fail "server $name exited: $(cat "$tmp/$name.err")"
-        sleep 0.1
-    done
-    [ -n "$port" ] || fail "server $name did not start: $(cat "$tmp/$name.err")"
-    printf -v "${name}_URL" 'http://%s:%s' "$host" "$port"
+    wait_listening "$name" "$pid" "$host"
 }
 # startup_error NS KVCONFIG PATTERN: the server must exit 2 with PATTERN in its error.
 startup_error() {
