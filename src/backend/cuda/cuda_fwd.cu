@@ -53,6 +53,12 @@ struct td_cuda_fwd {
     __nv_bfloat16 *xbf;
     int32_t *tokens, *pos, *seq, *rows, *tables;
     int32_t *h_ints; /* pinned staging for the batch's integers */
+    float *h_logits; /* pinned: the logits come back here, then to the caller */
+    void *blas_ws;   /* cuBLAS's workspace, fixed so that GEMMs can be captured in graphs */
+    /* Decode steps (every row a sequence's next token) of T rows replay a CUDA graph made
+     * on the first such step: graphs[T], or graph_bad[T] if capturing failed. */
+    cudaGraphExec_t *graphs;
+    bool *graph_bad, use_graphs;
 };
 
 #define CK(call)                                                                                   \
@@ -404,6 +410,12 @@ void td_cuda_fwd_free(td_cuda_fwd *f)
     for (void *b : bufs)
         if (b) cudaFree(b);
     if (f->h_ints) cudaFreeHost(f->h_ints);
+    if (f->h_logits) cudaFreeHost(f->h_logits);
+    for (int i = 0; f->graphs && i <= f->max_logits; i++)
+        if (f->graphs[i]) cudaGraphExecDestroy(f->graphs[i]);
+    free(f->graphs);
+    free(f->graph_bad);
+    if (f->blas_ws) cudaFree(f->blas_ws);
     if (f->blas) cublasDestroy(f->blas);
     if (f->stream) cudaStreamDestroy(f->stream);
     free(f);
@@ -517,6 +529,18 @@ int td_cuda_fwd_create(td_cuda_fwd **out, const td_model *m, td_type kv_dtype, i
     DMALLOC(f->seq, T * 4);
     DMALLOC(f->rows, (size_t)max_logits * 4);
     DMALLOC(f->tables, (size_t)max_logits * f->max_blocks * 4);
+    if (!rc && cudaMallocHost((void **)&f->h_logits, (size_t)max_logits * f->vocab * 4) != cudaSuccess)
+        rc = td_err_set(err, TD_ENOMEM, "cuda: cannot allocate pinned logits");
+    DMALLOC(f->blas_ws, (size_t)32 << 20);
+    if (!rc && cublasSetWorkspace(f->blas, f->blas_ws, (size_t)32 << 20) != CUBLAS_STATUS_SUCCESS)
+        rc = td_err_set(err, TD_EIO, "cuda: cannot give cuBLAS its workspace");
+    f->graphs = (cudaGraphExec_t *)calloc((size_t)max_logits + 1, sizeof(cudaGraphExec_t));
+    f->graph_bad = (bool *)calloc((size_t)max_logits + 1, sizeof(bool));
+    if (!rc && (!f->graphs || !f->graph_bad)) rc = td_err_set(err, TD_ENOMEM, "cuda: out of memory");
+    {
+        const char *g = getenv("TD_CUDA_GRAPHS");
+        f->use_graphs = !(g && !strcmp(g, "0"));
+    }
     if (!rc && cudaMallocHost((void **)&f->h_ints, (3 * T + (size_t)max_logits * (1 + f->max_blocks)) * 4) != cudaSuccess)
         rc = td_err_set(err, TD_ENOMEM, "cuda: cannot allocate pinned staging");
     size_t att_smem = (size_t)(f->n_head / f->n_kv) * (size_t)(max_ctx + 1) * sizeof(float);
@@ -539,32 +563,16 @@ int td_cuda_fwd_create(td_cuda_fwd **out, const td_model *m, td_type kv_dtype, i
     return 0;
 }
 
-int td_cuda_fwd_run(td_cuda_fwd *f, int n_tokens, const int32_t *tokens, const int32_t *pos,
-                    const int32_t *seq, const int32_t *const *block_tables, int n_seqs, int n_logits,
-                    const int32_t *logit_rows, float *logits, td_err *err)
+/*
+ * Queue one step on the stream: the staged integers to the device (f->h_ints, filled by
+ * td_cuda_fwd_run), every layer, and the logits back to f->h_logits. Nothing here reads
+ * the host otherwise, so a decode step can be captured as a graph and replayed.
+ */
+static int enqueue(td_cuda_fwd *f, int T, int ns, int n_logits, td_err *err)
 {
     const td_model_shape *s = &f->m->shape;
-    int T = n_tokens, mb = f->max_blocks;
-    if (T < 1 || T > f->max_tokens || n_logits > f->max_logits || n_seqs > f->max_logits ||
-        n_seqs > 1024)
-        return td_err_set(err, TD_EINVAL, "cuda: batch of %d tokens, %d logits, %d sequences exceeds the plan", T,
-                          n_logits, n_seqs);
-    /* Stage the integers: tokens, pos, seq, logit rows, then each sequence's block table
-     * (as many blocks as its furthest position needs). */
-    int32_t *h = f->h_ints;
-    memcpy(h, tokens, (size_t)T * 4);
-    memcpy(h + T, pos, (size_t)T * 4);
-    memcpy(h + 2 * T, seq, (size_t)T * 4);
-    memcpy(h + 3 * T, logit_rows, (size_t)n_logits * 4);
-    int32_t *tab = h + 3 * T + f->max_logits;
-    int need[1024];
-    int ns = n_seqs;
-    for (int i = 0; i < ns; i++) need[i] = 0;
-    for (int t = 0; t < T; t++) {
-        int b = pos[t] / f->block_size + 1;
-        if (seq[t] < ns && b > need[seq[t]]) need[seq[t]] = b;
-    }
-    for (int i = 0; i < ns; i++) memcpy(tab + (size_t)i * mb, block_tables[i], (size_t)need[i] * 4);
+    const int mb = f->max_blocks;
+    int32_t *h = f->h_ints, *tab = h + 3 * T + f->max_logits;
     cudaStream_t st = f->stream;
     CK(cudaMemcpyAsync(f->tokens, h, (size_t)T * 4, cudaMemcpyHostToDevice, st));
     CK(cudaMemcpyAsync(f->pos, h + T, (size_t)T * 4, cudaMemcpyHostToDevice, st));
@@ -609,11 +617,71 @@ int td_cuda_fwd_run(td_cuda_fwd *f, int n_tokens, const int32_t *tokens, const i
         k_norm<<<n_logits, 256, 0, st>>>(f->x, nullptr, f->output_norm, f->xo, f->rows, d, eps);
         rc = gemm(f, f->logits, f->xo, &f->output, n_logits, err);
         if (!rc)
-            CK(cudaMemcpyAsync(logits, f->logits, (size_t)n_logits * f->vocab * 4, cudaMemcpyDeviceToHost, st));
+            CK(cudaMemcpyAsync(f->h_logits, f->logits, (size_t)n_logits * f->vocab * 4, cudaMemcpyDeviceToHost, st));
+    }
+    return rc;
+}
+
+
+int td_cuda_fwd_run(td_cuda_fwd *f, int n_tokens, const int32_t *tokens, const int32_t *pos,
+                    const int32_t *seq, const int32_t *const *block_tables, int n_seqs, int n_logits,
+                    const int32_t *logit_rows, float *logits, td_err *err)
+{
+    int T = n_tokens, mb = f->max_blocks;
+    if (T < 1 || T > f->max_tokens || n_logits > f->max_logits || n_seqs > f->max_logits ||
+        n_seqs > 1024)
+        return td_err_set(err, TD_EINVAL, "cuda: batch of %d tokens, %d logits, %d sequences exceeds the plan", T,
+                          n_logits, n_seqs);
+    /* Stage the integers: tokens, pos, seq, logit rows, then each sequence's block table
+     * (as many blocks as its furthest position needs). */
+    int32_t *h = f->h_ints;
+    memcpy(h, tokens, (size_t)T * 4);
+    memcpy(h + T, pos, (size_t)T * 4);
+    memcpy(h + 2 * T, seq, (size_t)T * 4);
+    memcpy(h + 3 * T, logit_rows, (size_t)n_logits * 4);
+    int32_t *tab = h + 3 * T + f->max_logits;
+    int need[1024];
+    int ns = n_seqs;
+    for (int i = 0; i < ns; i++) need[i] = 0;
+    for (int t = 0; t < T; t++) {
+        int b = pos[t] / f->block_size + 1;
+        if (seq[t] < ns && b > need[seq[t]]) need[seq[t]] = b;
+    }
+    for (int i = 0; i < ns; i++) memcpy(tab + (size_t)i * mb, block_tables[i], (size_t)need[i] * 4);
+    /* A decode step (row i is sequence i's next token, and samples) replays a graph. */
+    bool decode = n_logits == T && ns == T;
+    for (int i = 0; decode && i < T; i++) decode = logit_rows[i] == i && seq[i] == i;
+    int rc = 0;
+    cudaStream_t st = f->stream;
+    if (decode && f->use_graphs && !f->graph_bad[T]) {
+        if (!f->graphs[T]) {
+            cudaGraph_t g = nullptr;
+            bool ok = cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal) == cudaSuccess;
+            td_err ce;
+            td_err_clear(&ce);
+            if (ok) ok = enqueue(f, T, ns, n_logits, &ce) == 0;
+            if (cudaStreamEndCapture(st, &g) != cudaSuccess) ok = false;
+            if (ok && cudaGraphInstantiate(&f->graphs[T], g, 0) != cudaSuccess) {
+                f->graphs[T] = nullptr;
+                ok = false;
+            }
+            if (g) cudaGraphDestroy(g);
+            if (!ok) {
+                (void)cudaGetLastError(); /* clear it: run this step, and later ones, without */
+                f->graph_bad[T] = true;
+                fprintf(stderr, "cuda: decode steps of %d rows run without a CUDA graph (capture failed%s%s)\n",
+                        T, ce.msg[0] ? ": " : "", ce.msg);
+            }
+        }
+        if (f->graphs[T]) CK(cudaGraphLaunch(f->graphs[T], st));
+        else rc = enqueue(f, T, ns, n_logits, err);
+    } else {
+        rc = enqueue(f, T, ns, n_logits, err);
     }
     if (rc) return rc;
     CK(cudaStreamSynchronize(st));
     CK(cudaGetLastError());
+    if (n_logits) memcpy(logits, f->h_logits, (size_t)n_logits * f->vocab * 4);
     return 0;
 }
 
