@@ -63,7 +63,6 @@ typedef struct conn {
 
 /* A listening socket and its accept thread: the handshake listener (rail -1), or a rail's
  * engine on the tcp transport (bound to the rail's address and device). */
-struct listener;
 typedef struct listener {
     struct kvx_agent *agent;
     int fd, rail;

@@ -247,7 +247,7 @@ __global__ void k_rope_store(float *q, float *k, float *v, const float *bq, cons
                              const int32_t *tables, int max_blocks, uint8_t *layer, int n_head,
                              int n_kv, int hd, float base, float freq_scale, const float *ff,
                              int neox, int block_size, size_t token_bytes, size_t block_bytes,
-                             int esize, int kv_type)
+                             int kv_type)
 {
     int t = blockIdx.x, half = hd / 2, qd = n_head * hd, kd = n_kv * hd;
     int p = pos[t];
@@ -283,7 +283,6 @@ __global__ void k_rope_store(float *q, float *k, float *v, const float *bq, cons
         float val = vt[i] + (bv ? bv[i] : 0.0f);
         store_kv(vb, i, kv_type, val);
     }
-    (void)esize;
 }
 
 /*
@@ -595,7 +594,7 @@ static int enqueue(td_cuda_fwd *f, int T, int ns, int n_logits, td_err *err)
         k_rope_store<<<T, 128, 0, st>>>(f->q, f->k, f->v, L->bq, L->bk, L->bv, f->pos, f->seq, f->tables, mb,
                                         layer, f->n_head, f->n_kv, f->hd, s->rope_theta, s->rope_freq_scale,
                                         f->rope_freqs, s->rope_type == TD_ROPE_NEOX, f->block_size,
-                                        f->token_bytes, f->block_bytes, esize, f->kv_type);
+                                        f->token_bytes, f->block_bytes, f->kv_type);
         dim3 grid((unsigned)T, (unsigned)f->n_kv);
         k_attention<<<grid, ATT_THREADS, f->att_smem, st>>>(
             f->q, f->att, f->pos, f->seq, f->tables, mb, layer, f->n_head, f->n_kv, f->hd, f->block_size,
