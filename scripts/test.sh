@@ -17,15 +17,25 @@ if [ ! -d "$node_dir/node_modules/openai" ] || [ "$node_dir/package-lock.json" -
     (cd "$node_dir" && npm ci --no-audit --no-fund --prefer-offline --loglevel=error)
 fi
 
+# Each ctest run's closing lines are kept, so that the run ends on one summary of them all.
+logs=$(mktemp -d)
+trap 'rm -rf "$logs"' EXIT
+run_ctest() { # NAME DIR [ctest args...]
+    local name=$1 dir=$2
+    shift 2
+    (cd "$dir" && ctest --output-on-failure "$@") 2>&1 | tee "$logs/$name"
+    return "${PIPESTATUS[0]}"
+}
+
 echo "== release build and tests"
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DTD_SHARED_DIR="$TD_SHARED_DIR" >/dev/null
 cmake --build build -j"$jobs"
-(cd build && ctest --output-on-failure -j"$jobs")
+run_ctest release build -j"$jobs"
 
 echo "== ASan + UBSan build and tests"
 cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DTD_SANITIZE=ON -DTD_SHARED_DIR="$TD_SHARED_DIR" >/dev/null
 cmake --build build-asan -j"$jobs"
-(cd build-asan && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 ctest --output-on-failure -j"$jobs")
+ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 run_ctest asan build-asan -j"$jobs"
 
 # The CUDA backend is compiled wherever nvcc is installed; its tests run where a GPU is
 # present and skip (with the reason) elsewhere.
@@ -35,12 +45,33 @@ if [ -n "$nvcc_bin" ]; then
     cmake -S . -B build-cuda -DCMAKE_BUILD_TYPE=Release -DTANDEM_CUDA=ON \
         -DCMAKE_CUDA_COMPILER="$nvcc_bin" -DTD_SHARED_DIR="$TD_SHARED_DIR" >/dev/null
     cmake --build build-cuda -j"$jobs" --target tandem test_engine_cuda
-    (cd build-cuda && ctest --output-on-failure -R cuda)
+    run_ctest cuda build-cuda -R cuda
 else
     echo "== CUDA backend: nvcc not found, not built"
 fi
 
+fuzz_note="not run (clang missing)"
 if [ -x tests/fuzz/run_fuzz.sh ] && command -v clang >/dev/null; then
-    echo "== fuzz smoke runs"
-    tests/fuzz/run_fuzz.sh 20000
+    echo "== fuzz smoke runs (libFuzzer's log: build-fuzz/fuzz.log)"
+    mkdir -p build-fuzz
+    if ! tests/fuzz/run_fuzz.sh 20000 >build-fuzz/fuzz.log 2>&1; then
+        tail -n 60 build-fuzz/fuzz.log
+        echo "fuzz smoke runs: FAILED (build-fuzz/fuzz.log)" >&2
+        exit 1
+    fi
+    grep '^== fuzz_' build-fuzz/fuzz.log || true
+    fuzz_note="$(grep -c '^== fuzz_' build-fuzz/fuzz.log) targets, no crash"
 fi
+
+# One closing line over every ctest run above (skipped tests are those whose hardware,
+# a GPU, is missing here).
+passed=0 failed=0 skipped=0
+for f in "$logs"/*; do
+    line=$(grep -E '[0-9]+% tests passed, [0-9]+ tests? failed out of [0-9]+' "$f" | tail -n 1)
+    total=$(sed -E 's/.* out of ([0-9]+).*/\1/' <<<"$line")
+    fail=$(sed -E 's/.* ([0-9]+) tests? failed.*/\1/' <<<"$line")
+    skip=$(grep -cE '\(Skipped\)$' "$f" || true)
+    passed=$((passed + total - fail - skip)) failed=$((failed + fail)) skipped=$((skipped + skip))
+done
+echo "== fuzz: $fuzz_note"
+echo "tests: $passed passed, $failed failed, $skipped skipped"

@@ -205,8 +205,10 @@ int td_engine_create(td_engine **out, const td_engine_config *cfg, td_err *err)
     e->b_n = malloc((size_t)S * sizeof(int));
     e->lp = malloc((size_t)S * sizeof(*e->lp));
     e->logits = td_aligned_alloc((size_t)S * (size_t)s->n_vocab * sizeof(float));
+    e->b_need = malloc((size_t)S);
+    e->b_argmax = malloc((size_t)S * sizeof(int32_t));
     if (!e->b_tokens || !e->b_pos || !e->b_seq || !e->b_logit_rows || !e->b_tables ||
-        !e->b_reqs || !e->b_n || !e->lp || !e->logits) {
+        !e->b_reqs || !e->b_n || !e->lp || !e->logits || !e->b_need || !e->b_argmax) {
         rc = td_err_set(err, TD_ENOMEM, "engine: out of memory for batch buffers");
         goto fail;
     }
@@ -256,6 +258,8 @@ void td_engine_free(td_engine *e)
     free(e->b_pos);
     free(e->b_seq);
     free(e->b_logit_rows);
+    free(e->b_need);
+    free(e->b_argmax);
     free(e->b_tables);
     free(e->b_reqs);
     free(e->b_n);

@@ -102,6 +102,8 @@ struct td_engine {
     req **b_reqs;        /* [max_num_seqs] scheduled requests */
     int *b_n;            /* [max_num_seqs] tokens scheduled for each */
     float *logits;       /* [max_num_seqs][n_vocab] */
+    uint8_t *b_need;     /* [max_num_seqs] GPU: the host samples this logit row itself */
+    int32_t *b_argmax;   /* [max_num_seqs] GPU: each logit row's greedy token */
 
     out_rec *outs;
     int n_outs, cap_outs, next_out;

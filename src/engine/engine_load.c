@@ -92,7 +92,12 @@ int td__engine_load_model(const td_engine_config *c, td_model **model, td_tokeni
         rc = generated_tokenizer(shape.n_vocab, tok, err);
         if (rc) return rc;
     }
-    rc = td_model_load_dummy(model, &shape, wtype, c->seed, err);
+    /* On the GPU, f32 and bf16 matrices are made in device memory (an 8B shape in
+     * moments); the host makes only the norms and biases. */
+    bool on_device = c->device && !strcmp(c->device, "cuda") &&
+                     (wtype == TD_TYPE_F32 || wtype == TD_TYPE_BF16);
+    rc = on_device ? td_model_load_dummy_deferred(model, &shape, wtype, c->seed, err)
+                   : td_model_load_dummy(model, &shape, wtype, c->seed, err);
     if (rc) {
         tok_free(*tok);
         *tok = NULL;

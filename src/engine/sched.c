@@ -471,11 +471,21 @@ int sched__step(td_engine *e, td_err *err)
         b.kv_stored = step_kv_stored;
         b.kv_user = e;
     }
+    /* On the GPU, greedy rows without logprobs are sampled there (argmax); only the other
+     * rows' logits come to the host. */
+    bool device_argmax = false;
 #ifdef TD_HAVE_CUDA
     if (e->cuda) {
+        device_argmax = true;
+        for (int s = 0, li = 0; s < n_sched; s++) {
+            req *r = e->b_reqs[s];
+            if (r->n_computed + e->b_n[s] < r->n_tokens) continue;
+            bool greedy = r->sp.temperature <= 0.0f || r->sp.top_k == 1;
+            e->b_need[li++] = !(greedy && r->logprobs == 0);
+        }
         td_err ce = {0};
         if (td_cuda_fwd_run(e->cuda, T, b.tokens, b.pos, b.seq, b.block_tables, n_sched,
-                            n_logits, b.logit_rows, b.logits, &ce)) {
+                            n_logits, b.logit_rows, b.logits, e->b_need, e->b_argmax, &ce)) {
             TD_ERROR("engine: %s", ce.msg);
             return td_err_set(err, ce.code, "%s", ce.msg);
         }
@@ -496,7 +506,13 @@ int sched__step(td_engine *e, td_err *err)
         register_full_blocks(e, r);
         if (r->n_computed < r->n_tokens) continue; /* mid-prompt chunk: nothing to sample */
         const float *row = e->logits + (size_t)li * n_vocab;
-        int32_t tok = sampler_sample(&r->sp, row, n_vocab, &r->rng, &e->samp);
+        int32_t tok;
+        if (device_argmax && !e->b_need[li]) {
+            tok = e->b_argmax[li];
+            row = NULL;
+        } else {
+            tok = sampler_sample(&r->sp, row, n_vocab, &r->rng, &e->samp);
+        }
         if (r->forced_token >= 0) { /* a remote request recomputed after a failed load */
             tok = r->forced_token;
             r->forced_token = -1;

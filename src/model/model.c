@@ -185,24 +185,40 @@ td_model__tensor *td_model__plan(const td_model_shape *s, td_type wtype, td_mode
  * attention is neither uniform nor one-hot, and the logits' top-2 margins are wide
  * enough (~0.1) for greedy decoding to be stable across batch shapes.
  */
+/* A tensor's generator: its seed and the half-width of its uniform distribution. */
+static td_weight_gen gen_params(const td_model__tensor *t, uint64_t seed)
+{
+    float a = t->kind == TD_MODEL__EMBD   ? 1.0f
+              : t->kind == TD_MODEL__BIAS ? 0.1f
+                                          : sqrtf(3.0f / (float)t->cols);
+    return (td_weight_gen){true, td_hash64(t->name, strlen(t->name), seed), a};
+}
+
+static void gen_row(td_weight_gen g, int64_t cols, int64_t r, float *out)
+{
+    uint64_t row = (uint64_t)r;
+    td_rng rng;
+    td_rng_seed(&rng, td_hash64(&row, sizeof(row), g.seed));
+    for (int64_t i = 0; i < cols; i++)
+        out[i] = g.scale * (2.0f * td_rng_float(&rng) - 1.0f);
+}
+
+void td_model_gen_row(const td_weight *w, int64_t r, float *out)
+{
+    gen_row(w->gen, w->cols, r, out);
+}
+
 void td_model__gen_rows(const td_model__tensor *t, uint64_t seed, int64_t row0, int64_t n_rows,
                         void *dst, float *scratch)
 {
     size_t row_bytes = td_row_bytes(t->type, t->cols);
-    uint64_t name_seed = td_hash64(t->name, strlen(t->name), seed);
-    float a = t->kind == TD_MODEL__EMBD   ? 1.0f
-              : t->kind == TD_MODEL__BIAS ? 0.1f
-                                          : sqrtf(3.0f / (float)t->cols);
+    td_weight_gen g = gen_params(t, seed);
     for (int64_t r = 0; r < n_rows; r++) {
         if (t->kind == TD_MODEL__NORM) {
             for (int64_t i = 0; i < t->cols; i++)
                 scratch[i] = 1.0f;
         } else {
-            uint64_t row = (uint64_t)(row0 + r);
-            td_rng rng;
-            td_rng_seed(&rng, td_hash64(&row, sizeof(row), name_seed));
-            for (int64_t i = 0; i < t->cols; i++)
-                scratch[i] = a * (2.0f * td_rng_float(&rng) - 1.0f);
+            gen_row(g, t->cols, row0 + r, scratch);
         }
         td_quant_row_ref(t->type, scratch, (uint8_t *)dst + (size_t)r * row_bytes, t->cols);
     }
@@ -212,17 +228,31 @@ void td_model__gen_rows(const td_model__tensor *t, uint64_t seed, int64_t row0, 
 
 static uint64_t hash_weight(uint64_t h, const td_weight *w)
 {
-    uint64_t head[4] = {(uint64_t)w->type, (uint64_t)w->cols, (uint64_t)w->rows, w->data != NULL};
+    bool present = w->data || w->gen.on;
+    uint64_t head[4] = {(uint64_t)w->type, (uint64_t)w->cols, (uint64_t)w->rows, present};
     h = td_hash64(head, sizeof(head), h);
-    if (!w->data) return h;
+    if (!present) return h;
     /* Eight 32-byte windows spread over the tensor: enough to tell two weight sets
-     * apart, cheap enough for a mapped 16 GB model (a few pages per tensor). */
+     * apart, cheap enough for a mapped 16 GB model (a few pages per tensor). A deferred
+     * matrix makes the rows under each window, so it hashes as its materialised twin. */
     size_t n = w->row_bytes * (size_t)w->rows;
-    const uint8_t *p = w->data;
+    float *f = w->data ? NULL : td_xmalloc((size_t)w->cols * sizeof(float));
+    uint8_t *rows = w->data ? NULL : td_xmalloc(2 * w->row_bytes);
     for (int i = 0; i < 8; i++) {
-        size_t off = n > 32 ? (n - 32) / 7 * (size_t)i : 0;
-        h = td_hash64(p + off, TD_MIN(n, (size_t)32), h);
+        size_t off = n > 32 ? (n - 32) / 7 * (size_t)i : 0, len = TD_MIN(n, (size_t)32);
+        const uint8_t *p = (const uint8_t *)w->data + off;
+        if (!w->data) {
+            int64_t r = (int64_t)(off / w->row_bytes);
+            for (int64_t k = 0; k < 2 && r + k < w->rows; k++) {
+                td_model_gen_row(w, r + k, f);
+                td_quant_row_ref(w->type, f, rows + (size_t)k * w->row_bytes, w->cols);
+            }
+            p = rows + off % w->row_bytes;
+        }
+        h = td_hash64(p, len, h);
     }
+    free(f);
+    free(rows);
     return h;
 }
 
@@ -254,7 +284,7 @@ static void finish_model(td_model *m)
                            &m->layers[l].w_gate,    &m->layers[l].w_up, &m->layers[l].w_down};
         for (size_t i = 0; i < TD_ARRAY_LEN(ws); i++) {
             h = hash_weight(h, ws[i]);
-            if (!ws[i]->data) continue;
+            if (!ws[i]->data && !ws[i]->gen.on) continue;
             size_t b = ws[i]->row_bytes * (size_t)ws[i]->rows;
             bytes += b;
             if (ws[i]->rows > 1) by_type[ws[i]->type] += b;
@@ -694,8 +724,8 @@ static void *fill_worker(void *arg)
     return NULL;
 }
 
-int td_model_load_dummy(td_model **out, const td_model_shape *shape, td_type weight_type,
-                        uint64_t seed, td_err *err)
+static int load_dummy(td_model **out, const td_model_shape *shape, td_type weight_type,
+                      uint64_t seed, bool deferred, td_err *err)
 {
     *out = NULL;
     td_model_shape s = *shape;
@@ -703,6 +733,10 @@ int td_model_load_dummy(td_model **out, const td_model_shape *shape, td_type wei
     if (rc) return rc;
     if (s.head_dim == 0) s.head_dim = s.n_embd / s.n_head;
     if ((rc = td_model__check_wtype(&s, weight_type, err))) return rc;
+    if (deferred && weight_type != TD_TYPE_F32 && weight_type != TD_TYPE_BF16)
+        return td_err_set(err, TD_EUNSUPPORTED,
+                          "model: deferred dummy weights are f32 or bf16, not %s",
+                          td_type_name(weight_type));
 
     td_model *m = td_xcalloc(1, sizeof(*m));
     m->shape = s;
@@ -714,7 +748,10 @@ int td_model_load_dummy(td_model **out, const td_model_shape *shape, td_type wei
     /* One anonymous mapping for all tensors, each 64-byte aligned. */
     size_t total = 0;
     int64_t max_cols = 1, n_chunks = 0;
+    /* Deferred: the embedding and the projections get no host memory. */
+#define DEFERRED(t) (deferred && ((t).kind == TD_MODEL__EMBD || (t).kind == TD_MODEL__MATRIX))
     for (int i = 0; i < n; i++) {
+        if (DEFERRED(plan[i])) continue;
         size_t rb = td_row_bytes(plan[i].type, plan[i].cols);
         total = TD_ALIGN_UP(total, 64) + rb * (size_t)plan[i].rows;
         max_cols = TD_MAX(max_cols, plan[i].cols);
@@ -737,9 +774,14 @@ int td_model_load_dummy(td_model **out, const td_model_shape *shape, td_type wei
     int64_t c = 0;
     for (int i = 0; i < n; i++) {
         size_t rb = td_row_bytes(plan[i].type, plan[i].cols);
+        if (DEFERRED(plan[i])) {
+            *plan[i].slot = (td_weight){plan[i].type, plan[i].cols, plan[i].rows, rb, NULL, NULL,
+                                        gen_params(&plan[i], seed)};
+            continue;
+        }
         off = TD_ALIGN_UP(off, 64);
         *plan[i].slot =
-            (td_weight){plan[i].type, plan[i].cols, plan[i].rows, rb, (uint8_t *)base + off, NULL};
+            (td_weight){plan[i].type, plan[i].cols, plan[i].rows, rb, (uint8_t *)base + off, NULL, {0}};
         off += rb * (size_t)plan[i].rows;
         int64_t rows_per = TD_MAX(1, (int64_t)((4u << 20) / rb));
         for (int64_t r = 0; r < plan[i].rows; r += rows_per)
@@ -754,12 +796,25 @@ int td_model_load_dummy(td_model **out, const td_model_shape *shape, td_type wei
     run_workers(fill_worker, &job, total);
     free(chunks);
     free(plan);
+#undef DEFERRED
 
     if (s.tied_output) m->output = m->tok_embd;
     finish_model(m);
-    pack_weights(m);
+    if (!deferred) pack_weights(m);
     *out = m;
     return 0;
+}
+
+int td_model_load_dummy(td_model **out, const td_model_shape *shape, td_type weight_type,
+                        uint64_t seed, td_err *err)
+{
+    return load_dummy(out, shape, weight_type, seed, false, err);
+}
+
+int td_model_load_dummy_deferred(td_model **out, const td_model_shape *shape, td_type weight_type,
+                                 uint64_t seed, td_err *err)
+{
+    return load_dummy(out, shape, weight_type, seed, true, err);
 }
 
 void td_model_free(td_model *m)

@@ -26,6 +26,18 @@ typedef enum td_rope_scaling {
     TD_ROPE_SCALING_LINEAR = 1, /* positions multiplied by rope_freq_scale */
 } td_rope_scaling;
 
+/*
+ * Deferred random weights (`--load-format dummy` on the GPU): the matrix has no host
+ * data (data == NULL) and a device backend makes row r itself, exactly as
+ * td_model_gen_row does: scale * (2u - 1) for u from a xoshiro256** stream seeded with
+ * td_hash64(&r, 8, seed), rounded to the weight's type.
+ */
+typedef struct td_weight_gen {
+    bool on;
+    uint64_t seed; /* the tensor's seed: td_hash64(name, model seed) */
+    float scale;
+} td_weight_gen;
+
 typedef struct td_weight {
     td_type type;
     int64_t cols;     /* contiguous elements per row (the input dimension) */
@@ -35,6 +47,7 @@ typedef struct td_weight {
     /* The same matrix in the CPU kernels' panel layout (cpu_pack_rows), made once at load
      * for types that have one (q8_0), or NULL. The matmuls read this instead of data. */
     const void *packed;
+    td_weight_gen gen; /* deferred random rows (data == NULL), or gen.on false */
 } td_weight;
 
 typedef struct td_layer {
@@ -96,6 +109,19 @@ int td_model_from_gguf(td_model **out, gguf_file *f, td_err *err);
 /** Random weights at a shape, in memory (`--load-format dummy`). */
 int td_model_load_dummy(td_model **out, const td_model_shape *shape, td_type weight_type,
                         uint64_t seed, td_err *err);
+
+/**
+ * The same random model as td_model_load_dummy, with the matrices deferred: the
+ * embedding and projection matrices get no host memory (td_weight.gen says how to make
+ * them), so a device backend can fill an 8B shape in its own memory in moments. Norms
+ * and biases are made here. Only f32 and bf16 weights can be deferred. A CPU engine
+ * cannot run such a model.
+ */
+int td_model_load_dummy_deferred(td_model **out, const td_model_shape *shape, td_type weight_type,
+                                 uint64_t seed, td_err *err);
+
+/** Row r of a deferred matrix as f32, before rounding to w->type (w->cols values). */
+void td_model_gen_row(const td_weight *w, int64_t r, float *out);
 
 void td_model_free(td_model *m);
 

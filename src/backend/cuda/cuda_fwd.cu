@@ -1,10 +1,22 @@
 /*
  * backend/cuda/cuda_fwd.cu - the forward pass on the GPU (cuda_fwd.h).
  *
- * First version, correctness before speed: cuBLAS for the matrices (SGEMM for f32
- * weights, bf16 GEMM with f32 accumulation otherwise) and plain kernels for the rest, one
- * launch per operation, attention one block per (token, head) reading the paged pool.
- * What comes next is in docs/ARCHITECTURE.md ("The CUDA backend").
+ * A layer is nine launches: RMSNorm, one GEMM for Q, K and V together (the three
+ * matrices are stored as one), RoPE plus the K/V store into the paged pool, attention,
+ * the output GEMM, residual add plus RMSNorm, one GEMM for gate and up together, SiLU
+ * times up, and the down GEMM. With bf16 weights the norms, the attention and the SiLU
+ * write the next GEMM's bf16 input themselves; the GEMM results and the residual stream
+ * stay f32. With f32 weights everything stays f32 (cuBLAS SGEMM, no TF32).
+ *
+ * Attention has two kernels:
+ * - split-K (flash-decoding): every row that is not in a prefill tile, on any KV type.
+ *   Each (row, KV head) is split into up to 32 ranges of positions so that a batch of one
+ *   still fills the GPU; a merge kernel combines the ranges' partial softmaxes.
+ * - a tensor-core tile kernel (flash-attention 2 style, mma.sync m16n8k16) for runs of
+ *   prefill rows with a bf16 or f16 KV cache and bf16 weights: 16 rows of a sequence
+ *   times the query heads of one KV head, against 64-key tiles of the paged K and V in
+ *   shared memory, online softmax in registers.
+ * Decode steps (every row a sequence's next token) replay a CUDA graph per batch size.
  */
 extern "C" {
 #include "backend/cuda/cuda_fwd.h"
@@ -29,36 +41,51 @@ struct dev_mat {
     int64_t rows = 0, cols = 0;
 };
 
+/* qkv holds wq, wk, wv as one matrix (rows qd + 2 kd); gu holds gate then up (2 ff). */
 struct dev_layer {
-    dev_mat wq, wk, wv, wo, gate, up, down;
+    dev_mat qkv, wo, gu, down;
     float *attn_norm = nullptr, *ffn_norm = nullptr, *bq = nullptr, *bk = nullptr, *bv = nullptr;
 };
+
+enum { PROF_GEMM, PROF_ATT, PROF_OTHER, PROF_N };
+#define PROF_MARKS 2048
 
 } // namespace
 
 struct td_cuda_fwd {
     const td_model *m;
-    int n_layer, d, qd, kd, hd, n_head, n_kv, ff, vocab;
+    int n_layer, d, qd, kd, hd, n_head, n_kv, ff, vocab, n_sm;
     int block_size, n_blocks, max_tokens, max_logits, max_ctx, max_blocks;
-    int kv_type; /* 0 f32, 1 f16, 2 bf16 */
-    size_t token_bytes, block_bytes, layer_bytes, device_bytes, att_smem;
+    int kv_type;     /* 0 f32, 1 f16, 2 bf16 */
+    bool bf;         /* bf16 weights and GEMM inputs (else all f32) */
+    bool tiles_ok;   /* prefill rows may use the tensor-core tile kernel */
+    bool use_gemv;   /* batches of <= GEMV_MAX_T rows use k_gemv (TD_CUDA_GEMV=0: cuBLAS) */
+    size_t token_bytes, block_bytes, layer_bytes, device_bytes;
     cudaStream_t stream;
     cublasHandle_t blas;
     dev_mat embd, output;
     float *output_norm, *rope_freqs;
+    float2 *rope_cs; /* [max_ctx][head_dim / 2] RoPE (cos, sin) */
     dev_layer *layers;
     uint8_t *pool;
-    /* workspace */
-    float *x, *xb, *xb2, *q, *k, *v, *att, *hb, *hb2, *xo, *logits;
-    __nv_bfloat16 *xbf;
-    int32_t *tokens, *pos, *seq, *rows, *tables;
+    /* workspace: f32 residual x, GEMM outputs, and the GEMM input `in` (bf16 or f32) */
+    float *x, *qkv, *o, *gu, *logits, *part;
+    void *in;
+    int32_t *dints; /* the staged integers on the device (layout in stage_layout) */
     int32_t *h_ints; /* pinned staging for the batch's integers */
     float *h_logits; /* pinned: the logits come back here, then to the caller */
+    int32_t *d_argmax, *h_argmax; /* each logit row's greedy token, on the device and pinned */
     void *blas_ws;   /* cuBLAS's workspace, fixed so that GEMMs can be captured in graphs */
     /* Decode steps (every row a sequence's next token) of T rows replay a CUDA graph made
      * on the first such step: graphs[T], or graph_bad[T] if capturing failed. */
     cudaGraphExec_t *graphs;
     bool *graph_bad, use_graphs;
+    /* TD_CUDA_PROFILE=1: time each launch by category (graphs off), report at free. */
+    bool prof;
+    int n_marks, mark_cat[PROF_MARKS];
+    cudaEvent_t marks[PROF_MARKS];
+    double prof_ms[2][PROF_N];
+    long prof_steps[2], prof_tokens[2];
 };
 
 #define CK(call)                                                                                   \
@@ -79,6 +106,663 @@ bool td_cuda_available(char *why, size_t cap)
     return true;
 }
 
+/* ---------------------------------------------------------------- device helpers */
+
+__device__ inline float load_kv(const uint8_t *p, int i, int t)
+{
+    if (t == 0) return ((const float *)p)[i];
+    if (t == 1) return __half2float(((const __half *)p)[i]);
+    return __bfloat162float(((const __nv_bfloat16 *)p)[i]);
+}
+
+__device__ inline void store_kv(uint8_t *p, int i, int t, float v)
+{
+    if (t == 0) ((float *)p)[i] = v;
+    else if (t == 1) ((__half *)p)[i] = __float2half_rn(v);
+    else ((__nv_bfloat16 *)p)[i] = __float2bfloat16_rn(v);
+}
+
+/* An activation that feeds a GEMM: bf16 or f32. */
+__device__ inline void store_act(void *p, size_t i, bool bf, float v)
+{
+    if (bf) ((__nv_bfloat16 *)p)[i] = __float2bfloat16_rn(v);
+    else ((float *)p)[i] = v;
+}
+
+__device__ inline float block_sum(float v, float *red)
+{
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    int w = threadIdx.x / 32, l = threadIdx.x % 32;
+    __syncthreads();
+    if (l == 0) red[w] = v;
+    __syncthreads();
+    int nw = (blockDim.x + 31) / 32;
+    v = threadIdx.x < nw ? red[threadIdx.x] : 0.0f;
+    if (w == 0)
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (threadIdx.x == 0) red[0] = v;
+    __syncthreads();
+    return red[0];
+}
+
+/* ---------------------------------------------------------------- deferred weights */
+
+/* The host's generator (util/td.c, model.c gen_row), bit for bit. */
+__device__ inline uint64_t d_mix64(uint64_t x)
+{
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdull;
+    x ^= x >> 33;
+    x *= 0xc4ceb9fe1a85ec53ull;
+    x ^= x >> 33;
+    return x;
+}
+
+__device__ inline uint64_t d_splitmix(uint64_t *x)
+{
+    uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+__device__ inline uint64_t d_rotl(uint64_t x, int k)
+{
+    return (x << k) | (x >> (64 - k));
+}
+
+/* Row r of a tensor whose seed is `seed`, into dst row r (f32 or bf16). */
+__global__ void k_gen_rows(void *dst, bool bf, int64_t rows, int64_t cols, uint64_t seed, float scale)
+{
+    int64_t r = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    if (r >= rows) return;
+    uint64_t h = 0xcbf29ce484222325ull ^ d_mix64(seed + 0x9e3779b97f4a7c15ull);
+    for (int i = 0; i < 8; i++) {
+        h ^= ((uint64_t)r >> (8 * i)) & 0xffu;
+        h *= 0x100000001b3ull;
+    }
+    uint64_t x = d_mix64(h ^ 8u), s[4];
+    for (int i = 0; i < 4; i++) s[i] = d_splitmix(&x);
+    for (int64_t i = 0; i < cols; i++) {
+        uint64_t v = d_rotl(s[1] * 5, 7) * 9, t = s[1] << 17;
+        s[2] ^= s[0];
+        s[3] ^= s[1];
+        s[1] ^= s[2];
+        s[0] ^= s[3];
+        s[2] ^= t;
+        s[3] = d_rotl(s[3], 45);
+        float u = (float)(v >> 40) * (1.0f / 16777216.0f);
+        float w = __fmul_rn(scale, __fsub_rn(__fmul_rn(2.0f, u), 1.0f));
+        if (bf) ((__nv_bfloat16 *)dst)[r * cols + i] = __float2bfloat16_rn(w);
+        else ((float *)dst)[r * cols + i] = w;
+    }
+}
+
+/* ---------------------------------------------------------------- element-wise kernels */
+
+/* x[t] = embedding(token[t]) */
+__global__ void k_embed(const void *emb, bool f32, const int32_t *tok, float *x, int d)
+{
+    int t = blockIdx.x;
+    size_t base = (size_t)tok[t] * d;
+    for (int i = threadIdx.x; i < d; i += blockDim.x)
+        x[(size_t)t * d + i] = f32 ? ((const float *)emb)[base + i]
+                                   : __bfloat162float(((const __nv_bfloat16 *)emb)[base + i]);
+}
+
+/* out[r] = rmsnorm(x[src(r)]) * w (bf16 or f32), src(r) = rows ? rows[r] : r; optionally
+ * x += add first (the residual). */
+__global__ void k_norm(float *x, const float *add, const float *w, void *out, bool obf,
+                       const int32_t *rows, int d, float eps)
+{
+    __shared__ float red[32];
+    int r = blockIdx.x;
+    size_t src = (size_t)(rows ? rows[r] : r) * d;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        float v = x[src + i];
+        if (add) {
+            v += add[src + i];
+            x[src + i] = v;
+        }
+        ss += v * v;
+    }
+    ss = block_sum(ss, red);
+    float scale = 1.0f / sqrtf(ss / (float)d + eps);
+    if (!w) return;
+    for (int i = threadIdx.x; i < d; i += blockDim.x)
+        store_act(out, (size_t)r * d + i, obf, x[src + i] * scale * w[i]);
+}
+
+/* out[t][i] = silu(gu[t][i]) * gu[t][ff + i] */
+__global__ void k_silu_mul(const float *gu, void *out, bool obf, int ff, size_t n)
+{
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        size_t t = i / ff, c = i % ff;
+        float g = gu[t * 2 * ff + c], u = gu[t * 2 * ff + ff + c];
+        store_act(out, i, obf, g / (1.0f + expf(-g)) * u);
+    }
+}
+
+/* RoPE's (cos, sin) for every position and rotation pair, made once at create with the
+ * CPU's arithmetic (angles in double). */
+__global__ void k_rope_table(float2 *cs, int max_ctx, int hd, float base, float freq_scale, const float *ff)
+{
+    int half = hd / 2;
+    for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < (size_t)max_ctx * half;
+         e += (size_t)gridDim.x * blockDim.x) {
+        int p = (int)(e / half), i = (int)(e % half);
+        double inv = pow((double)base, -2.0 * i / hd);
+        double th = (double)p * (double)freq_scale * inv;
+        if (ff) th /= (double)ff[i];
+        cs[e] = make_float2((float)cos(th), (float)sin(th));
+    }
+}
+
+/*
+ * Biases, RoPE on q and k, and K/V into the pool: one block per token, one thread per
+ * rotation pair of any head (q heads first, then k heads), then V. Row t of qkv holds q
+ * (qd), k (kd), v (kd); q is rotated in place.
+ */
+__global__ void k_rope_store(float *qkv, const float *bq, const float *bk, const float *bv,
+                             const int32_t *pos, const int32_t *seq, const int32_t *tables,
+                             int max_blocks, uint8_t *layer, int n_head, int n_kv, int hd,
+                             const float2 *rope_cs, int neox, int block_size, size_t token_bytes,
+                             size_t block_bytes, int kv_type)
+{
+    int t = blockIdx.x, half = hd / 2, qd = n_head * hd, kd = n_kv * hd;
+    int p = pos[t];
+    int block = tables[(size_t)seq[t] * max_blocks + p / block_size];
+    uint8_t *kb = layer + (size_t)block * block_bytes + (size_t)(p % block_size) * token_bytes;
+    uint8_t *vb = kb + (size_t)block_size * token_bytes;
+    float *qt = qkv + (size_t)t * (qd + 2 * kd), *kt = qt + qd, *vt = kt + kd;
+    for (int j = threadIdx.x; j < (n_head + n_kv) * half; j += blockDim.x) {
+        int h = j / half, i = j % half;
+        bool isq = h < n_head;
+        float *x = isq ? qt + h * hd : kt + (h - n_head) * hd;
+        const float *b = isq ? bq : bk;
+        int off = isq ? h * hd : (h - n_head) * hd;
+        int i0 = neox ? i : 2 * i, i1 = neox ? i + half : 2 * i + 1;
+        float x0 = x[i0], x1 = x[i1];
+        if (b) {
+            x0 += b[off + i0];
+            x1 += b[off + i1];
+        }
+        float2 cs = rope_cs[(size_t)p * half + i];
+        float c = cs.x, s = cs.y;
+        float y0 = x0 * c - x1 * s, y1 = x0 * s + x1 * c;
+        x[i0] = y0;
+        x[i1] = y1;
+        if (!isq) {
+            store_kv(kb, off + i0, kv_type, y0);
+            store_kv(kb, off + i1, kv_type, y1);
+        }
+    }
+    for (int i = threadIdx.x; i < kd; i += blockDim.x) {
+        float val = vt[i] + (bv ? bv[i] : 0.0f);
+        store_kv(vb, i, kv_type, val);
+    }
+}
+
+/* ---------------------------------------------------------------- split-K attention */
+
+/*
+ * One block per (listed row, KV head, split): the query heads of the KV head against the
+ * split's range of the row's positions [0, pos], in sub-tiles of SPLIT_SUB positions with
+ * an online softmax. Scores: each warp takes positions, its lanes split the head
+ * dimension, a shuffle reduction gives each head's dot product. Output: each thread owns
+ * head dimensions (for every query head of the group) and sums over the sub-tile's V rows,
+ * read coalesced. Writes the un-normalised partial output and (max, sum) per query head.
+ */
+#define SPLIT_THREADS 128
+#define SPLIT_SUB 32
+#define SPLIT_MAX 32
+#define ATT_MAX_GROUP 16
+#define ATT_MAX_PER_LANE 8 /* head_dim <= 256 */
+#define ATT_MAX_PER_THREAD (256 / SPLIT_THREADS)
+
+__global__ void __launch_bounds__(SPLIT_THREADS)
+k_attn_split(const float *qkv, int qstride, const int32_t *list, const int32_t *pos, const int32_t *seq,
+             const int32_t *tables, int max_blocks, const uint8_t *layer, int n_head, int n_kv, int hd,
+             int block_size, size_t token_bytes, size_t block_bytes, int kv_type, int splits,
+             float *part)
+{
+    extern __shared__ float sm[];
+    const int group = n_head / n_kv;
+    float *qs = sm;                        /* [group][hd], pre-scaled */
+    float *ss = qs + group * hd;           /* [group][SPLIT_SUB] scores, then weights */
+    float *ml = ss + group * SPLIT_SUB;    /* [group][2] running max and sum */
+    float *resc = ml + 2 * group;          /* [group] this sub-tile's rescale */
+    const uint8_t **kp = (const uint8_t **)(resc + group + (group & 1)); /* [SPLIT_SUB] */
+    const int i = blockIdx.x, kh = blockIdx.y, sp = blockIdx.z;
+    const int t = list[i], p = pos[t], lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int n = p + 1, chunk = (n + splits - 1) / splits;
+    const int j0 = sp * chunk, j1 = min(n, j0 + chunk);
+    const int esize = kv_type == 0 ? 4 : 2;
+    const int32_t *table = tables + (size_t)seq[t] * max_blocks;
+    const float scale = 1.0f / sqrtf((float)hd);
+    const float *qt = qkv + (size_t)t * qstride + (size_t)kh * group * hd;
+    for (int c = threadIdx.x; c < group * hd; c += blockDim.x) qs[c] = qt[c] * scale;
+    if (threadIdx.x < group) {
+        ml[2 * threadIdx.x] = -INFINITY;
+        ml[2 * threadIdx.x + 1] = 0.0f;
+    }
+    float acc[ATT_MAX_GROUP][ATT_MAX_PER_THREAD];
+#pragma unroll
+    for (int g = 0; g < ATT_MAX_GROUP; g++)
+#pragma unroll
+        for (int c = 0; c < ATT_MAX_PER_THREAD; c++) acc[g][c] = 0.0f;
+    for (int jb = j0; jb < j1; jb += SPLIT_SUB) {
+        const int nb = min(SPLIT_SUB, j1 - jb);
+        __syncthreads(); /* the previous sub-tile is done with ss and kp */
+        if (threadIdx.x < nb) {
+            int j = jb + threadIdx.x;
+            kp[threadIdx.x] = layer + (size_t)table[j / block_size] * block_bytes +
+                              (size_t)(j % block_size) * token_bytes + (size_t)kh * hd * esize;
+        }
+        __syncthreads();
+#pragma unroll 2
+        for (int jj = warp; jj < nb; jj += SPLIT_THREADS / 32) {
+            const uint8_t *kr = kp[jj];
+            float kv[ATT_MAX_PER_LANE];
+#pragma unroll
+            for (int k = 0; k < ATT_MAX_PER_LANE; k++) {
+                int d = lane + 32 * k;
+                kv[k] = d < hd ? load_kv(kr, d, kv_type) : 0.0f;
+            }
+#pragma unroll
+            for (int g = 0; g < ATT_MAX_GROUP; g++) {
+                if (g >= group) break;
+                float s = 0.0f;
+#pragma unroll
+                for (int k = 0; k < ATT_MAX_PER_LANE; k++) {
+                    int d = lane + 32 * k;
+                    if (d < hd) s += qs[g * hd + d] * kv[k];
+                }
+                for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+                if (lane == 0) ss[g * SPLIT_SUB + jj] = s;
+            }
+        }
+        __syncthreads();
+        if (threadIdx.x < group) {
+            int g = threadIdx.x;
+            float *row = ss + g * SPLIT_SUB, mx = ml[2 * g];
+            for (int jj = 0; jj < nb; jj++) mx = fmaxf(mx, row[jj]);
+            float r = expf(ml[2 * g] - mx), sum = 0.0f;
+            for (int jj = 0; jj < nb; jj++) {
+                float e = expf(row[jj] - mx);
+                row[jj] = e;
+                sum += e;
+            }
+            ml[2 * g] = mx;
+            ml[2 * g + 1] = ml[2 * g + 1] * r + sum;
+            resc[g] = r;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int c = 0; c < ATT_MAX_PER_THREAD; c++) {
+            int d = threadIdx.x + c * SPLIT_THREADS;
+            if (d >= hd) break;
+#pragma unroll
+            for (int g = 0; g < ATT_MAX_GROUP; g++) {
+                if (g >= group) break;
+                acc[g][c] *= resc[g];
+            }
+            /* eight V loads in flight, then their sums */
+            for (int j8 = 0; j8 < nb; j8 += 8) {
+                float v[8];
+#pragma unroll
+                for (int u = 0; u < 8; u++)
+                    v[u] = j8 + u < nb ? load_kv(kp[j8 + u] + (size_t)block_size * token_bytes, d, kv_type) : 0.0f;
+#pragma unroll
+                for (int u = 0; u < 8; u++) {
+                    if (j8 + u >= nb) break;
+#pragma unroll
+                    for (int g = 0; g < ATT_MAX_GROUP; g++) {
+                        if (g >= group) break;
+                        acc[g][c] += ss[g * SPLIT_SUB + j8 + u] * v[u];
+                    }
+                }
+            }
+        }
+    }
+    __syncthreads();
+    /* part: per (listed row, query head, split): hd outputs, then max and sum */
+#pragma unroll
+    for (int g = 0; g < ATT_MAX_GROUP; g++) {
+        if (g >= group) break;
+        float *o = part + (((size_t)i * n_head + (size_t)kh * group + g) * splits + sp) * (hd + 2);
+#pragma unroll
+        for (int c = 0; c < ATT_MAX_PER_THREAD; c++) {
+            int d = threadIdx.x + c * SPLIT_THREADS;
+            if (d < hd) o[d] = acc[g][c];
+        }
+        if (threadIdx.x == 0) {
+            o[hd] = ml[2 * g];
+            o[hd + 1] = ml[2 * g + 1];
+        }
+    }
+}
+
+/* Combine the splits of each (listed row, query head) into the attention output. */
+__global__ void k_attn_merge(const float *part, const int32_t *list, int n_head, int hd, int splits,
+                             void *out, bool obf)
+{
+    const int i = blockIdx.x, h = blockIdx.y, t = list[i];
+    const float *b = part + ((size_t)i * n_head + h) * splits * (hd + 2);
+    float mx = -INFINITY;
+    for (int s = 0; s < splits; s++) mx = fmaxf(mx, b[(size_t)s * (hd + 2) + hd]);
+    float den = 0.0f;
+    for (int s = 0; s < splits; s++) {
+        const float *o = b + (size_t)s * (hd + 2);
+        if (o[hd + 1] > 0.0f) den += expf(o[hd] - mx) * o[hd + 1];
+    }
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float num = 0.0f;
+        for (int s = 0; s < splits; s++) {
+            const float *o = b + (size_t)s * (hd + 2);
+            if (o[hd + 1] > 0.0f) num += expf(o[hd] - mx) * o[d];
+        }
+        store_act(out, (size_t)t * n_head * hd + (size_t)h * hd + d, obf, num / den);
+    }
+}
+
+/* ---------------------------------------------------------------- tensor-core prefill */
+
+/*
+ * mma.sync.m16n8k16 with f32 accumulation. Fragments (PTX ISA, per lane, g = lane / 4,
+ * c = lane % 4): A (16x16, row-major) a0 = (g, 2c..2c+1), a1 = (g+8, 2c..), a2 = (g,
+ * 2c+8..), a3 = (g+8, 2c+8..); B (16x8, k x n) b0 = (k 2c..2c+1, n g), b1 = (k 2c+8.., n g);
+ * C (16x8) c0,c1 = (g, 2c..2c+1), c2,c3 = (g+8, 2c..2c+1).
+ */
+template <bool F16> __device__ inline void mma16816(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1)
+{
+    if (F16)
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
+                     "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    else
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
+                     "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+/* Two floats as a packed pair of 16-bit values (lo first). */
+template <bool F16> __device__ inline uint32_t pack2(float lo, float hi)
+{
+    uint16_t a, b;
+    if (F16) {
+        __half x = __float2half_rn(lo), y = __float2half_rn(hi);
+        a = *(uint16_t *)&x;
+        b = *(uint16_t *)&y;
+    } else {
+        __nv_bfloat16 x = __float2bfloat16_rn(lo), y = __float2bfloat16_rn(hi);
+        a = *(uint16_t *)&x;
+        b = *(uint16_t *)&y;
+    }
+    return (uint32_t)a | ((uint32_t)b << 16);
+}
+
+#define TILE_ROWS 16
+#define TILE_KEYS 64
+#define TILE_PAD 8 /* 16-bit elements of padding per shared row: conflict-free fragments */
+
+/*
+ * One block per (tile, KV head), one warp per query head of the group. A tile is up to 16
+ * consecutive rows of one sequence at consecutive positions (tiles[2i] = first row,
+ * tiles[2i+1] = rows). Each warp keeps its head's 16 x HD queries as A fragments, loops
+ * over 64-key tiles of K and V staged in shared memory (shared by the group's heads), and
+ * keeps O (16 x HD) and the softmax state in registers. Keys past a row's position are
+ * masked. Scores use exp2 with log2(e) folded into the query scale.
+ */
+template <int HD, bool F16>
+__global__ void k_attn_tiles(const float *qkv, int qstride, const int32_t *tiles, const int32_t *pos,
+                             const int32_t *seq, const int32_t *tables, int max_blocks,
+                             const uint8_t *layer, int n_head, int n_kv, int block_size,
+                             size_t token_bytes, size_t block_bytes, void *out, bool obf)
+{
+    extern __shared__ uint16_t kvs[]; /* K then V: [TILE_KEYS][HD + TILE_PAD] each */
+    constexpr int LD = HD + TILE_PAD;
+    uint16_t *ks = kvs, *vs = kvs + TILE_KEYS * LD;
+    const int group = n_head / n_kv, kh = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane / 4, c = lane % 4, head = kh * group + warp;
+    const int r0 = tiles[2 * blockIdx.x], nr = tiles[2 * blockIdx.x + 1];
+    const int32_t *table = tables + (size_t)seq[r0] * max_blocks;
+    /* this lane's two rows (g and g + 8) and their positions; rows past nr see no key */
+    const int pa = g < nr ? pos[r0 + g] : -1, pb = g + 8 < nr ? pos[r0 + g + 8] : -1;
+    const int n_keys = pos[r0 + nr - 1] + 1;
+    const float qscale = 1.4426950408889634f / sqrtf((float)HD);
+
+    uint32_t qa[HD / 16][4];
+    {
+        const float *qa_row = qkv + (size_t)(r0 + (g < nr ? g : 0)) * qstride + (size_t)head * HD;
+        const float *qb_row = qkv + (size_t)(r0 + (g + 8 < nr ? g + 8 : 0)) * qstride + (size_t)head * HD;
+#pragma unroll
+        for (int k = 0; k < HD / 16; k++) {
+            int c0 = k * 16 + 2 * c;
+            qa[k][0] = pack2<F16>(qa_row[c0] * qscale, qa_row[c0 + 1] * qscale);
+            qa[k][1] = pack2<F16>(qb_row[c0] * qscale, qb_row[c0 + 1] * qscale);
+            qa[k][2] = pack2<F16>(qa_row[c0 + 8] * qscale, qa_row[c0 + 9] * qscale);
+            qa[k][3] = pack2<F16>(qb_row[c0 + 8] * qscale, qb_row[c0 + 9] * qscale);
+        }
+    }
+    float o[HD / 8][4];
+#pragma unroll
+    for (int n = 0; n < HD / 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    float ma = -INFINITY, mb = -INFINITY, la = 0.0f, lb = 0.0f;
+
+    for (int kt = 0; kt < n_keys; kt += TILE_KEYS) {
+        __syncthreads(); /* the previous tile is consumed */
+        /* Stage K and V rows kt.. (16 bytes per thread per step); zeros past n_keys. */
+        constexpr int VEC = HD / 8; /* uint4 per row */
+        for (int e = threadIdx.x; e < TILE_KEYS * VEC; e += blockDim.x) {
+            int j = e / VEC, v = e % VEC, key = kt + j;
+            uint4 kval = make_uint4(0, 0, 0, 0), vval = kval;
+            if (key < n_keys) {
+                const uint8_t *kr = layer + (size_t)table[key / block_size] * block_bytes +
+                                    (size_t)(key % block_size) * token_bytes + (size_t)kh * HD * 2;
+                kval = ((const uint4 *)kr)[v];
+                vval = ((const uint4 *)(kr + (size_t)block_size * token_bytes))[v];
+            }
+            *(uint4 *)(ks + j * LD + v * 8) = kval;
+            *(uint4 *)(vs + j * LD + v * 8) = vval;
+        }
+        __syncthreads();
+        if (warp >= group) continue;
+        /* S = Q K^T for 64 keys: 8 n-tiles of 8 keys */
+        float s[TILE_KEYS / 8][4];
+#pragma unroll
+        for (int n = 0; n < TILE_KEYS / 8; n++) {
+            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+            const uint16_t *kr = ks + (n * 8 + g) * LD + 2 * c;
+#pragma unroll
+            for (int k = 0; k < HD / 16; k++) {
+                uint32_t b0 = *(const uint32_t *)(kr + k * 16), b1 = *(const uint32_t *)(kr + k * 16 + 8);
+                mma16816<F16>(s[n], qa[k], b0, b1);
+            }
+        }
+        /* mask, row maxima (rows g and g + 8; the 4 lanes of a row hold 2 keys per n-tile) */
+        float xa = -INFINITY, xb = -INFINITY;
+#pragma unroll
+        for (int n = 0; n < TILE_KEYS / 8; n++) {
+            int key = kt + n * 8 + 2 * c;
+            if (key > pa) s[n][0] = -INFINITY;
+            if (key + 1 > pa) s[n][1] = -INFINITY;
+            if (key > pb) s[n][2] = -INFINITY;
+            if (key + 1 > pb) s[n][3] = -INFINITY;
+            xa = fmaxf(xa, fmaxf(s[n][0], s[n][1]));
+            xb = fmaxf(xb, fmaxf(s[n][2], s[n][3]));
+        }
+        for (int off = 1; off < 4; off <<= 1) {
+            xa = fmaxf(xa, __shfl_xor_sync(0xffffffffu, xa, off));
+            xb = fmaxf(xb, __shfl_xor_sync(0xffffffffu, xb, off));
+        }
+        float na = fmaxf(ma, xa), nb = fmaxf(mb, xb);
+        /* a row with no key yet keeps exponent base 0 (everything it has is masked) */
+        float ba = na == -INFINITY ? 0.0f : na, bb = nb == -INFINITY ? 0.0f : nb;
+        float ra = exp2f(ma - ba), rb = exp2f(mb - bb);
+        ma = na;
+        mb = nb;
+        float sa = 0.0f, sb = 0.0f;
+#pragma unroll
+        for (int n = 0; n < TILE_KEYS / 8; n++) {
+            s[n][0] = exp2f(s[n][0] - ba);
+            s[n][1] = exp2f(s[n][1] - ba);
+            s[n][2] = exp2f(s[n][2] - bb);
+            s[n][3] = exp2f(s[n][3] - bb);
+            sa += s[n][0] + s[n][1];
+            sb += s[n][2] + s[n][3];
+        }
+        la = la * ra + sa;
+        lb = lb * rb + sb;
+#pragma unroll
+        for (int n = 0; n < HD / 8; n++) {
+            o[n][0] *= ra;
+            o[n][1] *= ra;
+            o[n][2] *= rb;
+            o[n][3] *= rb;
+        }
+        /* O += P V: P's accumulators become A fragments (keys 16k..16k+15) */
+#pragma unroll
+        for (int k = 0; k < TILE_KEYS / 16; k++) {
+            uint32_t pa4[4] = {pack2<F16>(s[2 * k][0], s[2 * k][1]), pack2<F16>(s[2 * k][2], s[2 * k][3]),
+                               pack2<F16>(s[2 * k + 1][0], s[2 * k + 1][1]),
+                               pack2<F16>(s[2 * k + 1][2], s[2 * k + 1][3])};
+            const uint16_t *v0 = vs + (k * 16 + 2 * c) * LD + g;
+#pragma unroll
+            for (int n = 0; n < HD / 8; n++) {
+                const uint16_t *vp = v0 + n * 8;
+                uint32_t b0 = (uint32_t)vp[0] | ((uint32_t)vp[LD] << 16);
+                uint32_t b1 = (uint32_t)vp[8 * LD] | ((uint32_t)vp[9 * LD] << 16);
+                mma16816<F16>(o[n], pa4, b0, b1);
+            }
+        }
+    }
+    if (warp >= group) return;
+    for (int off = 1; off < 4; off <<= 1) {
+        la += __shfl_xor_sync(0xffffffffu, la, off);
+        lb += __shfl_xor_sync(0xffffffffu, lb, off);
+    }
+    const int qd = n_head * HD;
+#pragma unroll
+    for (int n = 0; n < HD / 8; n++) {
+        int d = n * 8 + 2 * c;
+        if (g < nr) {
+            size_t at = (size_t)(r0 + g) * qd + (size_t)head * HD + d;
+            store_act(out, at, obf, o[n][0] / la);
+            store_act(out, at + 1, obf, o[n][1] / la);
+        }
+        if (g + 8 < nr) {
+            size_t at = (size_t)(r0 + g + 8) * qd + (size_t)head * HD + d;
+            store_act(out, at, obf, o[n][2] / lb);
+            store_act(out, at + 1, obf, o[n][3] / lb);
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- small-batch GEMV */
+
+/*
+ * y[t][r] = W[r] . x[t] for NT <= 8 rows of bf16 input: the weights stream through once
+ * (16-byte loads, one warp per output row, several loads in flight per lane), x stays in
+ * L1. cuBLAS's GEMM reaches about two thirds of the copy bandwidth at these shapes; this
+ * is what a decode step of a small batch is bound by.
+ */
+__device__ inline void bf16x8(uint4 v, float f[8])
+{
+    const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        f[2 * i] = __uint_as_float(u[i] << 16);
+        f[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
+    }
+}
+
+#define GEMV_THREADS 256
+#define GEMV_MAX_T 8
+
+template <int NT>
+__global__ void __launch_bounds__(GEMV_THREADS)
+k_gemv(const __nv_bfloat16 *__restrict__ W, const __nv_bfloat16 *__restrict__ x, float *__restrict__ y, int rows,
+       int cols)
+{
+    const int lane = threadIdx.x % 32;
+    const int r = (int)((blockIdx.x * (unsigned)GEMV_THREADS + threadIdx.x) / 32);
+    if (r >= rows) return;
+    const uint4 *wr = (const uint4 *)(W + (size_t)r * cols);
+    const int nv = cols / 8;
+    float acc[NT];
+#pragma unroll
+    for (int t = 0; t < NT; t++) acc[t] = 0.0f;
+#pragma unroll 4
+    for (int v = lane; v < nv; v += 32) {
+        float wf[8];
+        bf16x8(__ldg(wr + v), wf);
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            float xf[8];
+            bf16x8(__ldg((const uint4 *)(x + (size_t)t * cols) + v), xf);
+#pragma unroll
+            for (int i = 0; i < 8; i++) acc[t] = fmaf(wf[i], xf[i], acc[t]);
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < NT; t++) {
+        float a = acc[t];
+        for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
+        if (lane == 0) y[(size_t)t * rows + r] = a;
+    }
+}
+
+/* ---------------------------------------------------------------- greedy sampling */
+
+/* out[r] = the lowest index of row r's largest logit (as sampler_argmax on the host). */
+__global__ void k_argmax(const float *logits, int n, int32_t *out)
+{
+    __shared__ float bv[32];
+    __shared__ int bi[32];
+    const float *row = logits + (size_t)blockIdx.x * n;
+    float best = -INFINITY;
+    int idx = n;
+    for (int i = threadIdx.x; i < n; i += blockDim.x)
+        if (row[i] > best) {
+            best = row[i];
+            idx = i;
+        }
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, best, o);
+        int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+        if (ov > best || (ov == best && oi < idx)) {
+            best = ov;
+            idx = oi;
+        }
+    }
+    int w = threadIdx.x / 32, l = threadIdx.x % 32;
+    if (l == 0) {
+        bv[w] = best;
+        bi[w] = idx;
+    }
+    __syncthreads();
+    if (w == 0) {
+        int nw = blockDim.x / 32;
+        best = l < nw ? bv[l] : -INFINITY;
+        idx = l < nw ? bi[l] : n;
+        for (int o = 16; o > 0; o >>= 1) {
+            float ov = __shfl_xor_sync(0xffffffffu, best, o);
+            int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+            if (ov > best || (ov == best && oi < idx)) {
+                best = ov;
+                idx = oi;
+            }
+        }
+        if (l == 0) out[blockIdx.x] = idx < n ? idx : 0;
+    }
+}
+
+/* ---------------------------------------------------------------- host side */
+
 static uint16_t f32_to_bf16(float f)
 {
     uint32_t u;
@@ -88,17 +772,40 @@ static uint16_t f32_to_bf16(float f)
     return (uint16_t)(u >> 16);
 }
 
-/* Upload a matrix: f32 stays f32, anything else becomes bf16 (dequantized on the host). */
-static int upload_mat(td_cuda_fwd *f, dev_mat *dm, const td_weight *w, td_err *err)
+static int alloc_mat(td_cuda_fwd *f, dev_mat *dm, int64_t rows, int64_t cols, td_err *err)
 {
-    dm->rows = w->rows;
-    dm->cols = w->cols;
-    dm->f32 = w->type == TD_TYPE_F32;
-    size_t bytes = (size_t)w->rows * (size_t)w->cols * (dm->f32 ? 4 : 2);
+    dm->rows = rows;
+    dm->cols = cols;
+    dm->f32 = !f->bf;
+    size_t bytes = (size_t)rows * (size_t)cols * (dm->f32 ? 4 : 2);
     CK(cudaMalloc(&dm->p, bytes));
     f->device_bytes += bytes;
-    if (dm->f32) {
-        CK(cudaMemcpy(dm->p, w->data, bytes, cudaMemcpyHostToDevice));
+    return 0;
+}
+
+/*
+ * Weights into rows [row0, row0 + w->rows) of dm: f32 and bf16 are copied as they are,
+ * other types are dequantised on the host and rounded to bf16, and deferred random
+ * weights (td_weight.gen) are made on the device.
+ */
+static int upload_into(td_cuda_fwd *f, dev_mat *dm, int64_t row0, const td_weight *w, td_err *err)
+{
+    if (w->cols != dm->cols || row0 + w->rows > dm->rows)
+        return td_err_set(err, TD_EINVAL, "cuda: a %lld x %lld matrix does not fit its device matrix",
+                          (long long)w->rows, (long long)w->cols);
+    size_t esz = dm->f32 ? 4 : 2;
+    uint8_t *dst = (uint8_t *)dm->p + (size_t)row0 * (size_t)dm->cols * esz;
+    if (!w->data) {
+        if (!w->gen.on) return td_err_set(err, TD_EINVAL, "cuda: a weight matrix has no data");
+        k_gen_rows<<<(unsigned)((w->rows + 127) / 128), 128, 0, f->stream>>>(dst, !dm->f32, w->rows, w->cols,
+                                                                           w->gen.seed, w->gen.scale);
+        CK(cudaGetLastError());
+        return 0;
+    }
+    if (dm->f32 != (w->type == TD_TYPE_F32) && dm->f32)
+        return td_err_set(err, TD_EINVAL, "cuda: an f32 device matrix from %s weights", td_type_name(w->type));
+    if ((dm->f32 && w->type == TD_TYPE_F32) || (!dm->f32 && w->type == TD_TYPE_BF16)) {
+        CK(cudaMemcpy(dst, w->data, (size_t)w->rows * (size_t)w->cols * esz, cudaMemcpyHostToDevice));
         return 0;
     }
     /* In slabs of rows: f32 scratch for one row, bf16 staging for the slab. */
@@ -118,12 +825,22 @@ static int upload_mat(td_cuda_fwd *f, dev_mat *dm, const td_weight *w, td_err *e
                             w->cols);
             for (int64_t c = 0; c < w->cols; c++) stage[r * w->cols + c] = f32_to_bf16(row[c]);
         }
-        cudaError_t e = cudaMemcpy((uint16_t *)dm->p + (size_t)r0 * w->cols, stage,
-                                   (size_t)nr * w->cols * 2, cudaMemcpyHostToDevice);
+        cudaError_t e = cudaMemcpy(dst + (size_t)r0 * w->cols * 2, stage, (size_t)nr * w->cols * 2,
+                                   cudaMemcpyHostToDevice);
         if (e != cudaSuccess) rc = td_err_set(err, TD_EIO, "cuda: weight upload: %s", cudaGetErrorString(e));
     }
     free(row);
     free(stage);
+    return rc;
+}
+
+/* One device matrix made of the given weights stacked by rows (wq wk wv; gate up). */
+static int upload_stack(td_cuda_fwd *f, dev_mat *dm, const td_weight *const *ws, int n, td_err *err)
+{
+    int64_t rows = 0;
+    for (int i = 0; i < n; i++) rows += ws[i]->rows;
+    int rc = alloc_mat(f, dm, rows, ws[0]->cols, err);
+    for (int64_t i = 0, r = 0; i < n && !rc; r += ws[i]->rows, i++) rc = upload_into(f, dm, r, ws[i], err);
     return rc;
 }
 
@@ -143,241 +860,44 @@ static int upload_vec(td_cuda_fwd *f, float **out, const td_weight *w, td_err *e
     return 0;
 }
 
-/* ---------------------------------------------------------------- kernels */
-
-__device__ inline float load_kv(const uint8_t *p, int i, int t)
+/* TD_CUDA_PROFILE: an event before each launch, tagged with its category. */
+static void mark(td_cuda_fwd *f, int cat)
 {
-    if (t == 0) return ((const float *)p)[i];
-    if (t == 1) return __half2float(((const __half *)p)[i]);
-    return __bfloat162float(((const __nv_bfloat16 *)p)[i]);
+    if (!f->prof || f->n_marks >= PROF_MARKS) return;
+    cudaEventRecord(f->marks[f->n_marks], f->stream);
+    f->mark_cat[f->n_marks++] = cat;
 }
 
-__device__ inline void store_kv(uint8_t *p, int i, int t, float v)
-{
-    if (t == 0) ((float *)p)[i] = v;
-    else if (t == 1) ((__half *)p)[i] = __float2half_rn(v);
-    else ((__nv_bfloat16 *)p)[i] = __float2bfloat16_rn(v);
-}
-
-__device__ inline float block_sum(float v, float *red)
-{
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    int w = threadIdx.x / 32, l = threadIdx.x % 32;
-    __syncthreads();
-    if (l == 0) red[w] = v;
-    __syncthreads();
-    int nw = (blockDim.x + 31) / 32;
-    v = threadIdx.x < nw ? red[threadIdx.x] : 0.0f;
-    if (w == 0)
-        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    if (threadIdx.x == 0) red[0] = v;
-    __syncthreads();
-    return red[0];
-}
-
-__device__ inline float block_max(float v, float *red)
-{
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    int w = threadIdx.x / 32, l = threadIdx.x % 32;
-    __syncthreads();
-    if (l == 0) red[w] = v;
-    __syncthreads();
-    int nw = (blockDim.x + 31) / 32;
-    v = threadIdx.x < nw ? red[threadIdx.x] : -INFINITY;
-    if (w == 0)
-        for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    if (threadIdx.x == 0) red[0] = v;
-    __syncthreads();
-    return red[0];
-}
-
-/* x[t] = embedding(token[t]) */
-__global__ void k_embed(const void *emb, bool f32, const int32_t *tok, float *x, int d)
-{
-    int t = blockIdx.x;
-    size_t base = (size_t)tok[t] * d;
-    for (int i = threadIdx.x; i < d; i += blockDim.x)
-        x[(size_t)t * d + i] = f32 ? ((const float *)emb)[base + i]
-                                   : __bfloat162float(((const __nv_bfloat16 *)emb)[base + i]);
-}
-
-/* out[r] = rmsnorm(x[src(r)]) * w, src(r) = rows ? rows[r] : r; optionally x += add first. */
-__global__ void k_norm(float *x, const float *add, const float *w, float *out, const int32_t *rows,
-                       int d, float eps)
-{
-    __shared__ float red[32];
-    int r = blockIdx.x;
-    size_t src = (size_t)(rows ? rows[r] : r) * d;
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) {
-        float v = x[src + i];
-        if (add) {
-            v += add[src + i];
-            x[src + i] = v;
-        }
-        ss += v * v;
-    }
-    ss = block_sum(ss, red);
-    float scale = 1.0f / sqrtf(ss / (float)d + eps);
-    if (!w) return;
-    for (int i = threadIdx.x; i < d; i += blockDim.x)
-        out[(size_t)r * d + i] = x[src + i] * scale * w[i];
-}
-
-__global__ void k_to_bf16(const float *x, __nv_bfloat16 *y, size_t n)
-{
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
-        y[i] = __float2bfloat16_rn(x[i]);
-}
-
-__global__ void k_silu_mul(float *a, const float *b, size_t n)
-{
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        float g = a[i];
-        a[i] = g / (1.0f + expf(-g)) * b[i];
-    }
-}
-
-/*
- * Biases, RoPE on q and k, and K/V into the pool: one block per token, one thread per
- * rotation pair of any head (q heads first, then k heads), then V.
- */
-__global__ void k_rope_store(float *q, float *k, float *v, const float *bq, const float *bk,
-                             const float *bv, const int32_t *pos, const int32_t *seq,
-                             const int32_t *tables, int max_blocks, uint8_t *layer, int n_head,
-                             int n_kv, int hd, float base, float freq_scale, const float *ff,
-                             int neox, int block_size, size_t token_bytes, size_t block_bytes,
-                             int kv_type)
-{
-    int t = blockIdx.x, half = hd / 2, qd = n_head * hd, kd = n_kv * hd;
-    int p = pos[t];
-    int block = tables[(size_t)seq[t] * max_blocks + p / block_size];
-    uint8_t *kb = layer + (size_t)block * block_bytes + (size_t)(p % block_size) * token_bytes;
-    uint8_t *vb = kb + (size_t)block_size * token_bytes;
-    float *qt = q + (size_t)t * qd, *kt = k + (size_t)t * kd, *vt = v + (size_t)t * kd;
-    for (int j = threadIdx.x; j < (n_head + n_kv) * half; j += blockDim.x) {
-        int h = j / half, i = j % half;
-        bool isq = h < n_head;
-        float *x = isq ? qt + h * hd : kt + (h - n_head) * hd;
-        const float *b = isq ? bq : bk;
-        int off = isq ? h * hd : (h - n_head) * hd;
-        int i0 = neox ? i : 2 * i, i1 = neox ? i + half : 2 * i + 1;
-        float x0 = x[i0], x1 = x[i1];
-        if (b) {
-            x0 += b[off + i0];
-            x1 += b[off + i1];
-        }
-        double inv = pow((double)base, -2.0 * i / hd);
-        double th = (double)p * (double)freq_scale * inv;
-        if (ff) th /= (double)ff[i];
-        float c = (float)cos(th), s = (float)sin(th);
-        float y0 = x0 * c - x1 * s, y1 = x0 * s + x1 * c;
-        x[i0] = y0;
-        x[i1] = y1;
-        if (!isq) {
-            store_kv(kb, off + i0, kv_type, y0);
-            store_kv(kb, off + i1, kv_type, y1);
-        }
-    }
-    for (int i = threadIdx.x; i < kd; i += blockDim.x) {
-        float val = vt[i] + (bv ? bv[i] : 0.0f);
-        store_kv(vb, i, kv_type, val);
-    }
-}
-
-/*
- * Causal attention over the pool for one (token, KV head): the `group` query heads that
- * share the KV head are done together, so each K and V row is read once for all of them.
- * Scores: each warp takes positions in turn, its lanes split the head dimension (a K row
- * is read by one warp in one coalesced sweep), and a shuffle reduction gives each head's
- * dot product. Softmax per head over shared memory. Output: each thread owns (head, dim)
- * pairs and sums over the positions, reading V rows coalesced. Shared memory:
- * group x (max_ctx + 1) scores.
- */
-#define ATT_THREADS 256
-#define ATT_MAX_GROUP 16
-#define ATT_MAX_PER_LANE 8 /* head_dim <= 256 */
-
-__global__ void k_attention(const float *q, float *out, const int32_t *pos, const int32_t *seq,
-                            const int32_t *tables, int max_blocks, const uint8_t *layer, int n_head,
-                            int n_kv, int hd, int block_size, size_t token_bytes, size_t block_bytes,
-                            int esize, int kv_type, int max_ctx)
-{
-    extern __shared__ float sc[];
-    __shared__ float red[32];
-    const int t = blockIdx.x, kh = blockIdx.y, group = n_head / n_kv;
-    const int p = pos[t], lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int n_warps = blockDim.x / 32, per_lane = (hd + 31) / 32;
-    const int32_t *table = tables + (size_t)seq[t] * max_blocks;
-    const float scale = 1.0f / sqrtf((float)hd);
-    const float *qt = q + (size_t)t * n_head * hd + (size_t)kh * group * hd;
-    float qr[ATT_MAX_GROUP][ATT_MAX_PER_LANE];
-    for (int g = 0; g < group; g++)
-        for (int k = 0; k < per_lane; k++) {
-            int i = lane + 32 * k;
-            qr[g][k] = i < hd ? qt[(size_t)g * hd + i] : 0.0f;
-        }
-    for (int j = warp; j <= p; j += n_warps) {
-        const uint8_t *kr = layer + (size_t)table[j / block_size] * block_bytes +
-                            (size_t)(j % block_size) * token_bytes + (size_t)kh * hd * esize;
-        float kv[ATT_MAX_PER_LANE];
-        for (int k = 0; k < per_lane; k++) {
-            int i = lane + 32 * k;
-            kv[k] = i < hd ? load_kv(kr, i, kv_type) : 0.0f;
-        }
-        for (int g = 0; g < group; g++) {
-            float s = 0.0f;
-            for (int k = 0; k < per_lane; k++) s += qr[g][k] * kv[k];
-            for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-            if (lane == 0) sc[(size_t)g * (max_ctx + 1) + j] = s * scale;
-        }
-    }
-    __syncthreads();
-    for (int g = 0; g < group; g++) {
-        float *row = sc + (size_t)g * (max_ctx + 1);
-        float mx = -INFINITY;
-        for (int j = threadIdx.x; j <= p; j += blockDim.x) mx = fmaxf(mx, row[j]);
-        mx = block_max(mx, red);
-        float sum = 0.0f;
-        for (int j = threadIdx.x; j <= p; j += blockDim.x) {
-            float e = expf(row[j] - mx);
-            row[j] = e;
-            sum += e;
-        }
-        sum = block_sum(sum, red); /* the same value in every thread */
-        if (threadIdx.x == 0) row[max_ctx] = 1.0f / sum;
-        __syncthreads();
-    }
-    for (int c = threadIdx.x; c < group * hd; c += blockDim.x) {
-        int g = c / hd, i = c % hd;
-        const float *row = sc + (size_t)g * (max_ctx + 1);
-        float acc = 0.0f;
-        for (int j = 0; j <= p; j++) {
-            const uint8_t *vr = layer + (size_t)table[j / block_size] * block_bytes +
-                                (size_t)block_size * token_bytes +
-                                (size_t)(j % block_size) * token_bytes + (size_t)kh * hd * esize;
-            acc += row[j] * load_kv(vr, i, kv_type);
-        }
-        out[(size_t)t * n_head * hd + (size_t)(kh * group + g) * hd + i] = acc * row[max_ctx];
-    }
-}
-
-/* ---------------------------------------------------------------- host side */
-
-static int gemm(td_cuda_fwd *f, float *y, const float *x, const dev_mat *w, int T, td_err *err)
+/* y[T][rows] = x[T][cols] W^T; x is bf16 for a bf16 matrix, else f32. */
+static int gemm(td_cuda_fwd *f, float *y, const void *x, const dev_mat *w, int T, td_err *err)
 {
     const float one = 1.0f, zero = 0.0f;
     cublasStatus_t st;
-    if (w->f32) {
-        st = cublasSgemm(f->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)w->rows, T, (int)w->cols, &one,
-                         (const float *)w->p, (int)w->cols, x, (int)w->cols, &zero, y, (int)w->rows);
-    } else {
-        size_t n = (size_t)T * (size_t)w->cols;
-        k_to_bf16<<<(unsigned)((n + 255) / 256 < 4096 ? (n + 255) / 256 : 4096), 256, 0, f->stream>>>(x, f->xbf, n);
-        st = cublasGemmEx(f->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)w->rows, T, (int)w->cols, &one, w->p,
-                          CUDA_R_16BF, (int)w->cols, f->xbf, CUDA_R_16BF, (int)w->cols, &zero, y,
-                          CUDA_R_32F, (int)w->rows, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    mark(f, PROF_GEMM);
+    if (!w->f32 && T <= GEMV_MAX_T && w->cols % 8 == 0 && f->use_gemv) {
+        unsigned blocks = (unsigned)((w->rows * 32 + GEMV_THREADS - 1) / GEMV_THREADS);
+        const __nv_bfloat16 *W = (const __nv_bfloat16 *)w->p, *xb = (const __nv_bfloat16 *)x;
+        int R = (int)w->rows, C = (int)w->cols;
+        switch (T) {
+        case 1: k_gemv<1><<<blocks, GEMV_THREADS, 0, f->stream>>>(W, xb, y, R, C); break;
+        case 2: k_gemv<2><<<blocks, GEMV_THREADS, 0, f->stream>>>(W, xb, y, R, C); break;
+        case 3: k_gemv<3><<<blocks, GEMV_THREADS, 0, f->stream>>>(W, xb, y, R, C); break;
+        case 4: k_gemv<4><<<blocks, GEMV_THREADS, 0, f->stream>>>(W, xb, y, R, C); break;
+        case 5: k_gemv<5><<<blocks, GEMV_THREADS, 0, f->stream>>>(W, xb, y, R, C); break;
+        case 6: k_gemv<6><<<blocks, GEMV_THREADS, 0, f->stream>>>(W, xb, y, R, C); break;
+        case 7: k_gemv<7><<<blocks, GEMV_THREADS, 0, f->stream>>>(W, xb, y, R, C); break;
+        default: k_gemv<8><<<blocks, GEMV_THREADS, 0, f->stream>>>(W, xb, y, R, C); break;
+        }
+        return 0;
     }
+    if (w->f32)
+        st = cublasSgemm(f->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)w->rows, T, (int)w->cols, &one,
+                         (const float *)w->p, (int)w->cols, (const float *)x, (int)w->cols, &zero, y,
+                         (int)w->rows);
+    else
+        st = cublasGemmEx(f->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)w->rows, T, (int)w->cols, &one, w->p,
+                          CUDA_R_16BF, (int)w->cols, x, CUDA_R_16BF, (int)w->cols, &zero, y, CUDA_R_32F,
+                          (int)w->rows, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
     if (st != CUBLAS_STATUS_SUCCESS) return td_err_set(err, TD_EIO, "cuda: cuBLAS GEMM failed (%d)", (int)st);
     return 0;
 }
@@ -388,13 +908,28 @@ static void free_mat(dev_mat *m)
     m->p = nullptr;
 }
 
+static void prof_report(const td_cuda_fwd *f)
+{
+    static const char *kind[2] = {"decode steps", "steps with prefill rows"};
+    for (int k = 0; k < 2; k++) {
+        if (!f->prof_steps[k]) continue;
+        double n = (double)f->prof_steps[k];
+        fprintf(stderr,
+                "cuda profile: %ld %s (%.1f rows each): per step gemm %.3f ms, attention %.3f ms, "
+                "other %.3f ms\n",
+                f->prof_steps[k], kind[k], (double)f->prof_tokens[k] / n, f->prof_ms[k][PROF_GEMM] / n,
+                f->prof_ms[k][PROF_ATT] / n, f->prof_ms[k][PROF_OTHER] / n);
+    }
+}
+
 void td_cuda_fwd_free(td_cuda_fwd *f)
 {
     if (!f) return;
+    if (f->prof) prof_report(f);
     if (f->layers)
         for (int l = 0; l < f->n_layer; l++) {
             dev_layer *L = &f->layers[l];
-            dev_mat *ms[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->gate, &L->up, &L->down};
+            dev_mat *ms[] = {&L->qkv, &L->wo, &L->gu, &L->down};
             for (dev_mat *m : ms) free_mat(m);
             float *vs[] = {L->attn_norm, L->ffn_norm, L->bq, L->bk, L->bv};
             for (float *v : vs)
@@ -403,17 +938,18 @@ void td_cuda_fwd_free(td_cuda_fwd *f)
     delete[] f->layers;
     if (f->output.p != f->embd.p) free_mat(&f->output);
     free_mat(&f->embd);
-    void *bufs[] = {f->output_norm, f->rope_freqs, f->pool, f->x, f->xb, f->xb2, f->q, f->k, f->v,
-                    f->att, f->hb, f->hb2, f->xo, f->logits, f->xbf, f->tokens, f->pos, f->seq,
-                    f->rows, f->tables};
+    void *bufs[] = {f->output_norm, f->rope_freqs, f->rope_cs, f->pool, f->x, f->qkv, f->o, f->gu,
+                    f->logits, f->part, f->in, f->dints, f->d_argmax};
     for (void *b : bufs)
         if (b) cudaFree(b);
     if (f->h_ints) cudaFreeHost(f->h_ints);
     if (f->h_logits) cudaFreeHost(f->h_logits);
+    if (f->h_argmax) cudaFreeHost(f->h_argmax);
     for (int i = 0; f->graphs && i <= f->max_logits; i++)
         if (f->graphs[i]) cudaGraphExecDestroy(f->graphs[i]);
     free(f->graphs);
     free(f->graph_bad);
+    for (int i = 0; f->prof && i < PROF_MARKS; i++) cudaEventDestroy(f->marks[i]);
     if (f->blas_ws) cudaFree(f->blas_ws);
     if (f->blas) cublasDestroy(f->blas);
     if (f->stream) cudaStreamDestroy(f->stream);
@@ -423,6 +959,36 @@ void td_cuda_fwd_free(td_cuda_fwd *f)
 size_t td_cuda_fwd_device_bytes(const td_cuda_fwd *f)
 {
     return f->device_bytes;
+}
+
+/* The staged integers: offsets (in int32) into h_ints and dints. */
+enum { ST_TOK, ST_POS, ST_SEQ, ST_ROWS, ST_TAB, ST_LIST, ST_TILES, ST_END };
+static size_t stage_off(const td_cuda_fwd *f, int which)
+{
+    size_t MT = (size_t)f->max_tokens, ML = (size_t)f->max_logits, mb = (size_t)f->max_blocks;
+    size_t off[ST_END + 1];
+    off[ST_TOK] = 0;
+    off[ST_POS] = MT;
+    off[ST_SEQ] = 2 * MT;
+    off[ST_ROWS] = 3 * MT;
+    off[ST_TAB] = 3 * MT + ML;
+    off[ST_LIST] = off[ST_TAB] + ML * mb;
+    off[ST_TILES] = off[ST_LIST] + MT;
+    off[ST_END] = off[ST_TILES] + 2 * MT;
+    return off[which];
+}
+
+/* Splits per (row, KV head) for n listed rows: enough blocks for two waves of the SMs. */
+static int n_splits(const td_cuda_fwd *f, int n)
+{
+    int want = (2 * f->n_sm + n * f->n_kv - 1) / (n * f->n_kv);
+    return want < 1 ? 1 : want > SPLIT_MAX ? SPLIT_MAX : want;
+}
+
+static size_t split_smem(const td_cuda_fwd *f)
+{
+    int group = f->n_head / f->n_kv;
+    return (size_t)(group * f->hd + group * SPLIT_SUB + 3 * group + 1 + (group & 1)) * 4 + SPLIT_SUB * sizeof(void *);
 }
 
 int td_cuda_fwd_create(td_cuda_fwd **out, const td_model *m, td_type kv_dtype, int block_size,
@@ -436,6 +1002,11 @@ int td_cuda_fwd_create(td_cuda_fwd **out, const td_model *m, td_type kv_dtype, i
         return td_err_set(err, TD_EUNSUPPORTED, "cuda: KV cache dtype %s is not supported on the GPU yet (f32, f16, bf16)",
                           td_type_name(kv_dtype));
     const td_model_shape *s = &m->shape;
+    int group = s->n_head / s->n_head_kv;
+    if (group > ATT_MAX_GROUP || s->head_dim > 256)
+        return td_err_set(err, TD_EUNSUPPORTED,
+                          "cuda: %d query heads per KV head or head_dim %d exceed the attention kernels (%d, 256)",
+                          group, s->head_dim, ATT_MAX_GROUP);
     td_cuda_fwd *f = (td_cuda_fwd *)calloc(1, sizeof(*f));
     if (!f) return td_err_set(err, TD_ENOMEM, "cuda: out of memory");
     f->m = m;
@@ -459,6 +1030,20 @@ int td_cuda_fwd_create(td_cuda_fwd **out, const td_model *m, td_type kv_dtype, i
     f->token_bytes = (size_t)f->kd * esize;
     f->block_bytes = 2 * (size_t)block_size * f->token_bytes;
     f->layer_bytes = (size_t)n_blocks * f->block_bytes;
+    /* bf16 mode unless every matrix is f32 */
+    f->bf = m->tok_embd.type != TD_TYPE_F32 || m->output.type != TD_TYPE_F32;
+    for (int l = 0; l < s->n_layer; l++) {
+        const td_layer *L = &m->layers[l];
+        const td_weight *ws[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
+        for (const td_weight *w : ws) f->bf = f->bf || w->type != TD_TYPE_F32;
+    }
+    const char *te = getenv("TD_CUDA_TILES"), *tg = getenv("TD_CUDA_GEMV");
+    f->use_gemv = !(tg && !strcmp(tg, "0"));
+    f->tiles_ok = f->bf && kv_type != 0 && (f->hd == 64 || f->hd == 128) && group <= 8 && !(te && !strcmp(te, "0"));
+    int dev = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&f->n_sm, cudaDevAttrMultiProcessorCount, dev);
+    if (f->n_sm < 1) f->n_sm = 1;
     int rc = 0;
 #define TRY(x)                                                                                     \
     do {                                                                                           \
@@ -482,9 +1067,14 @@ int td_cuda_fwd_create(td_cuda_fwd **out, const td_model *m, td_type kv_dtype, i
         cublasSetMathMode(f->blas, CUBLAS_DEFAULT_MATH); /* no TF32: f32 stays f32 */
     }
     f->layers = new dev_layer[s->n_layer];
-    TRY(upload_mat(f, &f->embd, &m->tok_embd, err));
-    if (m->output.data == m->tok_embd.data) f->output = f->embd;
-    else TRY(upload_mat(f, &f->output, &m->output, err));
+    TRY(alloc_mat(f, &f->embd, m->tok_embd.rows, m->tok_embd.cols, err));
+    TRY(upload_into(f, &f->embd, 0, &m->tok_embd, err));
+    if (s->tied_output || (m->output.data && m->output.data == m->tok_embd.data)) {
+        f->output = f->embd;
+    } else {
+        TRY(alloc_mat(f, &f->output, m->output.rows, m->output.cols, err));
+        TRY(upload_into(f, &f->output, 0, &m->output, err));
+    }
     TRY(upload_vec(f, &f->output_norm, &m->output_norm, err));
     if (m->rope_freqs && !rc) {
         DMALLOC(f->rope_freqs, (size_t)(f->hd / 2) * sizeof(float));
@@ -495,41 +1085,45 @@ int td_cuda_fwd_create(td_cuda_fwd **out, const td_model *m, td_type kv_dtype, i
     for (int l = 0; l < s->n_layer && !rc; l++) {
         const td_layer *L = &m->layers[l];
         dev_layer *D = &f->layers[l];
-        TRY(upload_mat(f, &D->wq, &L->wq, err));
-        TRY(upload_mat(f, &D->wk, &L->wk, err));
-        TRY(upload_mat(f, &D->wv, &L->wv, err));
-        TRY(upload_mat(f, &D->wo, &L->wo, err));
-        TRY(upload_mat(f, &D->gate, &L->w_gate, err));
-        TRY(upload_mat(f, &D->up, &L->w_up, err));
-        TRY(upload_mat(f, &D->down, &L->w_down, err));
+        const td_weight *qkv[] = {&L->wq, &L->wk, &L->wv}, *gu[] = {&L->w_gate, &L->w_up};
+        TRY(upload_stack(f, &D->qkv, qkv, 3, err));
+        TRY(upload_stack(f, &D->gu, gu, 2, err));
+        const td_weight *wo[] = {&L->wo}, *down[] = {&L->w_down};
+        TRY(upload_stack(f, &D->wo, wo, 1, err));
+        TRY(upload_stack(f, &D->down, down, 1, err));
         TRY(upload_vec(f, &D->attn_norm, &L->attn_norm, err));
         TRY(upload_vec(f, &D->ffn_norm, &L->ffn_norm, err));
         TRY(upload_vec(f, &D->bq, &L->bq, err));
         TRY(upload_vec(f, &D->bk, &L->bk, err));
         TRY(upload_vec(f, &D->bv, &L->bv, err));
     }
+    if (!rc && cudaStreamSynchronize(f->stream) != cudaSuccess)
+        rc = td_err_set(err, TD_EIO, "cuda: making the weights failed: %s", cudaGetErrorString(cudaGetLastError()));
     size_t T = (size_t)max_tokens, widest = (size_t)(f->ff > f->d ? f->ff : f->d);
     if ((size_t)f->qd > widest) widest = (size_t)f->qd;
+    DMALLOC(f->rope_cs, (size_t)max_ctx * (size_t)(f->hd / 2) * sizeof(float2));
+    if (!rc) {
+        k_rope_table<<<1024, 256, 0, f->stream>>>(f->rope_cs, max_ctx, f->hd, s->rope_theta, s->rope_freq_scale,
+                                                  f->rope_freqs);
+        if (cudaStreamSynchronize(f->stream) != cudaSuccess)
+            rc = td_err_set(err, TD_EIO, "cuda: the RoPE table: %s", cudaGetErrorString(cudaGetLastError()));
+    }
     DMALLOC(f->pool, (size_t)f->n_layer * f->layer_bytes);
     DMALLOC(f->x, T * f->d * 4);
-    DMALLOC(f->xb, T * f->d * 4);
-    DMALLOC(f->xb2, T * f->d * 4);
-    DMALLOC(f->q, T * f->qd * 4);
-    DMALLOC(f->k, T * f->kd * 4);
-    DMALLOC(f->v, T * f->kd * 4);
-    DMALLOC(f->att, T * f->qd * 4);
-    DMALLOC(f->hb, T * f->ff * 4);
-    DMALLOC(f->hb2, T * f->ff * 4);
-    DMALLOC(f->xbf, T * widest * 2);
-    DMALLOC(f->xo, (size_t)max_logits * f->d * 4);
+    DMALLOC(f->qkv, T * (size_t)(f->qd + 2 * f->kd) * 4);
+    DMALLOC(f->o, T * f->d * 4);
+    DMALLOC(f->gu, T * 2 * (size_t)f->ff * 4);
+    DMALLOC(f->in, T * widest * (f->bf ? 2 : 4));
+    DMALLOC(f->part, (T + 2 * (size_t)f->n_sm) * (size_t)f->n_head * (size_t)(f->hd + 2) * 4);
     DMALLOC(f->logits, (size_t)max_logits * f->vocab * 4);
-    DMALLOC(f->tokens, T * 4);
-    DMALLOC(f->pos, T * 4);
-    DMALLOC(f->seq, T * 4);
-    DMALLOC(f->rows, (size_t)max_logits * 4);
-    DMALLOC(f->tables, (size_t)max_logits * f->max_blocks * 4);
+    DMALLOC(f->dints, stage_off(f, ST_END) * 4);
+    DMALLOC(f->d_argmax, (size_t)max_logits * 4);
+    if (!rc && cudaMallocHost((void **)&f->h_argmax, (size_t)max_logits * 4) != cudaSuccess)
+        rc = td_err_set(err, TD_ENOMEM, "cuda: cannot allocate pinned argmax");
     if (!rc && cudaMallocHost((void **)&f->h_logits, (size_t)max_logits * f->vocab * 4) != cudaSuccess)
         rc = td_err_set(err, TD_ENOMEM, "cuda: cannot allocate pinned logits");
+    if (!rc && cudaMallocHost((void **)&f->h_ints, stage_off(f, ST_END) * 4) != cudaSuccess)
+        rc = td_err_set(err, TD_ENOMEM, "cuda: cannot allocate pinned staging");
     DMALLOC(f->blas_ws, (size_t)32 << 20);
     if (!rc && cublasSetWorkspace(f->blas, f->blas_ws, (size_t)32 << 20) != CUBLAS_STATUS_SUCCESS)
         rc = td_err_set(err, TD_EIO, "cuda: cannot give cuBLAS its workspace");
@@ -537,21 +1131,11 @@ int td_cuda_fwd_create(td_cuda_fwd **out, const td_model *m, td_type kv_dtype, i
     f->graph_bad = (bool *)calloc((size_t)max_logits + 1, sizeof(bool));
     if (!rc && (!f->graphs || !f->graph_bad)) rc = td_err_set(err, TD_ENOMEM, "cuda: out of memory");
     {
-        const char *g = getenv("TD_CUDA_GRAPHS");
-        f->use_graphs = !(g && !strcmp(g, "0"));
+        const char *g = getenv("TD_CUDA_GRAPHS"), *p = getenv("TD_CUDA_PROFILE");
+        f->prof = p && strcmp(p, "0") && *p;
+        f->use_graphs = !(g && !strcmp(g, "0")) && !f->prof; /* a profile times every launch */
+        for (int i = 0; f->prof && i < PROF_MARKS; i++) cudaEventCreate(&f->marks[i]);
     }
-    if (!rc && cudaMallocHost((void **)&f->h_ints, (3 * T + (size_t)max_logits * (1 + f->max_blocks)) * 4) != cudaSuccess)
-        rc = td_err_set(err, TD_ENOMEM, "cuda: cannot allocate pinned staging");
-    size_t att_smem = (size_t)(f->n_head / f->n_kv) * (size_t)(max_ctx + 1) * sizeof(float);
-    if (!rc && (f->n_head / f->n_kv > ATT_MAX_GROUP || f->hd > 32 * ATT_MAX_PER_LANE))
-        rc = td_err_set(err, TD_EUNSUPPORTED, "cuda: %d query heads per KV head or head_dim %d exceed the attention kernel (%d, %d)",
-                        f->n_head / f->n_kv, f->hd, ATT_MAX_GROUP, 32 * ATT_MAX_PER_LANE);
-    if (!rc && att_smem > 200 * 1024)
-        rc = td_err_set(err, TD_EUNSUPPORTED, "cuda: a context of %d positions exceeds the attention kernel's shared memory (lower --max-model-len)", max_ctx);
-    if (!rc && att_smem > 48 * 1024 &&
-        cudaFuncSetAttribute(k_attention, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)att_smem) != cudaSuccess)
-        rc = td_err_set(err, TD_EIO, "cuda: cannot raise the attention kernel's shared memory");
-    f->att_smem = att_smem;
 #undef TRY
 #undef DMALLOC
     if (rc) {
@@ -562,103 +1146,165 @@ int td_cuda_fwd_create(td_cuda_fwd **out, const td_model *m, td_type kv_dtype, i
     return 0;
 }
 
+/* The attention of one layer: tiles (tensor cores) and listed rows (split-K). */
+template <int HD, bool F16>
+static void launch_tiles(td_cuda_fwd *f, int n_tiles, const uint8_t *layer)
+{
+    int group = f->n_head / f->n_kv;
+    size_t smem = 2 * (size_t)TILE_KEYS * (HD + TILE_PAD) * 2;
+    const int32_t *di = f->dints;
+    k_attn_tiles<HD, F16><<<dim3((unsigned)n_tiles, (unsigned)f->n_kv), 32 * group, smem, f->stream>>>(
+        f->qkv, f->qd + 2 * f->kd, di + stage_off(f, ST_TILES), di + stage_off(f, ST_POS),
+        di + stage_off(f, ST_SEQ), di + stage_off(f, ST_TAB), f->max_blocks, layer, f->n_head, f->n_kv,
+        f->block_size, f->token_bytes, f->block_bytes, f->in, f->bf);
+}
+
+static void attention(td_cuda_fwd *f, int n_list, int n_tiles, const uint8_t *layer)
+{
+    cudaStream_t st = f->stream;
+    const int32_t *di = f->dints;
+    mark(f, PROF_ATT);
+    if (n_tiles) {
+        bool f16 = f->kv_type == 1;
+        if (f->hd == 64) f16 ? launch_tiles<64, true>(f, n_tiles, layer) : launch_tiles<64, false>(f, n_tiles, layer);
+        else f16 ? launch_tiles<128, true>(f, n_tiles, layer) : launch_tiles<128, false>(f, n_tiles, layer);
+    }
+    if (n_list) {
+        int splits = n_splits(f, n_list);
+        k_attn_split<<<dim3((unsigned)n_list, (unsigned)f->n_kv, (unsigned)splits), SPLIT_THREADS, split_smem(f), st>>>(
+            f->qkv, f->qd + 2 * f->kd, di + stage_off(f, ST_LIST), di + stage_off(f, ST_POS),
+            di + stage_off(f, ST_SEQ), di + stage_off(f, ST_TAB), f->max_blocks, layer, f->n_head, f->n_kv,
+            f->hd, f->block_size, f->token_bytes, f->block_bytes, f->kv_type, splits, f->part);
+        k_attn_merge<<<dim3((unsigned)n_list, (unsigned)f->n_head), f->hd < 128 ? f->hd : 128, 0, st>>>(
+            f->part, di + stage_off(f, ST_LIST), f->n_head, f->hd, splits, f->in, f->bf);
+    }
+}
+
 /*
  * Queue one step on the stream: the staged integers to the device (f->h_ints, filled by
  * td_cuda_fwd_run), every layer, and the logits back to f->h_logits. Nothing here reads
  * the host otherwise, so a decode step can be captured as a graph and replayed.
  */
-static int enqueue(td_cuda_fwd *f, int T, int ns, int n_logits, td_err *err)
+static int enqueue(td_cuda_fwd *f, int T, int ns, int n_logits, int n_list, int n_tiles, td_err *err)
 {
     const td_model_shape *s = &f->m->shape;
-    const int mb = f->max_blocks;
-    int32_t *h = f->h_ints, *tab = h + 3 * T + f->max_logits;
     cudaStream_t st = f->stream;
-    CK(cudaMemcpyAsync(f->tokens, h, (size_t)T * 4, cudaMemcpyHostToDevice, st));
-    CK(cudaMemcpyAsync(f->pos, h + T, (size_t)T * 4, cudaMemcpyHostToDevice, st));
-    CK(cudaMemcpyAsync(f->seq, h + 2 * T, (size_t)T * 4, cudaMemcpyHostToDevice, st));
-    if (n_logits) CK(cudaMemcpyAsync(f->rows, h + 3 * T, (size_t)n_logits * 4, cudaMemcpyHostToDevice, st));
-    CK(cudaMemcpyAsync(f->tables, tab, (size_t)ns * mb * 4, cudaMemcpyHostToDevice, st));
-
-    int d = f->d, esize = f->kv_type == 0 ? 4 : 2;
+    struct {
+        int which;
+        size_t n;
+    } parts[] = {{ST_TOK, (size_t)T},       {ST_POS, (size_t)T},
+                 {ST_SEQ, (size_t)T},       {ST_ROWS, (size_t)n_logits},
+                 {ST_TAB, (size_t)ns * f->max_blocks}, {ST_LIST, (size_t)n_list},
+                 {ST_TILES, 2 * (size_t)n_tiles}};
+    for (auto &p : parts)
+        if (p.n)
+            CK(cudaMemcpyAsync(f->dints + stage_off(f, p.which), f->h_ints + stage_off(f, p.which), p.n * 4,
+                               cudaMemcpyHostToDevice, st));
+    const int32_t *di = f->dints;
+    const int32_t *d_tok = di + stage_off(f, ST_TOK), *d_pos = di + stage_off(f, ST_POS),
+                  *d_seq = di + stage_off(f, ST_SEQ), *d_tab = di + stage_off(f, ST_TAB),
+                  *d_rows = di + stage_off(f, ST_ROWS);
+    int d = f->d;
     float eps = s->rms_eps;
-    k_embed<<<T, 256, 0, st>>>(f->embd.p, f->embd.f32, f->tokens, f->x, d);
-    k_norm<<<T, 256, 0, st>>>(f->x, nullptr, f->layers[0].attn_norm, f->xb, nullptr, d, eps);
+    mark(f, PROF_OTHER);
+    k_embed<<<T, 256, 0, st>>>(f->embd.p, f->embd.f32, d_tok, f->x, d);
+    k_norm<<<T, 256, 0, st>>>(f->x, nullptr, f->layers[0].attn_norm, f->in, f->bf, nullptr, d, eps);
     int rc = 0;
     for (int l = 0; l < f->n_layer && !rc; l++) {
         dev_layer *L = &f->layers[l];
         uint8_t *layer = f->pool + (size_t)l * f->layer_bytes;
-        if (!rc) rc = gemm(f, f->q, f->xb, &L->wq, T, err);
-        if (!rc) rc = gemm(f, f->k, f->xb, &L->wk, T, err);
-        if (!rc) rc = gemm(f, f->v, f->xb, &L->wv, T, err);
-        if (rc) break;
-        k_rope_store<<<T, 128, 0, st>>>(f->q, f->k, f->v, L->bq, L->bk, L->bv, f->pos, f->seq, f->tables, mb,
-                                        layer, f->n_head, f->n_kv, f->hd, s->rope_theta, s->rope_freq_scale,
-                                        f->rope_freqs, s->rope_type == TD_ROPE_NEOX, f->block_size,
-                                        f->token_bytes, f->block_bytes, f->kv_type);
-        dim3 grid((unsigned)T, (unsigned)f->n_kv);
-        k_attention<<<grid, ATT_THREADS, f->att_smem, st>>>(
-            f->q, f->att, f->pos, f->seq, f->tables, mb, layer, f->n_head, f->n_kv, f->hd, f->block_size,
-            f->token_bytes, f->block_bytes, esize, f->kv_type, f->max_ctx);
-        rc = gemm(f, f->xb2, f->att, &L->wo, T, err);
-        if (rc) break;
-        k_norm<<<T, 256, 0, st>>>(f->x, f->xb2, L->ffn_norm, f->xb, nullptr, d, eps);
-        if (!rc) rc = gemm(f, f->hb, f->xb, &L->gate, T, err);
-        if (!rc) rc = gemm(f, f->hb2, f->xb, &L->up, T, err);
-        if (rc) break;
+        if ((rc = gemm(f, f->qkv, f->in, &L->qkv, T, err))) break;
+        mark(f, PROF_OTHER);
+        k_rope_store<<<T, 128, 0, st>>>(f->qkv, L->bq, L->bk, L->bv, d_pos, d_seq, d_tab, f->max_blocks, layer,
+                                        f->n_head, f->n_kv, f->hd, f->rope_cs, s->rope_type == TD_ROPE_NEOX,
+                                        f->block_size, f->token_bytes, f->block_bytes, f->kv_type);
+        attention(f, n_list, n_tiles, layer);
+        if ((rc = gemm(f, f->o, f->in, &L->wo, T, err))) break;
+        mark(f, PROF_OTHER);
+        k_norm<<<T, 256, 0, st>>>(f->x, f->o, L->ffn_norm, f->in, f->bf, nullptr, d, eps);
+        if ((rc = gemm(f, f->gu, f->in, &L->gu, T, err))) break;
+        mark(f, PROF_OTHER);
         size_t n = (size_t)T * f->ff;
-        k_silu_mul<<<(unsigned)((n + 255) / 256 < 4096 ? (n + 255) / 256 : 4096), 256, 0, st>>>(f->hb, f->hb2, n);
-        rc = gemm(f, f->xb2, f->hb, &L->down, T, err);
-        if (rc) break;
+        k_silu_mul<<<(unsigned)((n + 255) / 256 < 4096 ? (n + 255) / 256 : 4096), 256, 0, st>>>(f->gu, f->in, f->bf,
+                                                                                                f->ff, n);
+        if ((rc = gemm(f, f->o, f->in, &L->down, T, err))) break;
+        mark(f, PROF_OTHER);
         const float *next = l + 1 < f->n_layer ? f->layers[l + 1].attn_norm : nullptr;
-        k_norm<<<T, 256, 0, st>>>(f->x, f->xb2, next, f->xb, nullptr, d, eps);
+        k_norm<<<T, 256, 0, st>>>(f->x, f->o, next, f->in, f->bf, nullptr, d, eps);
     }
     if (!rc && n_logits > 0) {
-        k_norm<<<n_logits, 256, 0, st>>>(f->x, nullptr, f->output_norm, f->xo, f->rows, d, eps);
-        rc = gemm(f, f->logits, f->xo, &f->output, n_logits, err);
-        if (!rc)
-            CK(cudaMemcpyAsync(f->h_logits, f->logits, (size_t)n_logits * f->vocab * 4, cudaMemcpyDeviceToHost, st));
+        mark(f, PROF_OTHER);
+        k_norm<<<n_logits, 256, 0, st>>>(f->x, nullptr, f->output_norm, f->in, f->bf, d_rows, d, eps);
+        rc = gemm(f, f->logits, f->in, &f->output, n_logits, err);
+        mark(f, PROF_OTHER);
+        if (!rc) {
+            k_argmax<<<n_logits, 1024, 0, st>>>(f->logits, f->vocab, f->d_argmax);
+            CK(cudaMemcpyAsync(f->h_argmax, f->d_argmax, (size_t)n_logits * 4, cudaMemcpyDeviceToHost, st));
+        }
     }
+    mark(f, -1);
     return rc;
 }
 
-
 int td_cuda_fwd_run(td_cuda_fwd *f, int n_tokens, const int32_t *tokens, const int32_t *pos,
                     const int32_t *seq, const int32_t *const *block_tables, int n_seqs, int n_logits,
-                    const int32_t *logit_rows, float *logits, td_err *err)
+                    const int32_t *logit_rows, float *logits, const uint8_t *need_logits,
+                    int32_t *argmax, td_err *err)
 {
     int T = n_tokens, mb = f->max_blocks;
     if (T < 1 || T > f->max_tokens || n_logits > f->max_logits || n_seqs > f->max_logits ||
         n_seqs > 1024)
         return td_err_set(err, TD_EINVAL, "cuda: batch of %d tokens, %d logits, %d sequences exceeds the plan", T,
                           n_logits, n_seqs);
-    /* Stage the integers: tokens, pos, seq, logit rows, then each sequence's block table
-     * (as many blocks as its furthest position needs). */
+    /* Stage the integers: tokens, pos, seq, logit rows, each sequence's block table (as
+     * many blocks as its furthest position needs), and the attention plan. */
     int32_t *h = f->h_ints;
-    memcpy(h, tokens, (size_t)T * 4);
-    memcpy(h + T, pos, (size_t)T * 4);
-    memcpy(h + 2 * T, seq, (size_t)T * 4);
-    memcpy(h + 3 * T, logit_rows, (size_t)n_logits * 4);
-    int32_t *tab = h + 3 * T + f->max_logits;
+    memcpy(h + stage_off(f, ST_TOK), tokens, (size_t)T * 4);
+    memcpy(h + stage_off(f, ST_POS), pos, (size_t)T * 4);
+    memcpy(h + stage_off(f, ST_SEQ), seq, (size_t)T * 4);
+    memcpy(h + stage_off(f, ST_ROWS), logit_rows, (size_t)n_logits * 4);
+    int32_t *tab = h + stage_off(f, ST_TAB);
     int need[1024];
     int ns = n_seqs;
     for (int i = 0; i < ns; i++) need[i] = 0;
     for (int t = 0; t < T; t++) {
+        if (seq[t] < 0 || seq[t] >= ns || pos[t] < 0 || pos[t] >= f->max_ctx)
+            return td_err_set(err, TD_EINVAL, "cuda: row %d: sequence %d, position %d out of range", t, seq[t], pos[t]);
         int b = pos[t] / f->block_size + 1;
-        if (seq[t] < ns && b > need[seq[t]]) need[seq[t]] = b;
+        if (b > need[seq[t]]) need[seq[t]] = b;
     }
     for (int i = 0; i < ns; i++) memcpy(tab + (size_t)i * mb, block_tables[i], (size_t)need[i] * 4);
+    /* Attention plan: runs of >= 2 rows of one sequence at consecutive positions go to the
+     * tile kernel in tiles of 16 (where it applies); every other row to split-K. */
+    int32_t *list = h + stage_off(f, ST_LIST), *tiles = h + stage_off(f, ST_TILES);
+    int n_list = 0, n_tiles = 0;
+    for (int t = 0; t < T;) {
+        int e = t + 1;
+        while (f->tiles_ok && e < T && seq[e] == seq[t] && pos[e] == pos[e - 1] + 1) e++;
+        if (e - t >= 2) {
+            for (int r = t; r < e; r += TILE_ROWS) {
+                tiles[2 * n_tiles] = r;
+                tiles[2 * n_tiles + 1] = e - r < TILE_ROWS ? e - r : TILE_ROWS;
+                n_tiles++;
+            }
+        } else {
+            list[n_list++] = t;
+        }
+        t = e;
+    }
     /* A decode step (row i is sequence i's next token, and samples) replays a graph. */
-    bool decode = n_logits == T && ns == T;
+    bool decode = n_logits == T && ns == T && n_tiles == 0;
     for (int i = 0; decode && i < T; i++) decode = logit_rows[i] == i && seq[i] == i;
     int rc = 0;
     cudaStream_t st = f->stream;
+    f->n_marks = 0;
     if (decode && f->use_graphs && !f->graph_bad[T]) {
         if (!f->graphs[T]) {
             cudaGraph_t g = nullptr;
             bool ok = cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal) == cudaSuccess;
             td_err ce;
             td_err_clear(&ce);
-            if (ok) ok = enqueue(f, T, ns, n_logits, &ce) == 0;
+            if (ok) ok = enqueue(f, T, ns, n_logits, n_list, n_tiles, &ce) == 0;
             if (cudaStreamEndCapture(st, &g) != cudaSuccess) ok = false;
             if (ok && cudaGraphInstantiate(&f->graphs[T], g, 0) != cudaSuccess) {
                 f->graphs[T] = nullptr;
@@ -673,14 +1319,41 @@ int td_cuda_fwd_run(td_cuda_fwd *f, int n_tokens, const int32_t *tokens, const i
             }
         }
         if (f->graphs[T]) CK(cudaGraphLaunch(f->graphs[T], st));
-        else rc = enqueue(f, T, ns, n_logits, err);
+        else rc = enqueue(f, T, ns, n_logits, n_list, n_tiles, err);
     } else {
-        rc = enqueue(f, T, ns, n_logits, err);
+        rc = enqueue(f, T, ns, n_logits, n_list, n_tiles, err);
     }
     if (rc) return rc;
+    /* The logit rows the host samples from itself: runs of needed rows, one copy each. */
+    for (int i = 0; i < n_logits;) {
+        if (need_logits && !need_logits[i]) {
+            i++;
+            continue;
+        }
+        int j = i + 1;
+        while (j < n_logits && (!need_logits || need_logits[j])) j++;
+        size_t row = (size_t)f->vocab * 4;
+        CK(cudaMemcpyAsync((uint8_t *)f->h_logits + i * row, (uint8_t *)f->logits + i * row, (size_t)(j - i) * row,
+                           cudaMemcpyDeviceToHost, st));
+        i = j;
+    }
     CK(cudaStreamSynchronize(st));
     CK(cudaGetLastError());
-    if (n_logits) memcpy(logits, f->h_logits, (size_t)n_logits * f->vocab * 4);
+    if (f->prof && f->n_marks > 1) {
+        int k = decode ? 0 : 1;
+        for (int i = 0; i + 1 < f->n_marks; i++) {
+            float ms = 0.0f;
+            cudaEventElapsedTime(&ms, f->marks[i], f->marks[i + 1]);
+            if (f->mark_cat[i] >= 0) f->prof_ms[k][f->mark_cat[i]] += ms;
+        }
+        f->prof_steps[k]++;
+        f->prof_tokens[k] += T;
+    }
+    for (int i = 0; i < n_logits; i++) {
+        if (argmax) argmax[i] = f->h_argmax[i];
+        if (!need_logits || need_logits[i])
+            memcpy(logits + (size_t)i * f->vocab, f->h_logits + (size_t)i * f->vocab, (size_t)f->vocab * 4);
+    }
     return 0;
 }
 

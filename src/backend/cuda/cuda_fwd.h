@@ -52,11 +52,16 @@ size_t td_cuda_fwd_device_bytes(const td_cuda_fwd *f);
 
 /**
  * Run a batch: token t is tokens[t] at position pos[t] of sequence seq[t], whose block ids
- * are block_tables[seq[t]] (n_seqs tables). logits receives n_logits rows of n_vocab f32,
- * for batch rows logit_rows[]. Returns 0, or TD_EIO with a message for a device failure.
+ * are block_tables[seq[t]] (n_seqs tables). For the n_logits batch rows logit_rows[]:
+ * argmax[i] (when argmax is not NULL) receives row i's greedy token, computed on the GPU
+ * (the lowest id of the largest logit, as sampler_argmax), and logits row i (n_vocab f32)
+ * is filled where need_logits[i] is set, or for every row when need_logits is NULL; the
+ * other rows' logits never leave the GPU. Returns 0, or TD_EIO with a message for a device
+ * failure.
  */
 int td_cuda_fwd_run(td_cuda_fwd *f, int n_tokens, const int32_t *tokens, const int32_t *pos,
                     const int32_t *seq, const int32_t *const *block_tables, int n_seqs,
-                    int n_logits, const int32_t *logit_rows, float *logits, td_err *err);
+                    int n_logits, const int32_t *logit_rows, float *logits,
+                    const uint8_t *need_logits, int32_t *argmax, td_err *err);
 
 #endif

@@ -22,7 +22,124 @@
 #include "golden_fixture.h"
 
 #ifdef TD_HAVE_CUDA
+#include <math.h>
+
 #include "backend/cuda/cuda_fwd.h"
+#include "engine/forward.h"
+#include "engine/sampler.h"
+#include "util/pool.h"
+
+/*
+ * GPU logits against the CPU forward pass on a random bf16 model, within a relative
+ * error of 1e-2 per row (|gpu - cpu| / |cpu|, Euclidean norms over the vocabulary). The GPU makes its weights on the
+ * device (deferred dummy weights), the CPU on the host, from the same seed. Four steps
+ * cover the attention kernels: two prompts of 40 and 23 tokens in one batch (tensor-core
+ * tiles where the KV type allows, split-K otherwise), a chunk of 7 beside a decode row,
+ * then two decode steps (a CUDA graph, captured and replayed).
+ */
+static void compare_logits(const td_model_shape *shape, const char *kv_name)
+{
+    td_err err;
+    td_type kvt = td_type_parse(kv_name);
+    td_model *cm = NULL, *gm = NULL;
+    if (td_model_load_dummy(&cm, shape, TD_TYPE_BF16, 11, &err)) fail_msg("%s", err.msg);
+    if (td_model_load_dummy_deferred(&gm, shape, TD_TYPE_BF16, 11, &err)) fail_msg("%s", err.msg);
+    assert_true(cm->fingerprint == gm->fingerprint);
+    const int bs = 16, n_blocks = 8, max_ctx = 64, max_tokens = 64, max_logits = 64;
+    int hd = shape->head_dim ? shape->head_dim : shape->n_embd / shape->n_head;
+    td_pool *pool = NULL;
+    if (td_pool_create(&pool, 8, false, &err)) fail_msg("%s", err.msg);
+    kv_pool kv;
+    if (kv_pool_init(&kv, shape->n_layer, shape->n_head_kv * hd, bs, kvt, n_blocks, false, &err))
+        fail_msg("%s", err.msg);
+    fwd_ctx cf;
+    if (fwd_init(&cf, cm, &kv, pool, max_tokens, max_logits, max_ctx, &err)) fail_msg("%s", err.msg);
+    td_cuda_fwd *gf = NULL;
+    if (td_cuda_fwd_create(&gf, gm, kvt, bs, n_blocks, max_tokens, max_logits, max_ctx, &err))
+        fail_msg("%s", err.msg);
+    const int32_t t0[4] = {0, 1, 2, 3}, t1[4] = {4, 5, 6, 7};
+    const int32_t *tables[2] = {t0, t1};
+    size_t V = (size_t)shape->n_vocab;
+    float *lc = malloc((size_t)max_logits * V * 4), *lg = malloc((size_t)max_logits * V * 4);
+    td_rng rng;
+    td_rng_seed(&rng, 3);
+    /* (rows of seq 0, rows of seq 1) per step; positions continue from the last step */
+    const int steps[4][2] = {{40, 23}, {7, 1}, {1, 1}, {1, 1}};
+    int next[2] = {0, 0};
+    double worst = 0, worst_max = 0;
+    for (int st = 0; st < 4; st++) {
+        int32_t tok[64], pos[64], seq[64], rows[64];
+        int T = 0;
+        for (int sq = 0; sq < 2; sq++)
+            for (int i = 0; i < steps[st][sq]; i++, T++) {
+                tok[T] = (int32_t)(td_rng_next(&rng) % V);
+                pos[T] = next[sq]++;
+                seq[T] = sq;
+                rows[T] = T;
+            }
+        fwd_batch b = {.n_tokens = T, .tokens = tok, .pos = pos, .seq = seq, .block_tables = tables,
+                       .n_logits = T, .logit_rows = rows, .logits = lc};
+        fwd_run(&cf, &b);
+        int32_t am[64];
+        if (td_cuda_fwd_run(gf, T, tok, pos, seq, tables, 2, T, rows, lg, NULL, am, &err)) fail_msg("%s", err.msg);
+        for (int r = 0; r < T; r++) assert_int_equal(am[r], sampler_argmax(lg + (size_t)r * V, (int)V));
+        for (int r = 0; r < T; r++) {
+            double n2 = 0, d2 = 0, mx = 0, dmax = 0;
+            for (size_t v = 0; v < V; v++) {
+                double c = lc[r * V + v], dd = (double)lg[r * V + v] - c;
+                n2 += c * c;
+                d2 += dd * dd;
+                mx = fmax(mx, fabs(c));
+                dmax = fmax(dmax, fabs(dd));
+            }
+            double rel = sqrt(d2 / n2);
+            worst = fmax(worst, rel);
+            worst_max = fmax(worst_max, dmax / mx);
+            if (!(rel <= 1e-2))
+                fail_msg("%s KV, step %d row %d (seq %d pos %d): |gpu - cpu| / |cpu| = %.4g",
+                         kv_name, st, r, seq[r], pos[r], rel);
+        }
+    }
+    printf("  %s KV: relative error of the logits (L2 per row) at most %.2e; largest element "
+           "difference %.2e of the row's largest logit\n", kv_name, worst, worst_max);
+    free(lc);
+    free(lg);
+    td_cuda_fwd_free(gf);
+    fwd_free(&cf);
+    kv_pool_free(&kv);
+    td_pool_free(pool);
+    td_model_free(cm);
+    td_model_free(gm);
+}
+
+/* head_dim 128, 4 query heads per KV head (the Llama-3-8B layout), small. */
+static void test_logits_hd128(void **state)
+{
+    (void)state;
+    td_model_shape s;
+    td_err err;
+    assert_int_equal(td_model_preset("tiny", &s, &err), 0);
+    s.n_vocab = 2048;
+    s.n_embd = 1024;
+    s.n_layer = 3;
+    s.n_head = 8;
+    s.n_head_kv = 2;
+    s.n_ff = 2816;
+    s.head_dim = 128;
+    s.rope_theta = 500000.0f;
+    const char *kvs[] = {"bf16", "f16", "f32"};
+    for (int i = 0; i < 3; i++) compare_logits(&s, kvs[i]);
+}
+
+/* llama-1b (the TinyLlama shape: head_dim 64, 8 query heads per KV head), as issue 8 asks. */
+static void test_logits_llama1b(void **state)
+{
+    (void)state;
+    td_model_shape s;
+    td_err err;
+    assert_int_equal(td_model_preset("llama-1b", &s, &err), 0);
+    compare_logits(&s, "bf16");
+}
 
 static void test_golden_alone(void **state)
 {
@@ -92,6 +209,8 @@ int main(void)
         cmocka_unit_test(test_golden_alone),
         cmocka_unit_test(test_golden_batched_and_chunked),
         cmocka_unit_test(test_golden_kv_types),
+        cmocka_unit_test(test_logits_hd128),
+        cmocka_unit_test(test_logits_llama1b),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 #endif

@@ -322,6 +322,48 @@ static void test_presets(void **state)
     assert_err(td_model_shape_validate(&b, &err), err, TD_EINVAL, "rope_theta");
 }
 
+/* Deferred dummy weights (made on the GPU): no host matrices, the same fingerprint, size
+ * and rows as the materialised model with the same seed, in f32 and in bf16. */
+static void test_dummy_deferred(void **state)
+{
+    (void)state;
+    td_model_shape s;
+    td_err err;
+    assert_int_equal(td_model_preset("tiny", &s, &err), 0);
+    const td_type types[] = {TD_TYPE_F32, TD_TYPE_BF16};
+    for (int t = 0; t < 2; t++) {
+        td_model *a, *d;
+        if (td_model_load_dummy(&a, &s, types[t], 5, &err)) fail_msg("%s", err.msg);
+        if (td_model_load_dummy_deferred(&d, &s, types[t], 5, &err)) fail_msg("%s", err.msg);
+        assert_null(d->layers[2].w_up.data);
+        assert_true(d->layers[2].w_up.gen.on);
+        assert_null(d->tok_embd.data);
+        assert_non_null(d->layers[2].ffn_norm.data);
+        assert_true(a->fingerprint == d->fingerprint);
+        assert_int_equal(a->weight_bytes, d->weight_bytes);
+        assert_int_equal(a->weight_type, d->weight_type);
+        const td_weight *ws[][2] = {{&a->layers[2].w_up, &d->layers[2].w_up},
+                                    {&a->tok_embd, &d->tok_embd},
+                                    {&a->layers[0].wk, &d->layers[0].wk}};
+        float *f = malloc((size_t)s.n_ff * 4 + (size_t)s.n_vocab * 4);
+        uint8_t *row = malloc((size_t)s.n_ff * 4 + (size_t)s.n_vocab * 4);
+        for (size_t i = 0; i < sizeof(ws) / sizeof(ws[0]); i++)
+            for (int64_t r = 0; r < ws[i][0]->rows; r += 7) {
+                td_model_gen_row(ws[i][1], r, f);
+                td_quant_row_ref(ws[i][1]->type, f, row, ws[i][1]->cols);
+                assert_memory_equal(row, (const uint8_t *)ws[i][0]->data + (size_t)r * ws[i][0]->row_bytes,
+                                    ws[i][0]->row_bytes);
+            }
+        free(f);
+        free(row);
+        td_model_free(a);
+        td_model_free(d);
+    }
+    td_model *q;
+    assert_err(td_model_load_dummy_deferred(&q, &s, TD_TYPE_Q8_0, 5, &err), err, TD_EUNSUPPORTED,
+               "f32 or bf16");
+}
+
 static void test_dummy(void **state)
 {
     (void)state;
@@ -406,7 +448,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_stories260k), cmocka_unit_test(test_tiny_random),
         cmocka_unit_test(test_bad_models),  cmocka_unit_test(test_presets),
-        cmocka_unit_test(test_dummy),
+        cmocka_unit_test(test_dummy),      cmocka_unit_test(test_dummy_deferred),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# On the GPU machine, in one run: unpack the kit (scripts/gpu_kit.sh made it on the CPU
+# machine), build with -DTANDEM_CUDA=ON, run the GPU tests, then the benchmarks whose
+# figures BENCHMARKS.md records (each with the floor measured in the same run).
+#   bench/gpu.sh [all|test|bench|profile]      (default all; logs also go to $OUT if set)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+what=${1:-all}
+kit=$PWD/.gpu-kit
+[ -d "$kit/debs" ] || { echo "bench/gpu.sh: $kit is missing: run scripts/gpu_kit.sh on the CPU machine and carry .gpu-kit" >&2; exit 1; }
+root=$kit/root lib=$kit/root/usr/lib/x86_64-linux-gnu
+if [ ! -d "$root" ]; then
+    mkdir -p "$root"
+    for f in "$kit"/debs/*.deb; do dpkg -x "$f" "$root"; done
+    # -dev packages link to sonames that the image may already have (libssl, libcurl)
+    for l in "$lib"/*.so; do [ -e "$l" ] || ln -sf "/usr/lib/x86_64-linux-gnu/$(basename "$(readlink "$l")")" "$l"; done
+    sed -i -e "s|^prefix=.*|prefix=$root/usr|" -e "s|=/usr/|=$root/usr/|g" -e "s| -I/usr/| -I$root/usr/|g" \
+        -e "s| -L/usr/| -L$root/usr/|g" "$lib"/pkgconfig/*.pc "$root"/usr/share/pkgconfig/*.pc 2>/dev/null || true
+fi
+export PKG_CONFIG_PATH=$lib/pkgconfig:$root/usr/share/pkgconfig LD_LIBRARY_PATH=$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+export TD_SHARED_DIR=$kit/shared PATH=$root/usr/bin:/usr/local/cuda/bin:$PATH
+out=${OUT:-$PWD/build-gpu}
+mkdir -p "$out"
+log() { tee -a "$out/gpu.log"; }
+
+echo "== build (CUDA)" | log
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | log
+cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DTANDEM_CUDA=ON -DPKG_CONFIG_EXECUTABLE="$root/usr/bin/pkgconf" \
+    -DTD_SHARED_DIR="$TD_SHARED_DIR" >/dev/null
+cmake --build build-gpu -j"$(nproc)" --target tandem test_engine_cuda 2>&1 | grep -E "error|warning" | log || true
+[ -x build-gpu/tandem ] || { echo "build failed" | log; exit 1; }
+
+if [ "$what" = all ] || [ "$what" = test ]; then
+    echo "== GPU tests" | log
+    (cd build-gpu && ctest -V -R cuda) 2>&1 | grep -v " info " | log || echo "GPU tests FAILED" | log
+fi
+
+b8=(build-gpu/tandem bench-engine --model llama3-8b --load-format dummy --dtype bf16 --device cuda
+    --kv-cache-dtype bf16 --max-model-len 4096 --kv-cache-memory 40G --reps 2)
+if [ "$what" = all ] || [ "$what" = bench ]; then
+    echo "== Llama-3-8B shape: pp2048 and batch-1 decode" | log
+    "${b8[@]}" --prompt-len 2048 --gen-len 32 --batch 1 --max-num-batched-tokens 2048 2>&1 | log
+    echo "== the same batch-1 decode with cuBLAS instead of k_gemv (A/B)" | log
+    TD_CUDA_GEMV=0 "${b8[@]}" --prompt-len 2048 --gen-len 32 --batch 1 --max-num-batched-tokens 2048 --no-floor 2>&1 | log
+    echo "== Llama-3-8B shape: batch-64 decode at 1024-token contexts" | log
+    "${b8[@]}" --prompt-len 1024 --gen-len 32 --batch 64 --max-num-batched-tokens 2048 --no-floor 2>&1 | log
+    echo "== llama-1b (TinyLlama shape)" | log
+    build-gpu/tandem bench-engine --model llama-1b --load-format dummy --dtype bf16 --device cuda \
+        --kv-cache-dtype bf16 --prompt-len 512 --gen-len 32 --batch 1,32 --reps 2 --max-model-len 2048 \
+        --no-floor 2>&1 | log
+fi
+if [ "$what" = all ] || [ "$what" = profile ]; then
+    echo "== where a step's time goes (TD_CUDA_PROFILE=1: every launch timed, no graphs)" | log
+    TD_CUDA_PROFILE=1 "${b8[@]}" --prompt-len 2048 --gen-len 16 --batch 1 --reps 1 --max-num-batched-tokens 2048 \
+        --no-floor 2>&1 | log
+    TD_CUDA_PROFILE=1 "${b8[@]}" --prompt-len 1024 --gen-len 16 --batch 64 --reps 1 --max-num-batched-tokens 2048 \
+        --no-floor 2>&1 | log
+fi
