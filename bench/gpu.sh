@@ -38,21 +38,24 @@ fi
 b8=(build-gpu/tandem bench-engine --model llama3-8b --load-format dummy --dtype bf16 --device cuda
     --kv-cache-dtype bf16 --max-model-len 4096 --kv-cache-memory 40G --reps 2)
 if [ "$what" = all ] || [ "$what" = bench ]; then
-    echo "== Llama-3-8B shape: pp2048 and batch-1 decode" | log
-    "${b8[@]}" --prompt-len 2048 --gen-len 32 --batch 1 --max-num-batched-tokens 2048 2>&1 | log
-    echo "== the same batch-1 decode with cuBLAS instead of k_gemv (A/B)" | log
-    TD_CUDA_GEMV=0 "${b8[@]}" --prompt-len 2048 --gen-len 32 --batch 1 --max-num-batched-tokens 2048 --no-floor 2>&1 | log
-    echo "== Llama-3-8B shape: batch-64 decode at 1024-token contexts" | log
-    "${b8[@]}" --prompt-len 1024 --gen-len 32 --batch 64 --max-num-batched-tokens 2048 --no-floor 2>&1 | log
+    echo "== Llama-3-8B shape: pp2048, then decode at batch 1 and 64 from 1024-token contexts" | log
+    "${b8[@]}" --prompt-len 2048 --context 1024 --gen-len 32 --batch 1,64 --max-num-batched-tokens 2048 2>&1 | log
     echo "== llama-1b (TinyLlama shape)" | log
     build-gpu/tandem bench-engine --model llama-1b --load-format dummy --dtype bf16 --device cuda \
-        --kv-cache-dtype bf16 --prompt-len 512 --gen-len 32 --batch 1,32 --reps 2 --max-model-len 2048 \
-        --no-floor 2>&1 | log
+        --kv-cache-dtype bf16 --prompt-len 512 --context 512 --gen-len 32 --batch 1,32 --reps 2 \
+        --max-model-len 2048 --no-floor 2>&1 | log
+    echo "== fp8 KV (split-K attention only)" | log
+    build-gpu/tandem bench-engine --model llama3-8b --load-format dummy --dtype bf16 --device cuda \
+        --kv-cache-dtype fp8 --max-model-len 4096 --kv-cache-memory 40G --reps 1 --prompt-len 2048 \
+        --context 1024 --gen-len 32 --batch 1,64 --max-num-batched-tokens 2048 --no-floor 2>&1 | log
 fi
 if [ "$what" = all ] || [ "$what" = profile ]; then
     echo "== where a step's time goes (TD_CUDA_PROFILE=1: every launch timed, no graphs)" | log
-    TD_CUDA_PROFILE=1 "${b8[@]}" --prompt-len 2048 --gen-len 16 --batch 1 --reps 1 --max-num-batched-tokens 2048 \
+    TD_CUDA_PROFILE=1 "${b8[@]}" --prompt-len 2048 --gen-len 16 --batch 1 --context 1024 --reps 1 --max-num-batched-tokens 2048 \
         --no-floor 2>&1 | log
-    TD_CUDA_PROFILE=1 "${b8[@]}" --prompt-len 1024 --gen-len 16 --batch 64 --reps 1 --max-num-batched-tokens 2048 \
+    TD_CUDA_PROFILE=1 "${b8[@]}" --prompt-len 1024 --context 1024 --gen-len 16 --batch 64 --reps 1 --max-num-batched-tokens 2048 \
+        --no-floor 2>&1 | log
+    echo "== whole steps on the GPU, graphs on (TD_CUDA_PROFILE=2), against the wall clock above" | log
+    TD_CUDA_PROFILE=2 "${b8[@]}" --prompt-len 2048 --gen-len 32 --batch 1 --context 1024 --reps 1 --max-num-batched-tokens 2048 \
         --no-floor 2>&1 | log
 fi

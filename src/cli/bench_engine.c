@@ -23,6 +23,18 @@
 #endif
 #include "model/model.h"
 
+/* One engine step; a failed step (a device error) ends the benchmark. */
+static int step_or_die(td_engine *e)
+{
+    td_err err = {0};
+    int n = td_engine_step(e, &err);
+    if (n < 0) {
+        fprintf(stderr, "error: engine step failed: %s\n", err.msg);
+        exit(1);
+    }
+    return n;
+}
+
 static double run_prefill(td_engine *e, int prompt_len, td_rng *rng)
 {
     int n_vocab = td_engine_model(e)->shape.n_vocab;
@@ -41,15 +53,16 @@ static double run_prefill(td_engine *e, int prompt_len, td_rng *rng)
     }
     td_output o;
     while (td_engine_has_work(e)) {
-        td_engine_step(e, &err);
+        step_or_die(e);
         while (td_engine_poll(e, &o)) {}
     }
     free(ids);
     return td_now_s() - t0;
 }
 
-/* Returns decoded tokens per second for `batch` sequences generating gen_len tokens. */
-static double run_decode(td_engine *e, int batch, int gen_len, td_rng *rng)
+/* Returns decoded tokens per second for `batch` sequences generating gen_len tokens, each
+ * after its own random prompt of `context` tokens (prefilled before the clock starts). */
+static double run_decode(td_engine *e, int batch, int gen_len, int context, td_rng *rng)
 {
     int n_vocab = td_engine_model(e)->shape.n_vocab;
     td_sampling sp;
@@ -58,20 +71,27 @@ static double run_decode(td_engine *e, int batch, int gen_len, td_rng *rng)
     sp.max_tokens = gen_len;
     sp.ignore_eos = true;
     td_err err;
+    int32_t *ids = malloc((size_t)context * sizeof(int32_t));
     for (int b = 0; b < batch; b++) {
-        int32_t id = 3 + (int32_t)(td_rng_next(rng) % (uint64_t)(n_vocab - 3));
-        if (td_engine_add_request(e, NULL, &id, 1, &sp, &err)) {
+        for (int i = 0; i < context; i++) ids[i] = 3 + (int32_t)(td_rng_next(rng) % (uint64_t)(n_vocab - 3));
+        if (td_engine_add_request(e, NULL, ids, context, &sp, &err)) {
             fprintf(stderr, "error: %s\n", err.msg);
             exit(1);
         }
     }
+    free(ids);
+    /* the prompts and every sequence's first token, untimed */
     td_output o;
-    td_engine_step(e, &err); /* prefill of the one-token prompts and the first tokens */
-    while (td_engine_poll(e, &o)) {}
+    int first = 0;
+    while (first < batch && td_engine_has_work(e)) {
+        step_or_die(e);
+        while (td_engine_poll(e, &o))
+            if (o.token >= 0 && o.num_generated == 1) first++;
+    }
     double t0 = td_now_s();
     long decoded = 0;
     while (td_engine_has_work(e)) {
-        decoded += td_engine_step(e, &err);
+        decoded += step_or_die(e);
         while (td_engine_poll(e, &o)) {}
     }
     return (double)decoded / (td_now_s() - t0);
@@ -79,7 +99,7 @@ static double run_decode(td_engine *e, int batch, int gen_len, td_rng *rng)
 
 static size_t weight_bytes(const td_weight *w)
 {
-    return w->data ? w->row_bytes * (size_t)w->rows : 0;
+    return w->data || w->gen.on ? w->row_bytes * (size_t)w->rows : 0;
 }
 
 /* Bytes a decode step must read (every matrix and vector except the embedding table,
@@ -105,18 +125,28 @@ static void model_costs(const td_model *m, int P, double *decode_bytes, double *
     *prefill_flops = flops;
 }
 
+/* KV bytes one token keeps (K and V, every layer). */
+static double kv_token_bytes(const td_model *m, const char *kv_dtype)
+{
+    td_type t = td_type_parse(kv_dtype);
+    const td_model_shape *s = &m->shape;
+    return 2.0 * s->n_layer * (double)td_row_bytes(t, (int64_t)s->n_head_kv * s->head_dim);
+}
+
 int cli_bench_engine(int argc, char **argv)
 {
     engine_opts eo;
     cli_flag flags[ENGINE_OPTS_MAX_FLAGS + 8];
     int nf = engine_opts_register(&eo, flags);
-    int64_t prompt_len = 512, gen_len = 128, reps = 3;
+    int64_t prompt_len = 512, gen_len = 128, reps = 3, context = 1;
     const char *batches = "1,32";
     flags[nf++] = CLI_FLAG("prompt-len", CLI_FLAG_INT, &prompt_len,
                              "prefill prompt tokens (512; capped to the context)");
     flags[nf++] = CLI_FLAG("gen-len", CLI_FLAG_INT, &gen_len,
                              "tokens generated per sequence in the decode test (128)");
     flags[nf++] = CLI_FLAG("batch", CLI_FLAG_STR, &batches, "decode batch sizes (1,32)");
+    flags[nf++] = CLI_FLAG("context", CLI_FLAG_INT, &context,
+                           "prompt tokens before each decode sequence, its starting context (1)");
     flags[nf++] = CLI_FLAG("reps", CLI_FLAG_INT, &reps, "repetitions per test (3)");
     bool no_floor = false;
     flags[nf++] = CLI_FLAG("no-floor", CLI_FLAG_BOOL, &no_floor,
@@ -126,8 +156,8 @@ int cli_bench_engine(int argc, char **argv)
                            "keep block checksums as a KV producer does (to time their cost)");
     int rc = cli_flags_parse(flags, nf, argc, argv, "tandem bench-engine --model M [options]");
     if (rc) return rc == 1 ? 0 : 2;
-    if (prompt_len < 1 || gen_len < 2 || reps < 1 || reps > 100) {
-        fprintf(stderr, "error: --prompt-len >= 1, --gen-len >= 2, --reps in [1, 100]\n");
+    if (prompt_len < 1 || gen_len < 2 || reps < 1 || reps > 100 || context < 1) {
+        fprintf(stderr, "error: --prompt-len >= 1, --gen-len >= 2, --reps in [1, 100], --context >= 1\n");
         return 2;
     }
     eo.no_prefix_caching = true; /* every repetition must really prefill */
@@ -157,18 +187,20 @@ int cli_bench_engine(int argc, char **argv)
     int ctx = td_engine_max_model_len(e);
     if (prompt_len > ctx - 1) prompt_len = ctx - 1;
     if (gen_len > ctx - 1) gen_len = ctx - 1;
+    if (context + gen_len > ctx) context = TD_MAX(1, ctx - gen_len);
     char desc[256];
     td_model_describe(m, desc, sizeof(desc));
     printf("model: %s\n", desc);
     printf("threads: %d, kv: %s%s\n", cfg.n_threads, cfg.kv_cache_dtype,
            kv_checksums ? ", block checksums kept" : "");
-    double dec_bytes, pf_flops, bw = 0, peak = 0;
+    double dec_bytes, pf_flops, bw = 0, peak = 0, rate_gbs = 0;
     model_costs(m, (int)prompt_len, &dec_bytes, &pf_flops);
     bool gpu = cfg.device && !strcmp(cfg.device, "cuda");
 #ifdef TD_HAVE_CUDA
     if (!no_floor && gpu) {
         double copy = 0, tflops = 0;
         if (td_cuda_probe(&copy, &tflops, &err) == 0) {
+            rate_gbs = copy;
             printf("machine: GPU copy %.0f GB/s (read + write), bf16 GEMM 8192^3 %.0f TFLOP/s\n",
                    copy, tflops);
             printf("floor: decode reads %.2f GB/token -> %.3f ms/token at batch 1; pp%lld needs "
@@ -184,6 +216,7 @@ int cli_bench_engine(int argc, char **argv)
         td_pool *pool;
         if (td_pool_create(&pool, cfg.n_threads > 0 ? cfg.n_threads : 1, cfg.pin_threads, &err) == 0) {
             bw = cpu_probe_read_gbs(pool, 1ull << 30, 3);
+            rate_gbs = bw;
             peak = cpu_probe_peak_gflops(pool);
             td_pool_free(pool);
         }
@@ -210,13 +243,19 @@ int cli_bench_engine(int argc, char **argv)
         p = *end ? end + 1 : end;
         double best = 0, tsum = 0;
         for (int r = 0; r < reps; r++) {
-            double t = run_decode(e, b, (int)gen_len, &rng);
+            double t = run_decode(e, b, (int)gen_len, (int)context, &rng);
             tsum += t;
             best = TD_MAX(best, t);
         }
         snprintf(name, sizeof(name), "tg%lld@b%d", (long long)gen_len, b);
         printf("%-12s %-8lld %10.1f %12.3f\n", name, (long long)gen_len * b, tsum / reps,
                1e3 * reps / tsum);
+        if (rate_gbs > 0) {
+            /* a step reads the weights once and each sequence's KV at its mean context */
+            double kv = (double)b * ((double)context + gen_len / 2.0) * kv_token_bytes(m, cfg.kv_cache_dtype);
+            printf("  floor at b%d, contexts %lld-%lld: %.4g GB/step -> %.0f tok/s\n", b, (long long)context,
+                   (long long)(context + gen_len), (dec_bytes + kv) / 1e9, b * rate_gbs * 1e9 / (dec_bytes + kv));
+        }
         fflush(stdout);
     }
     td_engine_free(e);

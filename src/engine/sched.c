@@ -486,7 +486,18 @@ int sched__step(td_engine *e, td_err *err)
         td_err ce = {0};
         if (td_cuda_fwd_run(e->cuda, T, b.tokens, b.pos, b.seq, b.block_tables, n_sched,
                             n_logits, b.logit_rows, b.logits, e->b_need, e->b_argmax, &ce)) {
+            /* A device failure ends the step's requests with the error (never a retry loop
+             * that leaves them waiting), and they leave the running list. */
             TD_ERROR("engine: %s", ce.msg);
+            char msg[300];
+            snprintf(msg, sizeof(msg), "the GPU forward pass failed: %s", ce.msg);
+            for (int s = 0; s < n_sched; s++) end_request(e, e->b_reqs[s], TD_FINISH_ERROR, msg);
+            int w = 0;
+            for (int i = 0; i < e->n_running; i++) {
+                if (e->running[i]->finished) req__free(e->running[i]);
+                else e->running[w++] = e->running[i];
+            }
+            e->n_running = w;
             return td_err_set(err, ce.code, "%s", ce.msg);
         }
     } else

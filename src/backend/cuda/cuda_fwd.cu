@@ -26,6 +26,7 @@ extern "C" {
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <math.h>
@@ -47,7 +48,7 @@ struct dev_layer {
     float *attn_norm = nullptr, *ffn_norm = nullptr, *bq = nullptr, *bk = nullptr, *bv = nullptr;
 };
 
-enum { PROF_GEMM, PROF_ATT, PROF_OTHER, PROF_N };
+enum { PROF_GEMM, PROF_ATT, PROF_OTHER, PROF_STEP, PROF_N };
 #define PROF_MARKS 2048
 
 } // namespace
@@ -56,10 +57,11 @@ struct td_cuda_fwd {
     const td_model *m;
     int n_layer, d, qd, kd, hd, n_head, n_kv, ff, vocab, n_sm;
     int block_size, n_blocks, max_tokens, max_logits, max_ctx, max_blocks;
-    int kv_type;     /* 0 f32, 1 f16, 2 bf16 */
+    int kv_type;     /* 0 f32, 1 f16, 2 bf16, 3 fp8 e4m3 */
     bool bf;         /* bf16 weights and GEMM inputs (else all f32) */
     bool tiles_ok;   /* prefill rows may use the tensor-core tile kernel */
     bool use_gemv;   /* batches of <= GEMV_MAX_T rows use k_gemv (TD_CUDA_GEMV=0: cuBLAS) */
+    bool tile_attr;  /* the tile kernels' shared-memory limit has been raised */
     size_t token_bytes, block_bytes, layer_bytes, device_bytes;
     cudaStream_t stream;
     cublasHandle_t blas;
@@ -80,8 +82,10 @@ struct td_cuda_fwd {
      * on the first such step: graphs[T], or graph_bad[T] if capturing failed. */
     cudaGraphExec_t *graphs;
     bool *graph_bad, use_graphs;
-    /* TD_CUDA_PROFILE=1: time each launch by category (graphs off), report at free. */
-    bool prof;
+    /* TD_CUDA_PROFILE=1: time each launch by category (graphs off); =2: time whole steps
+     * on the GPU (graphs on); reported at free. */
+    bool prof, prof_steps_only;
+    cudaEvent_t step_ev[2];
     int n_marks, mark_cat[PROF_MARKS];
     cudaEvent_t marks[PROF_MARKS];
     double prof_ms[2][PROF_N];
@@ -108,18 +112,27 @@ bool td_cuda_available(char *why, size_t cap)
 
 /* ---------------------------------------------------------------- device helpers */
 
+/* KV element types: 0 f32, 1 f16, 2 bf16, 3 fp8 e4m3 (round to nearest even, saturating
+ * at 448, as td_f32_to_fp8e4m3 on the CPU). */
 __device__ inline float load_kv(const uint8_t *p, int i, int t)
 {
     if (t == 0) return ((const float *)p)[i];
     if (t == 1) return __half2float(((const __half *)p)[i]);
-    return __bfloat162float(((const __nv_bfloat16 *)p)[i]);
+    if (t == 2) return __bfloat162float(((const __nv_bfloat16 *)p)[i]);
+    return (float)(((const __nv_fp8_e4m3 *)p)[i]);
 }
 
 __device__ inline void store_kv(uint8_t *p, int i, int t, float v)
 {
     if (t == 0) ((float *)p)[i] = v;
     else if (t == 1) ((__half *)p)[i] = __float2half_rn(v);
-    else ((__nv_bfloat16 *)p)[i] = __float2bfloat16_rn(v);
+    else if (t == 2) ((__nv_bfloat16 *)p)[i] = __float2bfloat16_rn(v);
+    else ((__nv_fp8_e4m3 *)p)[i] = __nv_fp8_e4m3(v);
+}
+
+__host__ __device__ inline int kv_esize(int t)
+{
+    return t == 0 ? 4 : t == 3 ? 1 : 2;
 }
 
 /* An activation that feeds a GEMM: bf16 or f32. */
@@ -338,7 +351,7 @@ k_attn_split(const float *qkv, int qstride, const int32_t *list, const int32_t *
     const int t = list[i], p = pos[t], lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int n = p + 1, chunk = (n + splits - 1) / splits;
     const int j0 = sp * chunk, j1 = min(n, j0 + chunk);
-    const int esize = kv_type == 0 ? 4 : 2;
+    const int esize = kv_esize(kv_type);
     const int32_t *table = tables + (size_t)seq[t] * max_blocks;
     const float scale = 1.0f / sqrtf((float)hd);
     const float *qt = qkv + (size_t)t * qstride + (size_t)kh * group * hd;
@@ -505,6 +518,45 @@ template <bool F16> __device__ inline uint32_t pack2(float lo, float hi)
     return (uint32_t)a | ((uint32_t)b << 16);
 }
 
+/* Shared-memory helpers: cp.async (16 bytes, zero-filled when !valid) and ldmatrix. */
+__device__ inline uint32_t smem_u32(const void *p)
+{
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+__device__ inline void cp_async16(void *smem, const void *gmem, bool valid)
+{
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem),
+                 "r"(valid ? 16 : 0));
+}
+
+__device__ inline void cp_async_commit()
+{
+    asm volatile("cp.async.commit_group;\n" ::);
+}
+
+template <int N> __device__ inline void cp_async_wait()
+{
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+/* Four 8x8 matrices of 16-bit values: lane l gives the address of row l % 8 of matrix
+ * l / 8; r[i] is matrix i's fragment (lane t: row t / 4, columns 2 (t % 4) and + 1, or with
+ * .trans rows 2 (t % 4) and + 1 of column t / 4). */
+__device__ inline void ldsm_x4(uint32_t r[4], const void *p)
+{
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(p)));
+}
+
+__device__ inline void ldsm_x4_t(uint32_t r[4], const void *p)
+{
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(p)));
+}
+
 #define TILE_ROWS 16
 #define TILE_KEYS 64
 #define TILE_PAD 8 /* 16-bit elements of padding per shared row: conflict-free fragments */
@@ -513,9 +565,10 @@ template <bool F16> __device__ inline uint32_t pack2(float lo, float hi)
  * One block per (tile, KV head), one warp per query head of the group. A tile is up to 16
  * consecutive rows of one sequence at consecutive positions (tiles[2i] = first row,
  * tiles[2i+1] = rows). Each warp keeps its head's 16 x HD queries as A fragments, loops
- * over 64-key tiles of K and V staged in shared memory (shared by the group's heads), and
- * keeps O (16 x HD) and the softmax state in registers. Keys past a row's position are
- * masked. Scores use exp2 with log2(e) folded into the query scale.
+ * over 64-key tiles of K and V staged in shared memory (shared by the group's heads; two
+ * stages, the next tile's cp.async in flight while this one is computed; fragments read
+ * with ldmatrix), and keeps O (16 x HD) and the softmax state in registers. Keys past a
+ * row's position are masked. Scores use exp2 with log2(e) folded into the query scale.
  */
 template <int HD, bool F16>
 __global__ void k_attn_tiles(const float *qkv, int qstride, const int32_t *tiles, const int32_t *pos,
@@ -523,9 +576,8 @@ __global__ void k_attn_tiles(const float *qkv, int qstride, const int32_t *tiles
                              const uint8_t *layer, int n_head, int n_kv, int block_size,
                              size_t token_bytes, size_t block_bytes, void *out, bool obf)
 {
-    extern __shared__ uint16_t kvs[]; /* K then V: [TILE_KEYS][HD + TILE_PAD] each */
-    constexpr int LD = HD + TILE_PAD;
-    uint16_t *ks = kvs, *vs = kvs + TILE_KEYS * LD;
+    extern __shared__ uint16_t kvs[]; /* 2 stages x (K, V) x [TILE_KEYS][HD + TILE_PAD] */
+    constexpr int LD = HD + TILE_PAD, STAGE = 2 * TILE_KEYS * LD, VEC = HD / 8;
     const int group = n_head / n_kv, kh = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, c = lane % 4, head = kh * group + warp;
     const int r0 = tiles[2 * blockIdx.x], nr = tiles[2 * blockIdx.x + 1];
@@ -534,6 +586,22 @@ __global__ void k_attn_tiles(const float *qkv, int qstride, const int32_t *tiles
     const int pa = g < nr ? pos[r0 + g] : -1, pb = g + 8 < nr ? pos[r0 + g + 8] : -1;
     const int n_keys = pos[r0 + nr - 1] + 1;
     const float qscale = 1.4426950408889634f / sqrtf((float)HD);
+
+    /* K and V rows [kt, kt + TILE_KEYS) into stage `buf`, zeros past n_keys */
+    auto stage_load = [&](int kt, int buf) {
+        uint16_t *kd = kvs + buf * STAGE, *vd = kd + TILE_KEYS * LD;
+        for (int e = threadIdx.x; e < TILE_KEYS * VEC; e += blockDim.x) {
+            int j = e / VEC, v = e % VEC, key = kt + j;
+            bool ok = key < n_keys;
+            int kk = ok ? key : 0;
+            const uint8_t *kr = layer + (size_t)table[kk / block_size] * block_bytes +
+                                (size_t)(kk % block_size) * token_bytes + (size_t)kh * HD * 2;
+            cp_async16(kd + j * LD + v * 8, (const uint4 *)kr + v, ok);
+            cp_async16(vd + j * LD + v * 8, (const uint4 *)(kr + (size_t)block_size * token_bytes) + v, ok);
+        }
+        cp_async_commit();
+    };
+    stage_load(0, 0);
 
     uint32_t qa[HD / 16][4];
     {
@@ -553,34 +621,28 @@ __global__ void k_attn_tiles(const float *qkv, int qstride, const int32_t *tiles
     for (int n = 0; n < HD / 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
     float ma = -INFINITY, mb = -INFINITY, la = 0.0f, lb = 0.0f;
 
-    for (int kt = 0; kt < n_keys; kt += TILE_KEYS) {
-        __syncthreads(); /* the previous tile is consumed */
-        /* Stage K and V rows kt.. (16 bytes per thread per step); zeros past n_keys. */
-        constexpr int VEC = HD / 8; /* uint4 per row */
-        for (int e = threadIdx.x; e < TILE_KEYS * VEC; e += blockDim.x) {
-            int j = e / VEC, v = e % VEC, key = kt + j;
-            uint4 kval = make_uint4(0, 0, 0, 0), vval = kval;
-            if (key < n_keys) {
-                const uint8_t *kr = layer + (size_t)table[key / block_size] * block_bytes +
-                                    (size_t)(key % block_size) * token_bytes + (size_t)kh * HD * 2;
-                kval = ((const uint4 *)kr)[v];
-                vval = ((const uint4 *)(kr + (size_t)block_size * token_bytes))[v];
-            }
-            *(uint4 *)(ks + j * LD + v * 8) = kval;
-            *(uint4 *)(vs + j * LD + v * 8) = vval;
+    for (int kt = 0, it = 0; kt < n_keys; kt += TILE_KEYS, it++) {
+        const int buf = it & 1;
+        if (kt + TILE_KEYS < n_keys) {
+            stage_load(kt + TILE_KEYS, buf ^ 1);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
         }
         __syncthreads();
-        if (warp >= group) continue;
-        /* S = Q K^T for 64 keys: 8 n-tiles of 8 keys */
+        const uint16_t *ks = kvs + buf * STAGE, *vs = ks + TILE_KEYS * LD;
+        /* S = Q K^T for 64 keys: 8 n-tiles of 8 keys; ldmatrix gives two k-steps' B */
         float s[TILE_KEYS / 8][4];
 #pragma unroll
         for (int n = 0; n < TILE_KEYS / 8; n++) {
             s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
-            const uint16_t *kr = ks + (n * 8 + g) * LD + 2 * c;
+            const uint16_t *kr = ks + (n * 8 + (lane & 7)) * LD + (lane >> 3) * 8;
 #pragma unroll
-            for (int k = 0; k < HD / 16; k++) {
-                uint32_t b0 = *(const uint32_t *)(kr + k * 16), b1 = *(const uint32_t *)(kr + k * 16 + 8);
-                mma16816<F16>(s[n], qa[k], b0, b1);
+            for (int kk = 0; kk < HD / 32; kk++) {
+                uint32_t b[4];
+                ldsm_x4(b, kr + kk * 32);
+                mma16816<F16>(s[n], qa[2 * kk], b[0], b[1]);
+                mma16816<F16>(s[n], qa[2 * kk + 1], b[2], b[3]);
             }
         }
         /* mask, row maxima (rows g and g + 8; the 4 lanes of a row hold 2 keys per n-tile) */
@@ -624,23 +686,24 @@ __global__ void k_attn_tiles(const float *qkv, int qstride, const int32_t *tiles
             o[n][2] *= rb;
             o[n][3] *= rb;
         }
-        /* O += P V: P's accumulators become A fragments (keys 16k..16k+15) */
+        /* O += P V: P's accumulators become A fragments (keys 16k..16k+15); ldmatrix.trans
+         * gives the B fragments of two 8-dim n-tiles at once */
 #pragma unroll
         for (int k = 0; k < TILE_KEYS / 16; k++) {
             uint32_t pa4[4] = {pack2<F16>(s[2 * k][0], s[2 * k][1]), pack2<F16>(s[2 * k][2], s[2 * k][3]),
                                pack2<F16>(s[2 * k + 1][0], s[2 * k + 1][1]),
                                pack2<F16>(s[2 * k + 1][2], s[2 * k + 1][3])};
-            const uint16_t *v0 = vs + (k * 16 + 2 * c) * LD + g;
+            const uint16_t *vr = vs + (k * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + (lane >> 4) * 8;
 #pragma unroll
-            for (int n = 0; n < HD / 8; n++) {
-                const uint16_t *vp = v0 + n * 8;
-                uint32_t b0 = (uint32_t)vp[0] | ((uint32_t)vp[LD] << 16);
-                uint32_t b1 = (uint32_t)vp[8 * LD] | ((uint32_t)vp[9 * LD] << 16);
-                mma16816<F16>(o[n], pa4, b0, b1);
+            for (int n = 0; n < HD / 8; n += 2) {
+                uint32_t b[4];
+                ldsm_x4_t(b, vr + n * 8);
+                mma16816<F16>(o[n], pa4, b[0], b[1]);
+                mma16816<F16>(o[n + 1], pa4, b[2], b[3]);
             }
         }
+        __syncthreads(); /* this stage is consumed before the next prefetch overwrites it */
     }
-    if (warp >= group) return;
     for (int off = 1; off < 4; off <<= 1) {
         la += __shfl_xor_sync(0xffffffffu, la, off);
         lb += __shfl_xor_sync(0xffffffffu, lb, off);
@@ -863,7 +926,7 @@ static int upload_vec(td_cuda_fwd *f, float **out, const td_weight *w, td_err *e
 /* TD_CUDA_PROFILE: an event before each launch, tagged with its category. */
 static void mark(td_cuda_fwd *f, int cat)
 {
-    if (!f->prof || f->n_marks >= PROF_MARKS) return;
+    if (!f->prof || f->prof_steps_only || f->n_marks >= PROF_MARKS) return;
     cudaEventRecord(f->marks[f->n_marks], f->stream);
     f->mark_cat[f->n_marks++] = cat;
 }
@@ -914,11 +977,15 @@ static void prof_report(const td_cuda_fwd *f)
     for (int k = 0; k < 2; k++) {
         if (!f->prof_steps[k]) continue;
         double n = (double)f->prof_steps[k];
-        fprintf(stderr,
-                "cuda profile: %ld %s (%.1f rows each): per step gemm %.3f ms, attention %.3f ms, "
-                "other %.3f ms\n",
-                f->prof_steps[k], kind[k], (double)f->prof_tokens[k] / n, f->prof_ms[k][PROF_GEMM] / n,
-                f->prof_ms[k][PROF_ATT] / n, f->prof_ms[k][PROF_OTHER] / n);
+        if (f->prof_steps_only)
+            fprintf(stderr, "cuda profile: %ld %s (%.1f rows each): %.3f ms per step on the GPU\n",
+                    f->prof_steps[k], kind[k], (double)f->prof_tokens[k] / n, f->prof_ms[k][PROF_STEP] / n);
+        else
+            fprintf(stderr,
+                    "cuda profile: %ld %s (%.1f rows each): per step gemm %.3f ms, attention %.3f ms, "
+                    "other %.3f ms\n",
+                    f->prof_steps[k], kind[k], (double)f->prof_tokens[k] / n, f->prof_ms[k][PROF_GEMM] / n,
+                    f->prof_ms[k][PROF_ATT] / n, f->prof_ms[k][PROF_OTHER] / n);
     }
 }
 
@@ -950,6 +1017,7 @@ void td_cuda_fwd_free(td_cuda_fwd *f)
     free(f->graphs);
     free(f->graph_bad);
     for (int i = 0; f->prof && i < PROF_MARKS; i++) cudaEventDestroy(f->marks[i]);
+    for (int i = 0; f->prof && i < 2; i++) cudaEventDestroy(f->step_ev[i]);
     if (f->blas_ws) cudaFree(f->blas_ws);
     if (f->blas) cublasDestroy(f->blas);
     if (f->stream) cudaStreamDestroy(f->stream);
@@ -997,9 +1065,13 @@ int td_cuda_fwd_create(td_cuda_fwd **out, const td_model *m, td_type kv_dtype, i
     *out = nullptr;
     char why[256];
     if (!td_cuda_available(why, sizeof(why))) return td_err_set(err, TD_EUNSUPPORTED, "%s", why);
-    int kv_type = kv_dtype == TD_TYPE_F32 ? 0 : kv_dtype == TD_TYPE_F16 ? 1 : kv_dtype == TD_TYPE_BF16 ? 2 : -1;
+    int kv_type = kv_dtype == TD_TYPE_F32    ? 0
+                  : kv_dtype == TD_TYPE_F16  ? 1
+                  : kv_dtype == TD_TYPE_BF16 ? 2
+                  : kv_dtype == TD_TYPE_FP8_E4M3 ? 3
+                                                 : -1;
     if (kv_type < 0)
-        return td_err_set(err, TD_EUNSUPPORTED, "cuda: KV cache dtype %s is not supported on the GPU yet (f32, f16, bf16)",
+        return td_err_set(err, TD_EUNSUPPORTED, "cuda: KV cache dtype %s is not supported on the GPU (f32, f16, bf16, fp8)",
                           td_type_name(kv_dtype));
     const td_model_shape *s = &m->shape;
     int group = s->n_head / s->n_head_kv;
@@ -1026,8 +1098,7 @@ int td_cuda_fwd_create(td_cuda_fwd **out, const td_model *m, td_type kv_dtype, i
     f->max_ctx = max_ctx;
     f->max_blocks = (max_ctx + block_size - 1) / block_size;
     f->kv_type = kv_type;
-    int esize = kv_type == 0 ? 4 : 2;
-    f->token_bytes = (size_t)f->kd * esize;
+    f->token_bytes = (size_t)f->kd * kv_esize(kv_type);
     f->block_bytes = 2 * (size_t)block_size * f->token_bytes;
     f->layer_bytes = (size_t)n_blocks * f->block_bytes;
     /* bf16 mode unless every matrix is f32 */
@@ -1039,7 +1110,7 @@ int td_cuda_fwd_create(td_cuda_fwd **out, const td_model *m, td_type kv_dtype, i
     }
     const char *te = getenv("TD_CUDA_TILES"), *tg = getenv("TD_CUDA_GEMV");
     f->use_gemv = !(tg && !strcmp(tg, "0"));
-    f->tiles_ok = f->bf && kv_type != 0 && (f->hd == 64 || f->hd == 128) && group <= 8 && !(te && !strcmp(te, "0"));
+    f->tiles_ok = f->bf && (kv_type == 1 || kv_type == 2) && (f->hd == 64 || f->hd == 128) && group <= 8 && !(te && !strcmp(te, "0"));
     int dev = 0;
     cudaGetDevice(&dev);
     cudaDeviceGetAttribute(&f->n_sm, cudaDevAttrMultiProcessorCount, dev);
@@ -1133,8 +1204,11 @@ int td_cuda_fwd_create(td_cuda_fwd **out, const td_model *m, td_type kv_dtype, i
     {
         const char *g = getenv("TD_CUDA_GRAPHS"), *p = getenv("TD_CUDA_PROFILE");
         f->prof = p && strcmp(p, "0") && *p;
-        f->use_graphs = !(g && !strcmp(g, "0")) && !f->prof; /* a profile times every launch */
+        f->prof_steps_only = p && !strcmp(p, "2");
+        /* a full profile times every launch, which a graph would hide */
+        f->use_graphs = !(g && !strcmp(g, "0")) && !(f->prof && !f->prof_steps_only);
         for (int i = 0; f->prof && i < PROF_MARKS; i++) cudaEventCreate(&f->marks[i]);
+        for (int i = 0; f->prof && i < 2; i++) cudaEventCreate(&f->step_ev[i]);
     }
 #undef TRY
 #undef DMALLOC
@@ -1146,12 +1220,24 @@ int td_cuda_fwd_create(td_cuda_fwd **out, const td_model *m, td_type kv_dtype, i
     return 0;
 }
 
+/* Shared memory of k_attn_tiles<HD>: two stages of K and V tiles. */
+static size_t tile_smem(int hd)
+{
+    return 2 * 2 * (size_t)TILE_KEYS * (size_t)(hd + TILE_PAD) * 2;
+}
+
+template <int HD, bool F16> static bool tile_smem_ok()
+{
+    return cudaFuncSetAttribute(k_attn_tiles<HD, F16>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                (int)tile_smem(HD)) == cudaSuccess;
+}
+
 /* The attention of one layer: tiles (tensor cores) and listed rows (split-K). */
 template <int HD, bool F16>
 static void launch_tiles(td_cuda_fwd *f, int n_tiles, const uint8_t *layer)
 {
     int group = f->n_head / f->n_kv;
-    size_t smem = 2 * (size_t)TILE_KEYS * (HD + TILE_PAD) * 2;
+    size_t smem = tile_smem(HD);
     const int32_t *di = f->dints;
     k_attn_tiles<HD, F16><<<dim3((unsigned)n_tiles, (unsigned)f->n_kv), 32 * group, smem, f->stream>>>(
         f->qkv, f->qd + 2 * f->kd, di + stage_off(f, ST_TILES), di + stage_off(f, ST_POS),
@@ -1166,6 +1252,10 @@ static void attention(td_cuda_fwd *f, int n_list, int n_tiles, const uint8_t *la
     mark(f, PROF_ATT);
     if (n_tiles) {
         bool f16 = f->kv_type == 1;
+        if (!f->tile_attr) { /* once: the tile kernels' shared memory beyond 48 KiB */
+            f->tile_attr = tile_smem_ok<64, false>() && tile_smem_ok<64, true>() && tile_smem_ok<128, false>() &&
+                           tile_smem_ok<128, true>();
+        }
         if (f->hd == 64) f16 ? launch_tiles<64, true>(f, n_tiles, layer) : launch_tiles<64, false>(f, n_tiles, layer);
         else f16 ? launch_tiles<128, true>(f, n_tiles, layer) : launch_tiles<128, false>(f, n_tiles, layer);
     }
@@ -1298,6 +1388,7 @@ int td_cuda_fwd_run(td_cuda_fwd *f, int n_tokens, const int32_t *tokens, const i
     int rc = 0;
     cudaStream_t st = f->stream;
     f->n_marks = 0;
+    if (f->prof_steps_only) cudaEventRecord(f->step_ev[0], st);
     if (decode && f->use_graphs && !f->graph_bad[T]) {
         if (!f->graphs[T]) {
             cudaGraph_t g = nullptr;
@@ -1324,6 +1415,7 @@ int td_cuda_fwd_run(td_cuda_fwd *f, int n_tokens, const int32_t *tokens, const i
         rc = enqueue(f, T, ns, n_logits, n_list, n_tiles, err);
     }
     if (rc) return rc;
+    if (f->prof_steps_only) cudaEventRecord(f->step_ev[1], st);
     /* The logit rows the host samples from itself: runs of needed rows, one copy each. */
     for (int i = 0; i < n_logits;) {
         if (need_logits && !need_logits[i]) {
@@ -1339,7 +1431,14 @@ int td_cuda_fwd_run(td_cuda_fwd *f, int n_tokens, const int32_t *tokens, const i
     }
     CK(cudaStreamSynchronize(st));
     CK(cudaGetLastError());
-    if (f->prof && f->n_marks > 1) {
+    if (f->prof_steps_only) {
+        float ms = 0.0f;
+        int k = decode ? 0 : 1;
+        cudaEventElapsedTime(&ms, f->step_ev[0], f->step_ev[1]);
+        f->prof_ms[k][PROF_STEP] += ms;
+        f->prof_steps[k]++;
+        f->prof_tokens[k] += T;
+    } else if (f->prof && f->n_marks > 1) {
         int k = decode ? 0 : 1;
         for (int i = 0; i + 1 < f->n_marks; i++) {
             float ms = 0.0f;

@@ -33,7 +33,7 @@ bool td_cuda_available(char *why, size_t cap);
 
 /**
  * Upload the model's weights and allocate the device KV pool (n_layers x n_blocks blocks
- * of block_size tokens in kv_dtype: f32, f16 or bf16) and the workspace for max_tokens
+ * of block_size tokens in kv_dtype: f32, f16, bf16 or fp8_e4m3) and the workspace for max_tokens
  * tokens, max_logits logit rows and max_ctx positions per sequence.
  */
 int td_cuda_fwd_create(td_cuda_fwd **out, const td_model *m, td_type kv_dtype, int block_size,

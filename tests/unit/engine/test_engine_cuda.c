@@ -37,7 +37,7 @@
  * tiles where the KV type allows, split-K otherwise), a chunk of 7 beside a decode row,
  * then two decode steps (a CUDA graph, captured and replayed).
  */
-static void compare_logits(const td_model_shape *shape, const char *kv_name)
+static void compare_logits(const td_model_shape *shape, const char *kv_name, double tol)
 {
     td_err err;
     td_type kvt = td_type_parse(kv_name);
@@ -95,7 +95,7 @@ static void compare_logits(const td_model_shape *shape, const char *kv_name)
             double rel = sqrt(d2 / n2);
             worst = fmax(worst, rel);
             worst_max = fmax(worst_max, dmax / mx);
-            if (!(rel <= 1e-2))
+            if (!(rel <= tol))
                 fail_msg("%s KV, step %d row %d (seq %d pos %d): |gpu - cpu| / |cpu| = %.4g",
                          kv_name, st, r, seq[r], pos[r], rel);
         }
@@ -128,7 +128,10 @@ static void test_logits_hd128(void **state)
     s.head_dim = 128;
     s.rope_theta = 500000.0f;
     const char *kvs[] = {"bf16", "f16", "f32"};
-    for (int i = 0; i < 3; i++) compare_logits(&s, kvs[i]);
+    for (int i = 0; i < 3; i++) compare_logits(&s, kvs[i], 1e-2);
+    /* fp8 rounds K and V to 3 mantissa bits on both sides; a rounding that differs by one
+     * step (the GPU's K differs from the CPU's in the last bits) moves a logit further */
+    compare_logits(&s, "fp8", 3e-2);
 }
 
 /* llama-1b (the TinyLlama shape: head_dim 64, 8 query heads per KV head), as issue 8 asks. */
@@ -138,7 +141,7 @@ static void test_logits_llama1b(void **state)
     td_model_shape s;
     td_err err;
     assert_int_equal(td_model_preset("llama-1b", &s, &err), 0);
-    compare_logits(&s, "bf16");
+    compare_logits(&s, "bf16", 1e-2);
 }
 
 static void test_golden_alone(void **state)
