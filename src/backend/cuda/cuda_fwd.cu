@@ -781,6 +781,19 @@ k_gemv(const __nv_bfloat16 *__restrict__ W, const __nv_bfloat16 *__restrict__ x,
 
 /* ---------------------------------------------------------------- greedy sampling */
 
+/* The warp's best (value, index): the largest value, the lowest index among equals. */
+__device__ inline void warp_argmax(float *best, int *idx)
+{
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, *best, o);
+        int oi = __shfl_xor_sync(0xffffffffu, *idx, o);
+        if (ov > *best || (ov == *best && oi < *idx)) {
+            *best = ov;
+            *idx = oi;
+        }
+    }
+}
+
 /* out[r] = the lowest index of row r's largest logit (as sampler_argmax on the host). */
 __global__ void k_argmax(const float *logits, int n, int32_t *out)
 {
@@ -794,14 +807,7 @@ __global__ void k_argmax(const float *logits, int n, int32_t *out)
             best = row[i];
             idx = i;
         }
-    for (int o = 16; o > 0; o >>= 1) {
-        float ov = __shfl_xor_sync(0xffffffffu, best, o);
-        int oi = __shfl_xor_sync(0xffffffffu, idx, o);
-        if (ov > best || (ov == best && oi < idx)) {
-            best = ov;
-            idx = oi;
-        }
-    }
+    warp_argmax(&best, &idx);
     int w = threadIdx.x / 32, l = threadIdx.x % 32;
     if (l == 0) {
         bv[w] = best;
@@ -812,14 +818,7 @@ __global__ void k_argmax(const float *logits, int n, int32_t *out)
         int nw = blockDim.x / 32;
         best = l < nw ? bv[l] : -INFINITY;
         idx = l < nw ? bi[l] : n;
-        for (int o = 16; o > 0; o >>= 1) {
-            float ov = __shfl_xor_sync(0xffffffffu, best, o);
-            int oi = __shfl_xor_sync(0xffffffffu, idx, o);
-            if (ov > best || (ov == best && oi < idx)) {
-                best = ov;
-                idx = oi;
-            }
-        }
+        warp_argmax(&best, &idx);
         if (l == 0) out[blockIdx.x] = idx < n ? idx : 0;
     }
 }
