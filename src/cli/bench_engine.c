@@ -60,41 +60,74 @@ static double run_prefill(td_engine *e, int prompt_len, td_rng *rng)
     return td_now_s() - t0;
 }
 
-/* Returns decoded tokens per second for `batch` sequences generating gen_len tokens, each
- * after its own random prompt of `context` tokens (prefilled before the clock starts). */
-static double run_decode(td_engine *e, int batch, int gen_len, int context, td_rng *rng)
+/*
+ * Decode throughput of `batch` sequences, each after its own random prompt of `context`
+ * tokens. The prompts are prefilled before the clock starts; the sequences whose prompts
+ * finish first keep decoding meanwhile (they may generate up to the context limit), so
+ * that every timed step decodes the whole batch. The clock then runs for gen_len - 1
+ * steps, after which the sequences are aborted. *mean_ctx is the sequences' mean context
+ * at the middle of the timed steps.
+ */
+static double run_decode(td_engine *e, int batch, int gen_len, int context, int max_len, td_rng *rng,
+                         double *mean_ctx)
 {
     int n_vocab = td_engine_model(e)->shape.n_vocab;
     td_sampling sp;
     td_sampling_default(&sp);
     sp.temperature = 0;
-    sp.max_tokens = gen_len;
+    sp.max_tokens = max_len - context;
     sp.ignore_eos = true;
     td_err err;
     int32_t *ids = malloc((size_t)context * sizeof(int32_t));
+    uint64_t *rid = malloc((size_t)batch * sizeof(uint64_t));
+    int *gen = calloc((size_t)batch, sizeof(int));
+    if (!ids || !rid || !gen) {
+        fprintf(stderr, "error: out of memory\n");
+        exit(1);
+    }
     for (int b = 0; b < batch; b++) {
         for (int i = 0; i < context; i++) ids[i] = 3 + (int32_t)(td_rng_next(rng) % (uint64_t)(n_vocab - 3));
-        if (td_engine_add_request(e, NULL, ids, context, &sp, &err)) {
+        if (td_engine_add_request(e, &rid[b], ids, context, &sp, &err)) {
             fprintf(stderr, "error: %s\n", err.msg);
             exit(1);
         }
     }
     free(ids);
-    /* the prompts and every sequence's first token, untimed */
     td_output o;
-    int first = 0;
-    while (first < batch && td_engine_has_work(e)) {
+    int started = 0;
+    bool ended = false; /* a sequence reached the context limit: the batch is not whole */
+    while (started < batch && td_engine_has_work(e)) {
         step_or_die(e);
-        while (td_engine_poll(e, &o))
-            if (o.token >= 0 && o.num_generated == 1) first++;
+        while (td_engine_poll(e, &o)) {
+            for (int b = 0; b < batch; b++)
+                if (rid[b] == o.id && o.token >= 0 && gen[b]++ == 0) started++;
+            ended = ended || o.finish != TD_FINISH_NONE;
+        }
     }
+    double ctx_sum = 0;
+    for (int b = 0; b < batch; b++) ctx_sum += context + gen[b];
+    *mean_ctx = ctx_sum / batch + (gen_len - 1) / 2.0;
     double t0 = td_now_s();
     long decoded = 0;
-    while (td_engine_has_work(e)) {
+    for (int st = 0; st < gen_len - 1 && !ended && td_engine_has_work(e); st++) {
         decoded += step_or_die(e);
+        while (td_engine_poll(e, &o)) ended = ended || o.finish != TD_FINISH_NONE;
+    }
+    double dt = td_now_s() - t0;
+    if (ended || decoded != (long)batch * (gen_len - 1)) {
+        fprintf(stderr, "error: decode at batch %d: a sequence ended before the timed steps did (raise "
+                        "--max-model-len or lower --context)\n", batch);
+        exit(1);
+    }
+    for (int b = 0; b < batch; b++) td_engine_abort(e, rid[b]);
+    while (td_engine_has_work(e)) {
+        step_or_die(e);
         while (td_engine_poll(e, &o)) {}
     }
-    return (double)decoded / (td_now_s() - t0);
+    while (td_engine_poll(e, &o)) {}
+    free(rid);
+    free(gen);
+    return (double)decoded / dt;
 }
 
 static size_t weight_bytes(const td_weight *w)
@@ -241,20 +274,16 @@ int cli_bench_engine(int argc, char **argv)
         char *end;
         int b = (int)strtol(p, &end, 10);
         p = *end ? end + 1 : end;
-        double best = 0, tsum = 0;
-        for (int r = 0; r < reps; r++) {
-            double t = run_decode(e, b, (int)gen_len, (int)context, &rng);
-            tsum += t;
-            best = TD_MAX(best, t);
-        }
+        double tsum = 0, mean_ctx = 0;
+        for (int r = 0; r < reps; r++) tsum += run_decode(e, b, (int)gen_len, (int)context, ctx, &rng, &mean_ctx);
         snprintf(name, sizeof(name), "tg%lld@b%d", (long long)gen_len, b);
         printf("%-12s %-8lld %10.1f %12.3f\n", name, (long long)gen_len * b, tsum / reps,
                1e3 * reps / tsum);
         if (rate_gbs > 0) {
             /* a step reads the weights once and each sequence's KV at its mean context */
-            double kv = (double)b * ((double)context + gen_len / 2.0) * kv_token_bytes(m, cfg.kv_cache_dtype);
-            printf("  floor at b%d, contexts %lld-%lld: %.4g GB/step -> %.0f tok/s\n", b, (long long)context,
-                   (long long)(context + gen_len), (dec_bytes + kv) / 1e9, b * rate_gbs * 1e9 / (dec_bytes + kv));
+            double kv = (double)b * mean_ctx * kv_token_bytes(m, cfg.kv_cache_dtype);
+            printf("  floor at b%d, mean context %.0f: %.4g GB/step -> %.0f tok/s\n", b, mean_ctx,
+                   (dec_bytes + kv) / 1e9, b * rate_gbs * 1e9 / (dec_bytes + kv));
         }
         fflush(stdout);
     }

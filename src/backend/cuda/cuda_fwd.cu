@@ -60,6 +60,7 @@ struct td_cuda_fwd {
     int kv_type;     /* 0 f32, 1 f16, 2 bf16, 3 fp8 e4m3 */
     bool bf;         /* bf16 weights and GEMM inputs (else all f32) */
     bool tiles_ok;   /* prefill rows may use the tensor-core tile kernel */
+    bool dec_ok;     /* and single rows the tensor-core decode kernel */
     bool use_gemv;   /* batches of <= GEMV_MAX_T rows use k_gemv (TD_CUDA_GEMV=0: cuBLAS) */
     bool tile_attr;  /* the tile kernels' shared-memory limit has been raised */
     size_t token_bytes, block_bytes, layer_bytes, device_bytes;
@@ -725,6 +726,192 @@ __global__ void k_attn_tiles(const float *qkv, int qstride, const int32_t *tiles
     }
 }
 
+/* ---------------------------------------------------------------- tensor-core decode */
+
+/*
+ * Decode attention (one query row per sequence) on tensor cores, for bf16/f16 KV. One
+ * block per (listed row, KV head, split), DEC_WARPS warps; the split's keys are cut into
+ * one contiguous range per warp, walked 16 keys (one mma k-step of P V) at a time. The
+ * group's query heads are the mma's M rows (head g and g + 8 per lane), so K and V are
+ * read once per KV head.
+ *
+ * Nothing goes through shared memory in the loop: each lane loads K and V straight into
+ * registers with 16-byte loads, and the fragments' index maps are chosen so that those
+ * loads are the fragments. A dot product does not care about the order of the head
+ * dimension, so lane (g, c) takes dims 32k + 8c .. + 7 of key g as the B fragments of two
+ * k-steps of S = Q K^T, and Q's A fragments use the same order. For O += P V the B
+ * fragment pairs two keys at one dim: lane (g, c) loads dims 64h + 8g .. + 7 of keys 2c,
+ * 2c + 1, 2c + 8, 2c + 9 and byte-permutes them into the fragments of eight n-tiles,
+ * n-tile (h, k) holding dim 64h + 8g + k at column g; the output columns are mapped back
+ * when stored. Loads of keys past the range are zero-filled, and their scores masked.
+ *
+ * The block's warps merge through shared memory at the end and write one partial (natural
+ * log max, sum, unnormalised output) per query head, as k_attn_split does, for
+ * k_attn_merge. A split's range is ceil(n / splits) keys rounded up to 16 per warp but at
+ * least DEC_MIN_KEYS, computed from the row's position on the device, so a captured graph
+ * stays right as contexts grow.
+ */
+#define DEC_WARPS 4
+#define DEC_MIN_KEYS 64
+
+template <int HD, bool F16>
+__global__ void __launch_bounds__(DEC_WARPS * 32)
+k_attn_dec(const float *qkv, int qstride, const int32_t *list, const int32_t *pos, const int32_t *seq,
+           const int32_t *tables, int max_blocks, const uint8_t *layer, int n_head, int n_kv, int block_size,
+           size_t token_bytes, size_t block_bytes, int splits, float *part)
+{
+    __shared__ float wm[DEC_WARPS][16], wl[DEC_WARPS][16];
+    extern __shared__ float wo[]; /* [DEC_WARPS][group][HD] */
+    const int group = n_head / n_kv, i = blockIdx.x, kh = blockIdx.y, sp = blockIdx.z;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+    const int t = list[i], n = pos[t] + 1;
+    int chunk = (n + splits - 1) / splits;
+    chunk = chunk < DEC_MIN_KEYS ? DEC_MIN_KEYS : chunk;
+    const int per = ((chunk + DEC_WARPS - 1) / DEC_WARPS + 15) & ~15;
+    const int j0 = sp * chunk + warp * per;
+    const int j1 = min(min(n, (sp + 1) * chunk), j0 + per);
+    const int32_t *table = tables + (size_t)seq[t] * max_blocks;
+    const size_t kv_off = (size_t)kh * HD * 2, v_off = (size_t)block_size * token_bytes;
+    auto row = [&](int key) -> const uint8_t * {
+        return layer + (size_t)table[key / block_size] * block_bytes + (size_t)(key % block_size) * token_bytes +
+               kv_off;
+    };
+
+    /* Q (heads g and g + 8 of the group, pre-scaled by log2(e) / sqrt(HD)) in the K order */
+    uint32_t qa[HD / 16][4];
+    {
+        const float qscale = 1.4426950408889634f / sqrtf((float)HD);
+        const float *qh = qkv + (size_t)t * qstride + (size_t)kh * group * HD;
+        const bool va = g < group, vb = g + 8 < group;
+#pragma unroll
+        for (int ks = 0; ks < HD / 16; ks++) {
+            const int d = 32 * (ks / 2) + 8 * c + 4 * (ks % 2);
+            const float *a = qh + (size_t)g * HD + d, *b = qh + (size_t)(g + 8) * HD + d;
+            qa[ks][0] = va ? pack2<F16>(a[0] * qscale, a[1] * qscale) : 0u;
+            qa[ks][2] = va ? pack2<F16>(a[2] * qscale, a[3] * qscale) : 0u;
+            qa[ks][1] = vb ? pack2<F16>(b[0] * qscale, b[1] * qscale) : 0u;
+            qa[ks][3] = vb ? pack2<F16>(b[2] * qscale, b[3] * qscale) : 0u;
+        }
+    }
+    float o[HD / 8][4];
+#pragma unroll
+    for (int k = 0; k < HD / 8; k++) o[k][0] = o[k][1] = o[k][2] = o[k][3] = 0.0f;
+    float ma = -INFINITY, mb = -INFINITY, la = 0.0f, lb = 0.0f;
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+
+    for (int kb = j0; kb < j1; kb += 16) {
+        /* K rows kb + g and kb + 8 + g; V rows kb + 2c, + 1, + 8, + 9 */
+        uint4 kr[2][HD / 32], vr[4][HD / 64];
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int key = kb + 8 * h + g;
+            const uint4 *p = key < j1 ? (const uint4 *)row(key) : nullptr;
+#pragma unroll
+            for (int k = 0; k < HD / 32; k++) kr[h][k] = p ? p[4 * k + c] : zero;
+        }
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            const int key = kb + 2 * c + (r & 1) + 8 * (r >> 1);
+            const uint4 *p = key < j1 ? (const uint4 *)(row(key) + v_off) : nullptr;
+#pragma unroll
+            for (int h = 0; h < HD / 64; h++) vr[r][h] = p ? p[8 * h + g] : zero;
+        }
+        /* S for keys kb .. kb + 15: two n-tiles */
+        float s[2][4];
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            s[h][0] = s[h][1] = s[h][2] = s[h][3] = 0.0f;
+#pragma unroll
+            for (int k = 0; k < HD / 32; k++) {
+                mma16816<F16>(s[h], qa[2 * k], kr[h][k].x, kr[h][k].y);
+                mma16816<F16>(s[h], qa[2 * k + 1], kr[h][k].z, kr[h][k].w);
+            }
+        }
+        float xa = -INFINITY, xb = -INFINITY;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int key = kb + 8 * h + 2 * c;
+            if (key >= j1) s[h][0] = s[h][2] = -INFINITY;
+            if (key + 1 >= j1) s[h][1] = s[h][3] = -INFINITY;
+            xa = fmaxf(xa, fmaxf(s[h][0], s[h][1]));
+            xb = fmaxf(xb, fmaxf(s[h][2], s[h][3]));
+        }
+        for (int off = 1; off < 4; off <<= 1) {
+            xa = fmaxf(xa, __shfl_xor_sync(0xffffffffu, xa, off));
+            xb = fmaxf(xb, __shfl_xor_sync(0xffffffffu, xb, off));
+        }
+        /* the first key of a warp's range is always valid, so the maxima are finite */
+        const float na = fmaxf(ma, xa), nb = fmaxf(mb, xb);
+        const float ra = exp2f(ma - na), rb = exp2f(mb - nb);
+        ma = na;
+        mb = nb;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            s[h][0] = exp2f(s[h][0] - na);
+            s[h][1] = exp2f(s[h][1] - na);
+            s[h][2] = exp2f(s[h][2] - nb);
+            s[h][3] = exp2f(s[h][3] - nb);
+        }
+        la = la * ra + s[0][0] + s[0][1] + s[1][0] + s[1][1];
+        lb = lb * rb + s[0][2] + s[0][3] + s[1][2] + s[1][3];
+        const uint32_t pa[4] = {pack2<F16>(s[0][0], s[0][1]), pack2<F16>(s[0][2], s[0][3]),
+                                pack2<F16>(s[1][0], s[1][1]), pack2<F16>(s[1][2], s[1][3])};
+#pragma unroll
+        for (int h = 0; h < HD / 64; h++) {
+            const uint32_t w0[4] = {vr[0][h].x, vr[0][h].y, vr[0][h].z, vr[0][h].w};
+            const uint32_t w1[4] = {vr[1][h].x, vr[1][h].y, vr[1][h].z, vr[1][h].w};
+            const uint32_t w2[4] = {vr[2][h].x, vr[2][h].y, vr[2][h].z, vr[2][h].w};
+            const uint32_t w3[4] = {vr[3][h].x, vr[3][h].y, vr[3][h].z, vr[3][h].w};
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                const uint32_t sel = k & 1 ? 0x7632u : 0x5410u;
+                float *acc = o[8 * h + k];
+                acc[0] *= ra;
+                acc[1] *= ra;
+                acc[2] *= rb;
+                acc[3] *= rb;
+                mma16816<F16>(acc, pa, __byte_perm(w0[k / 2], w1[k / 2], sel), __byte_perm(w2[k / 2], w3[k / 2], sel));
+            }
+        }
+    }
+    for (int off = 1; off < 4; off <<= 1) {
+        la += __shfl_xor_sync(0xffffffffu, la, off);
+        lb += __shfl_xor_sync(0xffffffffu, lb, off);
+    }
+    /* the warps' partials into shared memory (n-tile (h, k) column 2c + e is dim
+     * 64h + 8(2c + e) + k), then one per query head into part */
+    float *mine = wo + (size_t)warp * group * HD;
+    if (c == 0) {
+        if (g < group) wm[warp][g] = ma, wl[warp][g] = la;
+        if (g + 8 < group) wm[warp][g + 8] = mb, wl[warp][g + 8] = lb;
+    }
+#pragma unroll
+    for (int h = 0; h < HD / 64; h++)
+#pragma unroll
+        for (int k = 0; k < 8; k++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const int d = 64 * h + 8 * (2 * c + e) + k;
+                if (g < group) mine[g * HD + d] = o[8 * h + k][e];
+                if (g + 8 < group) mine[(g + 8) * HD + d] = o[8 * h + k][2 + e];
+            }
+    __syncthreads();
+    for (int e = threadIdx.x; e < group * (HD + 2); e += blockDim.x) {
+        const int hg = e / (HD + 2), d = e % (HD + 2);
+        float mx = -INFINITY;
+        for (int w = 0; w < DEC_WARPS; w++)
+            if (wl[w][hg] > 0.0f) mx = fmaxf(mx, wm[w][hg]);
+        float v = 0.0f;
+        for (int w = 0; w < DEC_WARPS; w++) {
+            if (!(wl[w][hg] > 0.0f)) continue;
+            const float sc = exp2f(wm[w][hg] - mx);
+            v += sc * (d < HD ? wo[((size_t)w * group + hg) * HD + d] : d == HD ? 0.0f : wl[w][hg]);
+        }
+        if (d == HD) v = mx * 0.6931471805599453f; /* the merge works in natural log */
+        part[(((size_t)i * n_head + (size_t)kh * group + hg) * splits + sp) * (HD + 2) + d] = v;
+    }
+}
+
 /* ---------------------------------------------------------------- small-batch GEMV */
 
 /*
@@ -1052,6 +1239,16 @@ static int n_splits(const td_cuda_fwd *f, int n)
     return want < 1 ? 1 : want > SPLIT_MAX ? SPLIT_MAX : want;
 }
 
+/* Splits for k_attn_dec: about four blocks per SM, within the partials buffer (sized for
+ * max_tokens + 2 n_sm rows); each split takes at least DEC_MIN_KEYS keys on the device. */
+static int dec_splits(const td_cuda_fwd *f, int n)
+{
+    int want = (4 * f->n_sm + n * f->n_kv - 1) / (n * f->n_kv);
+    int room = (f->max_tokens + 2 * f->n_sm) / n;
+    if (want > room) want = room;
+    return want < 1 ? 1 : want > 64 ? 64 : want;
+}
+
 static size_t split_smem(const td_cuda_fwd *f)
 {
     int group = f->n_head / f->n_kv;
@@ -1107,9 +1304,11 @@ int td_cuda_fwd_create(td_cuda_fwd **out, const td_model *m, td_type kv_dtype, i
         const td_weight *ws[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
         for (const td_weight *w : ws) f->bf = f->bf || w->type != TD_TYPE_F32;
     }
-    const char *te = getenv("TD_CUDA_TILES"), *tg = getenv("TD_CUDA_GEMV");
+    const char *te = getenv("TD_CUDA_TILES"), *tg = getenv("TD_CUDA_GEMV"), *td = getenv("TD_CUDA_DEC");
     f->use_gemv = !(tg && !strcmp(tg, "0"));
     f->tiles_ok = f->bf && (kv_type == 1 || kv_type == 2) && (f->hd == 64 || f->hd == 128) && group <= 8 && !(te && !strcmp(te, "0"));
+    f->dec_ok = f->bf && (kv_type == 1 || kv_type == 2) && (f->hd == 64 || f->hd == 128) && group <= 16 &&
+                !(td && !strcmp(td, "0"));
     int dev = 0;
     cudaGetDevice(&dev);
     cudaDeviceGetAttribute(&f->n_sm, cudaDevAttrMultiProcessorCount, dev);
@@ -1258,7 +1457,26 @@ static void attention(td_cuda_fwd *f, int n_list, int n_tiles, const uint8_t *la
         if (f->hd == 64) f16 ? launch_tiles<64, true>(f, n_tiles, layer) : launch_tiles<64, false>(f, n_tiles, layer);
         else f16 ? launch_tiles<128, true>(f, n_tiles, layer) : launch_tiles<128, false>(f, n_tiles, layer);
     }
-    if (n_list) {
+    if (n_list && f->dec_ok) {
+        int splits = dec_splits(f, n_list), group = f->n_head / f->n_kv;
+        size_t smem = (size_t)DEC_WARPS * group * f->hd * 4;
+        dim3 grid((unsigned)n_list, (unsigned)f->n_kv, (unsigned)splits);
+        bool f16 = f->kv_type == 1;
+#define DEC_ARGS                                                                                   \
+    f->qkv, f->qd + 2 * f->kd, di + stage_off(f, ST_LIST), di + stage_off(f, ST_POS), di + stage_off(f, ST_SEQ), \
+        di + stage_off(f, ST_TAB), f->max_blocks, layer, f->n_head, f->n_kv, f->block_size, f->token_bytes,    \
+        f->block_bytes, splits, f->part
+        if (f->hd == 64) {
+            if (f16) k_attn_dec<64, true><<<grid, DEC_WARPS * 32, smem, st>>>(DEC_ARGS);
+            else k_attn_dec<64, false><<<grid, DEC_WARPS * 32, smem, st>>>(DEC_ARGS);
+        } else {
+            if (f16) k_attn_dec<128, true><<<grid, DEC_WARPS * 32, smem, st>>>(DEC_ARGS);
+            else k_attn_dec<128, false><<<grid, DEC_WARPS * 32, smem, st>>>(DEC_ARGS);
+        }
+#undef DEC_ARGS
+        k_attn_merge<<<dim3((unsigned)n_list, (unsigned)f->n_head), f->hd < 128 ? f->hd : 128, 0, st>>>(
+            f->part, di + stage_off(f, ST_LIST), f->n_head, f->hd, splits, f->in, f->bf);
+    } else if (n_list) {
         int splits = n_splits(f, n_list);
         k_attn_split<<<dim3((unsigned)n_list, (unsigned)f->n_kv, (unsigned)splits), SPLIT_THREADS, split_smem(f), st>>>(
             f->qkv, f->qd + 2 * f->kd, di + stage_off(f, ST_LIST), di + stage_off(f, ST_POS),

@@ -37,7 +37,10 @@
  * tiles where the KV type allows, split-K otherwise), a chunk of 7 beside a decode row,
  * then two decode steps (a CUDA graph, captured and replayed).
  */
-static void compare_logits(const td_model_shape *shape, const char *kv_name, double tol)
+/* Logits of the GPU against the CPU's over four steps of two sequences: a prefill, more
+ * prompt rows, then two decode steps. Long: contexts of up to 211 tokens, so that decode
+ * attention splits its keys across blocks (short: at most 48). */
+static void compare_logits(const td_model_shape *shape, const char *kv_name, double tol, bool long_ctx)
 {
     td_err err;
     td_type kvt = td_type_parse(kv_name);
@@ -45,7 +48,8 @@ static void compare_logits(const td_model_shape *shape, const char *kv_name, dou
     if (td_model_load_dummy(&cm, shape, TD_TYPE_BF16, 11, &err)) fail_msg("%s", err.msg);
     if (td_model_load_dummy_deferred(&gm, shape, TD_TYPE_BF16, 11, &err)) fail_msg("%s", err.msg);
     assert_true(cm->fingerprint == gm->fingerprint);
-    const int bs = 16, n_blocks = 8, max_ctx = 64, max_tokens = 64, max_logits = 64;
+    const int bs = 16, n_blocks = long_ctx ? 32 : 8, max_ctx = long_ctx ? 256 : 64;
+    const int max_tokens = max_ctx, max_logits = max_ctx;
     int hd = shape->head_dim ? shape->head_dim : shape->n_embd / shape->n_head;
     td_pool *pool = NULL;
     if (td_pool_create(&pool, 8, false, &err)) fail_msg("%s", err.msg);
@@ -57,18 +61,21 @@ static void compare_logits(const td_model_shape *shape, const char *kv_name, dou
     td_cuda_fwd *gf = NULL;
     if (td_cuda_fwd_create(&gf, gm, kvt, bs, n_blocks, max_tokens, max_logits, max_ctx, &err))
         fail_msg("%s", err.msg);
-    const int32_t t0[4] = {0, 1, 2, 3}, t1[4] = {4, 5, 6, 7};
+    int32_t t0[16], t1[16]; /* sequence 1's blocks in reverse: tables need not be in order */
+    for (int i = 0; i < n_blocks / 2; i++) t0[i] = i, t1[i] = n_blocks - 1 - i;
     const int32_t *tables[2] = {t0, t1};
     size_t V = (size_t)shape->n_vocab;
     float *lc = malloc((size_t)max_logits * V * 4), *lg = malloc((size_t)max_logits * V * 4);
     td_rng rng;
     td_rng_seed(&rng, 3);
     /* (rows of seq 0, rows of seq 1) per step; positions continue from the last step */
-    const int steps[4][2] = {{40, 23}, {7, 1}, {1, 1}, {1, 1}};
+    const int short_steps[4][2] = {{40, 23}, {7, 1}, {1, 1}, {1, 1}};
+    const int long_steps[4][2] = {{150, 100}, {60, 1}, {1, 1}, {1, 1}};
+    const int(*steps)[2] = long_ctx ? long_steps : short_steps;
     int next[2] = {0, 0};
     double worst = 0, worst_max = 0;
     for (int st = 0; st < 4; st++) {
-        int32_t tok[64], pos[64], seq[64], rows[64];
+        int32_t tok[256], pos[256], seq[256], rows[256];
         int T = 0;
         for (int sq = 0; sq < 2; sq++)
             for (int i = 0; i < steps[st][sq]; i++, T++) {
@@ -80,7 +87,7 @@ static void compare_logits(const td_model_shape *shape, const char *kv_name, dou
         fwd_batch b = {.n_tokens = T, .tokens = tok, .pos = pos, .seq = seq, .block_tables = tables,
                        .n_logits = T, .logit_rows = rows, .logits = lc};
         fwd_run(&cf, &b);
-        int32_t am[64];
+        int32_t am[256];
         if (td_cuda_fwd_run(gf, T, tok, pos, seq, tables, 2, T, rows, lg, NULL, am, &err)) fail_msg("%s", err.msg);
         for (int r = 0; r < T; r++) assert_int_equal(am[r], sampler_argmax(lg + (size_t)r * V, (int)V));
         for (int r = 0; r < T; r++) {
@@ -100,8 +107,8 @@ static void compare_logits(const td_model_shape *shape, const char *kv_name, dou
                          kv_name, st, r, seq[r], pos[r], rel);
         }
     }
-    printf("  %s KV: relative error of the logits (L2 per row) at most %.2e; largest element "
-           "difference %.2e of the row's largest logit\n", kv_name, worst, worst_max);
+    printf("  %s KV%s: relative error of the logits (L2 per row) at most %.2e; largest element "
+           "difference %.2e of the row's largest logit\n", kv_name, long_ctx ? " (long)" : "", worst, worst_max);
     free(lc);
     free(lg);
     td_cuda_fwd_free(gf);
@@ -128,10 +135,12 @@ static void test_logits_hd128(void **state)
     s.head_dim = 128;
     s.rope_theta = 500000.0f;
     const char *kvs[] = {"bf16", "f16", "f32"};
-    for (int i = 0; i < 3; i++) compare_logits(&s, kvs[i], 1e-2);
+    for (int i = 0; i < 3; i++) compare_logits(&s, kvs[i], 1e-2, false);
+    compare_logits(&s, "bf16", 1e-2, true);
+    compare_logits(&s, "f16", 1e-2, true);
     /* fp8 rounds K and V to 3 mantissa bits on both sides; a rounding that differs by one
      * step (the GPU's K differs from the CPU's in the last bits) moves a logit further */
-    compare_logits(&s, "fp8", 3e-2);
+    compare_logits(&s, "fp8", 3e-2, false);
 }
 
 /* llama-1b (the TinyLlama shape: head_dim 64, 8 query heads per KV head), as issue 8 asks. */
@@ -141,7 +150,28 @@ static void test_logits_llama1b(void **state)
     td_model_shape s;
     td_err err;
     assert_int_equal(td_model_preset("llama-1b", &s, &err), 0);
-    compare_logits(&s, "bf16", 1e-2);
+    compare_logits(&s, "bf16", 1e-2, false);
+}
+
+/* head_dim 64 with 8 and with 16 query heads per KV head, long contexts: the decode
+ * kernel's second row of heads (16), and prompts that go to it rather than to the tile
+ * kernel (which takes groups of up to 8). */
+static void test_logits_groups(void **state)
+{
+    (void)state;
+    td_model_shape s;
+    td_err err;
+    assert_int_equal(td_model_preset("tiny", &s, &err), 0);
+    s.n_vocab = 2048;
+    s.n_embd = 1024;
+    s.n_layer = 2;
+    s.n_head = 16;
+    s.n_ff = 2048;
+    s.head_dim = 64;
+    s.n_head_kv = 2;
+    compare_logits(&s, "bf16", 1e-2, true);
+    s.n_head_kv = 1;
+    compare_logits(&s, "bf16", 1e-2, true);
 }
 
 static void test_golden_alone(void **state)
@@ -214,6 +244,7 @@ int main(void)
         cmocka_unit_test(test_golden_kv_types),
         cmocka_unit_test(test_logits_hd128),
         cmocka_unit_test(test_logits_llama1b),
+        cmocka_unit_test(test_logits_groups),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 #endif
