@@ -2,10 +2,12 @@
 # On the GPU machine, in one run: unpack the kit (scripts/gpu_kit.sh made it on the CPU
 # machine), build with -DTANDEM_CUDA=ON, run the GPU tests, then the benchmarks whose
 # figures BENCHMARKS.md records (each with the floor measured in the same run).
-#   bench/gpu.sh [all|test|bench|profile]      (default all; logs also go to $OUT if set)
+#   bench/gpu.sh [all | a comma list of test,bench,xfer,pd,profile]   (default all; logs
+#   also go to $OUT if set)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
+want() { [ "$what" = all ] || [[ ",$what," == *",$1,"* ]]; }
 kit=$PWD/.gpu-kit
 [ -d "$kit/debs" ] || { echo "bench/gpu.sh: $kit is missing: run scripts/gpu_kit.sh on the CPU machine and carry .gpu-kit" >&2; exit 1; }
 root=$kit/root lib=$kit/root/usr/lib/x86_64-linux-gnu
@@ -27,19 +29,22 @@ echo "== build (CUDA)" | log
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | log
 cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DTANDEM_CUDA=ON -DPKG_CONFIG_EXECUTABLE="$root/usr/bin/pkgconf" \
     -DTD_SHARED_DIR="$TD_SHARED_DIR" >/dev/null
-cmake --build build-gpu -j"$(nproc)" --target tandem test_engine_cuda 2>&1 | grep -E "error|warning" | log || true
+cmake --build build-gpu -j"$(nproc)" --target tandem test_engine_cuda test_kvx_cuda 2>&1 | grep -E "error|warning" | log || true
 [ -x build-gpu/tandem ] || { echo "build failed" | log; exit 1; }
 
-if [ "$what" = all ] || [ "$what" = test ]; then
+if want test; then
     echo "== GPU tests" | log
     (cd build-gpu && ctest -V -R cuda) 2>&1 | grep -v " info " | log || echo "GPU tests FAILED" | log
 fi
 
 b8=(build-gpu/tandem bench-engine --model llama3-8b --load-format dummy --dtype bf16 --device cuda
     --kv-cache-dtype bf16 --max-model-len 4096 --kv-cache-memory 40G --reps 2)
-if [ "$what" = all ] || [ "$what" = bench ]; then
-    echo "== Llama-3-8B shape: pp2048, then decode at batch 1 and 64 from 1024-token contexts" | log
-    "${b8[@]}" --prompt-len 2048 --context 1024 --gen-len 32 --batch 1,64 --max-num-batched-tokens 2048 2>&1 | log
+if want bench; then
+    echo "== Llama-3-8B shape: pp2048, then decode at batch 1, 16 and 64 from 1024-token contexts" | log
+    "${b8[@]}" --prompt-len 2048 --context 1024 --gen-len 32 --batch 1,16,64 --max-num-batched-tokens 2048 2>&1 | log
+    echo "== the same decode with the split-K attention instead of the tensor-core one (TD_CUDA_DEC=0)" | log
+    TD_CUDA_DEC=0 "${b8[@]}" --prompt-len 128 --context 1024 --gen-len 32 --batch 1,64 --max-num-batched-tokens 2048 \
+        --no-floor 2>&1 | log
     echo "== llama-1b (TinyLlama shape)" | log
     build-gpu/tandem bench-engine --model llama-1b --load-format dummy --dtype bf16 --device cuda \
         --kv-cache-dtype bf16 --prompt-len 512 --context 512 --gen-len 32 --batch 1,32 --reps 2 \
@@ -49,7 +54,45 @@ if [ "$what" = all ] || [ "$what" = bench ]; then
         --kv-cache-dtype fp8 --max-model-len 4096 --kv-cache-memory 40G --reps 1 --prompt-len 2048 \
         --context 1024 --gen-len 32 --batch 1,64 --max-num-batched-tokens 2048 --no-floor 2>&1 | log
 fi
-if [ "$what" = all ] || [ "$what" = profile ]; then
+if want xfer; then
+    echo "== cuda_ipc: 2048-token KV of the Llama-3-8B shape between two processes" | log
+    build-gpu/tandem bench-xfer-cuda --tokens 2048 --concurrency 1,4,16 --reps 7 2>&1 | log
+fi
+if want pd; then
+    # 1P1D on the one GPU through the router (each engine with its share of the memory),
+    # then the aggregated engine alone, the same tandem bench at concurrency 1, 4 and 16.
+    eng=(--model llama3-8b --load-format dummy --dtype bf16 --device cuda --kv-cache-dtype bf16
+         --max-model-len 4096 --kv-cache-memory 30G --max-num-batched-tokens 2048 --log-level warn)
+    bench_at() { # URL LABEL
+        for c in 1 4 16; do
+            build-gpu/tandem bench --base-url "$1" --input-len 1024 --output-len 128 --ignore-eos \
+                --num-prompts $((c * 4)) --max-concurrency $c --label "$2 c=$c" \
+                --save-result "$out/pd-$2-c$c.json" 2>&1 | grep -vE "^\s*$" | log
+        done
+    }
+    wait_ok() { for _ in $(seq 240); do curl -sf "$1/health" >/dev/null && return 0; sleep 0.5; done; return 1; }
+    echo "== 1P1D (tandem up --protocol cuda_ipc)" | log
+    rm -rf "$out/pd-work"
+    build-gpu/tandem up --protocol cuda_ipc --port 8300 --workdir "$out/pd-work" --log-level info -- "${eng[@]}" \
+        >"$out/pd-up.log" 2>&1 &
+    up_pid=$!
+    if wait_ok http://127.0.0.1:8300; then
+        bench_at http://127.0.0.1:8300 1p1d
+        curl -s http://127.0.0.1:8300/metrics | grep -E "kv_transfer|tandem_router_requests" | head -20 | log || true
+    else
+        echo "1P1D did not come up" | log; tail -30 "$out"/pd-work/*.log | log
+    fi
+    kill $up_pid; wait $up_pid || true
+    grep -hE "cuda_ipc|error" "$out"/pd-work/*.log | head -10 | log || true
+    echo "== aggregated (one engine, all of it)" | log
+    build-gpu/tandem serve "${eng[@]}" --server-port 8301 >"$out/agg.log" 2>&1 &
+    agg_pid=$!
+    if wait_ok http://127.0.0.1:8301; then bench_at http://127.0.0.1:8301 agg; else tail -20 "$out/agg.log" | log; fi
+    kill $agg_pid; wait $agg_pid || true
+    build-gpu/tandem bench --compare "$out"/pd-1p1d-c1.json "$out"/pd-agg-c1.json "$out"/pd-1p1d-c4.json \
+        "$out"/pd-agg-c4.json "$out"/pd-1p1d-c16.json "$out"/pd-agg-c16.json --plot "$out/pd.svg" 2>&1 | log || true
+fi
+if want profile; then
     echo "== where a step's time goes (TD_CUDA_PROFILE=1: every launch timed, no graphs)" | log
     TD_CUDA_PROFILE=1 "${b8[@]}" --prompt-len 2048 --gen-len 16 --batch 1 --context 1024 --reps 1 --max-num-batched-tokens 2048 \
         --no-floor 2>&1 | log

@@ -176,6 +176,13 @@ typedef struct td_kv_info {
      * engine thread; read them only for blocks that a request holds. Else both NULL. */
     const uint32_t *block_crc;
     const uint8_t *block_crc_ok;
+    /* --device cuda: base is the pool's device address, and a same-host peer opens it by
+     * ipc_handle (a cudaIpcMemHandle_t) on the GPU with device_uuid (ordinal device_id
+     * here); shm_fd is -1 and block_crc NULL. device is false when the export failed. */
+    bool device;
+    int device_id;
+    uint8_t ipc_handle[64];
+    uint8_t device_uuid[16];
 } td_kv_info;
 void td_engine_kv_info(const td_engine *e, td_kv_info *out);
 

@@ -9,6 +9,7 @@ int cli_bench_engine(int argc, char **argv);
 int cli_serve(int argc, char **argv);
 int cli_bench_serve(int argc, char **argv);
 int cli_bench_xfer(int argc, char **argv);
+int cli_bench_xfer_cuda(int argc, char **argv);
 int cli_bench_pd(int argc, char **argv);
 int cli_router(int argc, char **argv);
 int cli_up(int argc, char **argv);

@@ -133,15 +133,23 @@ int cli_serve(int argc, char **argv)
         if (have_kv) srv_kv_config_free(&kv);
         return 2;
     }
+    bool on_gpu = cfg.device && !strcmp(cfg.device, "cuda");
+    if (have_kv && on_gpu != (kv.protocol == SRV_KV_CUDA_IPC)) {
+        fprintf(stderr, "error: --kv-transfer-config: %s\n",
+                on_gpu ? "with --device cuda the KV pool is in GPU memory: use protocol cuda_ipc"
+                       : "protocol cuda_ipc moves GPU memory: it needs --device cuda");
+        srv_kv_config_free(&kv);
+        return 2;
+    }
     /* A producer serving shm keeps its KV pool in a memfd that consumers map. */
     cfg.kv_shareable = have_kv && kv.protocol == SRV_KV_SHM &&
                        (kv.role == SRV_KV_PRODUCER || kv.role == SRV_KV_BOTH);
     /* A KV role commits its pool up front: blocks filled by a transfer would otherwise
      * take their page faults during the copy (about 3x its time, BENCHMARKS.md). */
-    cfg.kv_prefault = have_kv;
+    cfg.kv_prefault = have_kv && !on_gpu;
     /* A producer that sends checksums keeps them as its blocks fill, so a transfer does
      * not read every block a second time to checksum it (docs/ARCHITECTURE.md). */
-    cfg.kv_checksums = have_kv && kv.verify_checksums &&
+    cfg.kv_checksums = have_kv && !on_gpu && kv.verify_checksums &&
                        (kv.role == SRV_KV_PRODUCER || kv.role == SRV_KV_BOTH);
     td_err err = {0};
     td_engine *e = NULL;

@@ -422,7 +422,7 @@ int cli_up(int argc, char **argv)
         CLI_FLAG("prefill", CLI_FLAG_INT, &n_prefill, "prefill instances (1)"),
         CLI_FLAG("decode", CLI_FLAG_INT, &n_decode, "decode instances (1)"),
         CLI_FLAG("aggregated", CLI_FLAG_INT, &n_agg, "K plain engines instead of prefill/decode"),
-        CLI_FLAG("protocol", CLI_FLAG_STR, &protocol, "KV transfer: tcp | shm | ucx (tcp)"),
+        CLI_FLAG("protocol", CLI_FLAG_STR, &protocol, "KV transfer: tcp | shm | ucx | cuda_ipc (tcp; cuda_ipc with -- --device cuda)"),
         CLI_FLAG("transfer-mode", CLI_FLAG_STR, &mode, "read | write (read)"),
         CLI_FLAG("host", CLI_FLAG_STR, &host, "the router's address (127.0.0.1)"),
         CLI_FLAG("port", CLI_FLAG_INT, &port, "the router's port (8000; 0 = a free one)"),
@@ -490,10 +490,11 @@ int cli_up(int argc, char **argv)
     if ((pd && !config && (n_prefill < 1 || n_decode < 1)) || n_agg < 0 ||
         (n_eng < 1 && !plan.router_here) || n_eng > MAX_INST - 1 ||
         port < 0 || port > 65535 || threads < 0 || threads > 1024 || n_pass > MAX_PASS ||
-        (strcmp(protocol, "tcp") && strcmp(protocol, "shm") && strcmp(protocol, "ucx")) ||
+        (strcmp(protocol, "tcp") && strcmp(protocol, "shm") && strcmp(protocol, "ucx") &&
+         strcmp(protocol, "cuda_ipc")) ||
         (strcmp(mode, "read") && strcmp(mode, "write"))) {
         fprintf(stderr, "error: --prefill and --decode at least 1 (or --aggregated K), at most "
-                        "32 engines; --protocol tcp|shm|ucx; --transfer-mode read|write\n");
+                        "32 engines; --protocol tcp|shm|ucx|cuda_ipc; --transfer-mode read|write\n");
         return 2;
     }
     if (mkdir(workdir, 0755) && errno != EEXIST) {

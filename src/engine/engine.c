@@ -100,10 +100,13 @@ static int check_config(const td_engine_config *c, td_err *err)
                           "--device cuda: this build has no CUDA backend (configure with "
                           "-DTANDEM_CUDA=ON where nvcc is installed)");
 #endif
-        if (c->kv_shareable || c->kv_checksums || c->kv_prefault)
+        /* The pool's bytes live on the GPU: a peer opens them by CUDA IPC handle (kvx
+         * cuda_ipc), never through a memfd, and the host computes no checksums of them. */
+        if (c->kv_shareable || c->kv_checksums)
             return td_err_set(err, TD_EUNSUPPORTED,
-                              "--device cuda: KV transfer roles need the device-memory "
-                              "transports (cuda_ipc), which are not built yet");
+                              "--device cuda: the KV pool is in GPU memory, so it is neither "
+                              "shared through a memfd (protocol shm) nor checksummed by the "
+                              "host; KV transfers use protocol cuda_ipc");
     }
     const char *lf = c->load_format ? c->load_format : "auto";
     if (strcmp(lf, "auto") && strcmp(lf, "gguf") && strcmp(lf, "dummy"))
@@ -188,6 +191,11 @@ int td_engine_create(td_engine **out, const td_engine_config *cfg, td_err *err)
         (rc = td_cuda_fwd_create(&e->cuda, e->model, kv_type, cfg->block_size, (int)n_blocks,
                                  e->max_batched, e->max_num_seqs, e->max_model_len, err)))
         goto fail;
+    /* What a cuda_ipc transfer peer needs to open the pool (td_engine_kv_info). */
+    if (e->cuda && (rc = td_cuda_fwd_kv_export(e->cuda, &e->kv_dev_base, e->kv_ipc_handle,
+                                               &e->kv_dev_id, e->kv_dev_uuid, err)))
+        goto fail;
+    e->kv_dev_ok = e->cuda != NULL;
 #endif
 
     rc = sampler_scratch_init(&e->samp, s->n_vocab);
@@ -345,6 +353,16 @@ void td_engine_kv_info(const td_engine *e, td_kv_info *out)
     out->shm_fd = e->kv.fd;
     out->block_crc = e->kv.crc;
     out->block_crc_ok = e->kv.crc_ok;
+    if (e->kv_dev_ok) {
+        out->base = e->kv_dev_base;
+        out->shm_fd = -1;
+        out->block_crc = NULL;
+        out->block_crc_ok = NULL;
+        out->device = true;
+        out->device_id = e->kv_dev_id;
+        memcpy(out->ipc_handle, e->kv_ipc_handle, 64);
+        memcpy(out->device_uuid, e->kv_dev_uuid, 16);
+    }
 }
 
 int td_engine_num_running(const td_engine *e)

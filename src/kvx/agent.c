@@ -530,7 +530,8 @@ static int serve_ucx_grant(kvx_agent *a, conn *c, int fd, conn_bufs *b, const kv
     lease *l = lease_pin(a, m->u.read.transfer_id);
     if (!l) return send_error(fd, b, tag, TD_ENOTFOUND, "unknown or expired transfer id");
     const kvx_region *r = &a->opts.region;
-    bool want_crc = (m->u.read.flags & KVX_READ_CHECKSUMS) && a->opts.checksums;
+    /* GPU memory is never read here: no checksums for it (the consumer then sees none) */
+    bool want_crc = (m->u.read.flags & KVX_READ_CHECKSUMS) && a->opts.checksums && !r->device;
     uint64_t total, n_blocks;
     char msg[200];
     if (!ranges_ok(a, l, m, want_crc, &total, &n_blocks, msg, sizeof(msg))) {
@@ -579,6 +580,18 @@ static int serve_shm_info(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m)
     size_t n = kvx_wire_encode_shm_info(
         b->out, b->out_cap, m->hdr.tag, (uint32_t)getpid(), (uint32_t)r->shm_fd, r->shm_offset,
         bytes, r->segment_stride, (uint64_t)st.st_dev, (uint64_t)st.st_ino);
+    td_err e;
+    return kvx__send_all(fd, b->out, n, td_now_ns() + SEND_TIMEOUT_NS, &e);
+}
+
+/* CUDA_INFO: the pool's CUDA IPC handle, for a same-host consumer (cuda_ipc.c). */
+static int serve_cuda_info(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m)
+{
+    const kvx_region *r = &a->opts.region;
+    uint64_t bytes = (uint64_t)r->n_segments * r->segment_stride;
+    size_t n = kvx_wire_encode_cuda_info(b->out, b->out_cap, m->hdr.tag, (uint32_t)getpid(),
+                                         (uint64_t)(uintptr_t)r->base, bytes, r->segment_stride,
+                                         r->device_uuid, r->ipc_handle);
     td_err e;
     return kvx__send_all(fd, b->out, n, td_now_ns() + SEND_TIMEOUT_NS, &e);
 }
@@ -1145,6 +1158,16 @@ static void *conn_main(void *arg)
         case KVX_MSG_UCX_GRANT:
         case KVX_MSG_SHM_INFO:
         case KVX_MSG_UCX_INFO:
+        case KVX_MSG_CUDA_INFO:
+            /* GPU memory moves only by cuda_ipc; host memory never by it */
+            if (a->opts.region.device != (m.hdr.type == KVX_MSG_CUDA_INFO) && m.hdr.type != KVX_MSG_UCX_GRANT) {
+                send_error(c->fd, &b, m.hdr.tag, TD_EUNSUPPORTED,
+                           a->opts.region.device
+                               ? "this producer's KV lives in GPU memory: use protocol cuda_ipc"
+                               : "this producer's KV lives in host memory: use protocol tcp, shm or ucx");
+                rc = -1;
+                break;
+            }
             if (a->railpool && c->rail < 0) { /* rails: data moves only on a rail's engine */
                 char why[200];
                 snprintf(why, sizeof(why),
@@ -1155,7 +1178,8 @@ static void *conn_main(void *arg)
                 rc = -1;
                 break;
             }
-            if (c->rail >= 0 && m.hdr.type != KVX_MSG_SHM_INFO && m.hdr.type != KVX_MSG_UCX_INFO) {
+            if (c->rail >= 0 && m.hdr.type != KVX_MSG_SHM_INFO && m.hdr.type != KVX_MSG_UCX_INFO &&
+                m.hdr.type != KVX_MSG_CUDA_INFO) {
                 pthread_mutex_lock(&a->mu);
                 a->stats.rail_reads[c->rail]++;
                 pthread_mutex_unlock(&a->mu);
@@ -1164,12 +1188,20 @@ static void *conn_main(void *arg)
             if (m.hdr.type == KVX_MSG_READ) rc = serve_read(a, c->fd, &b, &m);
             else if (m.hdr.type == KVX_MSG_UCX_GRANT) rc = serve_ucx_grant(a, c, c->fd, &b, &m, &pin);
             else if (m.hdr.type == KVX_MSG_SHM_INFO) rc = serve_shm_info(a, c->fd, &b, &m);
+            else if (m.hdr.type == KVX_MSG_CUDA_INFO) rc = serve_cuda_info(a, c->fd, &b, &m);
             else rc = serve_ucx_info(a, c, c->fd, &b, &m);
             break;
         case KVX_MSG_RAIL:
             rc = serve_rail(a, c->fd, &b, &m);
             break;
         case KVX_MSG_WRITE:
+            if (a->opts.region.device) {
+                send_error(c->fd, &b, m.hdr.tag, TD_EUNSUPPORTED,
+                           "this producer's KV lives in GPU memory: push (write) mode is not served "
+                           "from it; use read mode with protocol cuda_ipc");
+                rc = -1;
+                break;
+            }
             rc = serve_write(a, c->fd, &b, &m);
             break;
         case KVX_MSG_RELEASE:
@@ -1456,6 +1488,11 @@ int kvx_agent_create(kvx_agent **out, const kvx_agent_opts *opts, td_err *err)
         free(a);
         return td_err_set(err, TD_ENOMEM, "kvx: cannot start the accept thread");
     }
+    if (opts->rails && opts->rails->n > 0 && opts->region.device) {
+        kvx_agent_destroy(a);
+        return td_err_set(err, TD_EUNSUPPORTED,
+                          "kvx: rails carry host memory; a KV pool in GPU memory moves by cuda_ipc");
+    }
     if (opts->rails && opts->rails->n > 0) {
         a->rails = *opts->rails;
         for (int i = 0; i < a->rails.n && opts->rail_addrs; i++)
@@ -1470,6 +1507,7 @@ int kvx_agent_create(kvx_agent **out, const kvx_agent_opts *opts, td_err *err)
     }
     a->opts.rails = NULL; /* copied above */
     a->opts.rail_addrs = NULL;
+    if (a->opts.region.device) kvx__cuda_local_add(&a->opts.region); /* for same-process consumers */
     *out = a;
     return 0;
 }
@@ -1508,6 +1546,7 @@ void kvx_agent_destroy(kvx_agent *a)
     kvx__ucx_agent_destroy(a->ucx);
 #endif
     kvx__railpool_destroy(a->railpool); /* the rails' engines, UCX ones included */
+    if (a->opts.region.device) kvx__cuda_local_remove(&a->opts.region);
 
     for (int i = 0; i < a->n_leases; i++) {
         a->leases[i]->reason = KVX_RELEASED_SHUTDOWN;

@@ -898,7 +898,7 @@ int kvx_client_create(kvx_client **out, const kvx_client_opts *opts, td_err *err
         return td_err_set(err, TD_EINVAL, "kvx: at most 256 worker threads and connections");
     }
     if (opts->rails && opts->rails->n > 0) {
-        if (opts->protocol == KVX_PROTO_SHM ||
+        if (opts->protocol == KVX_PROTO_SHM || opts->protocol == KVX_PROTO_CUDA_IPC ||
             (opts->protocol == KVX_PROTO_TCP && opts->rails->kind == KVX_RAIL_RDMA)) {
             free(c);
             return td_err_set(err, TD_EUNSUPPORTED,
@@ -941,6 +941,24 @@ int kvx_client_create(kvx_client **out, const kvx_client_opts *opts, td_err *err
     kvx__hello_fill(&c->hello, id, &c->opts.layout, &c->opts.region);
     c->transport = &tcp_transport;
     if (c->opts.protocol == KVX_PROTO_SHM) c->transport = &kvx__shm_transport;
+    if ((c->opts.protocol == KVX_PROTO_CUDA_IPC) != c->opts.region.device) {
+        bool dev = c->opts.region.device;
+        free(c);
+        return td_err_set(err, TD_EUNSUPPORTED,
+                          dev
+                              ? "kvx: this consumer's KV lives in GPU memory: use protocol cuda_ipc"
+                              : "kvx: protocol cuda_ipc moves GPU memory, and this consumer's KV "
+                                "lives in host memory");
+    }
+    if (c->opts.protocol == KVX_PROTO_CUDA_IPC) {
+#ifdef TD_HAVE_CUDA
+        c->transport = &kvx__cuda_transport;
+#else
+        free(c);
+        return td_err_set(err, TD_EUNSUPPORTED,
+                          "kvx: protocol cuda_ipc needs the CUDA backend (-DTANDEM_CUDA=ON)");
+#endif
+    }
     if (c->opts.protocol == KVX_PROTO_UCX) {
 #ifdef TD_HAVE_UCX
         struct kvx__ucx_client *u;
@@ -1068,14 +1086,14 @@ static int piece_push(struct kvx_xfer *x, int *cap, kvx__piece p)
 
 /* Cut the runs into pieces of about piece_blocks blocks (and at most KVX_MAX_DESC ranges). */
 static int xfer_plan(struct kvx_xfer *x, const kvx_run *runs, int n_runs, const kvx_region *r,
-                     uint32_t qp, uint32_t seg0, uint32_t seg1)
+                     uint32_t qp, uint32_t seg0, uint32_t seg1, uint64_t max_piece)
 {
     uint64_t total_blocks = 0;
     for (int i = 0; i < n_runs; i++)
         total_blocks += runs[i].n_blocks;
     total_blocks *= seg1 - seg0;
     uint64_t total = total_blocks * r->block_bytes;
-    uint64_t target = TD_MAX(TD_MIN(total / qp, (uint64_t)MAX_PIECE_BYTES), MIN_PIECE_BYTES);
+    uint64_t target = TD_MAX(TD_MIN(total / qp, max_piece), MIN_PIECE_BYTES);
     uint64_t piece_blocks = TD_MAX(target / r->block_bytes, 1);
     piece_blocks = TD_MIN(piece_blocks, (uint64_t)KVX_MAX_CRC);
     uint32_t pd_cap = 0;
@@ -1156,7 +1174,10 @@ static int read_begin(kvx_client *c, kvx__session *s, const uint8_t id[KVX_ID_BY
     x->s = s;
     if (c->striping && s->rail >= 0 && (rc = stripe_sessions(c, x, err))) goto fail;
     uint32_t qp = (uint32_t)c->opts.qp_per_transfer * (x->stripe ? (uint32_t)c->rails.n : 1);
-    if (xfer_plan(x, runs, n_runs, &c->opts.region, qp, seg0, seg1)) {
+    /* Host transports pipeline pieces of at most 8 MiB; cuda_ipc pays a grant round trip
+     * per piece for copies that take microseconds, so its pieces are just total / qp. */
+    uint64_t max_piece = c->opts.protocol == KVX_PROTO_CUDA_IPC ? UINT64_MAX : MAX_PIECE_BYTES;
+    if (xfer_plan(x, runs, n_runs, &c->opts.region, qp, seg0, seg1, max_piece)) {
         rc = td_err_set(err, TD_ENOMEM, "kvx: out of memory");
         goto fail;
     }

@@ -392,6 +392,7 @@ const char *kvx_protocol_name(kvx_protocol p)
     case KVX_PROTO_TCP: return "tcp";
     case KVX_PROTO_SHM: return "shm";
     case KVX_PROTO_UCX: return "ucx";
+    case KVX_PROTO_CUDA_IPC: return "cuda_ipc";
     }
     return "?";
 }
@@ -406,6 +407,12 @@ bool kvx_protocol_available(kvx_protocol p)
         return true; /* built with libucx (ucx.c) */
 #else
         return false; /* built without libucx-dev */
+#endif
+    case KVX_PROTO_CUDA_IPC:
+#ifdef TD_HAVE_CUDA
+        return true; /* built with the CUDA backend (cuda_ipc.c) */
+#else
+        return false;
 #endif
     }
     return false;

@@ -81,6 +81,16 @@ typedef struct kvx_region {
      * that block. NULL: always computed when a consumer asks for checksums. */
     const uint32_t *block_crc;
     const uint8_t *block_crc_ok;
+    /* The region is GPU memory (the CUDA backend's pool; base is a device pointer): the
+     * host never reads it, so only cuda_ipc moves it and no checksums are kept or sent
+     * (the copy never leaves the GPUs' ECC-protected memory and links). device_id is its
+     * CUDA device. Producer side: ipc_handle is the cudaIpcMemHandle_t of the allocation
+     * that starts at base (made by its owner), device_uuid the device's UUID, which a
+     * consumer compares with the devices it can see. */
+    bool device;
+    int device_id;
+    uint8_t ipc_handle[64];
+    uint8_t device_uuid[16];
 } kvx_region;
 
 /** How a consumer moves bytes. The producer's agent serves every protocol it can. */
@@ -88,9 +98,11 @@ typedef enum kvx_protocol {
     KVX_PROTO_TCP = 0, /* several TCP connections per peer, scatter-gather */
     KVX_PROTO_SHM = 1, /* same host: copy out of the producer's memfd mapping */
     KVX_PROTO_UCX = 2, /* UCX get (RDMA where present; tcp/sm in tests); built with UCX */
+    KVX_PROTO_CUDA_IPC = 3, /* same host, GPU memory: device-to-device copies out of the
+                               producer's pool opened by CUDA IPC handle; built with CUDA */
 } kvx_protocol;
 
-/** "tcp", "shm", "ucx". */
+/** "tcp", "shm", "ucx", "cuda_ipc". */
 const char *kvx_protocol_name(kvx_protocol p);
 /** Whether this build (and, for shm, this OS) supports a protocol. */
 bool kvx_protocol_available(kvx_protocol p);

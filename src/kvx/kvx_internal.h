@@ -5,6 +5,7 @@
 #ifndef TD_KVX_INTERNAL_H
 #define TD_KVX_INTERNAL_H
 
+#include <pthread.h>
 #include <stdatomic.h>
 #include <sys/uio.h>
 
@@ -179,6 +180,52 @@ int kvx__session_connect(struct kvx__session *s, uint64_t deadline_ns, int *fd, 
 /** RELEASE or HEARTBEAT over the session's plain tcp connections (tcp's control). */
 int kvx__session_control(struct kvx__session *s, uint8_t type, const uint8_t id[KVX_ID_BYTES],
                          uint64_t deadline_ns, td_err *err);
+
+/*
+ * The pin exchange of the transports that copy straight out of the producer's memory
+ * (shm.c, cuda_ipc.c; grant.c): per piece, UCX_GRANT with the piece's ranges makes the
+ * producer check them against the lease and pin it until UCX_DONE (or the pin limit),
+ * on a control connection from the session's pool.
+ */
+#define KVX__GRANT_MAX_IDLE 64
+typedef struct kvx__grant_pool {
+    pthread_mutex_t mu; /* also held around the transport's setup callback */
+    int idle[KVX__GRANT_MAX_IDLE];
+    int n_idle;
+} kvx__grant_pool;
+void kvx__grant_pool_init(kvx__grant_pool *gp);
+void kvx__grant_pool_fini(kvx__grant_pool *gp);
+/** Called with gp->mu held and a greeted connection before every grant: the transport's
+ *  once-per-session work (map the pool, open the IPC handle), a no-op once done. */
+typedef int (*kvx__grant_setup_fn)(struct kvx__session *s, void *user, int fd, uint64_t deadline_ns,
+                                   td_err *err);
+typedef struct kvx__grant {
+    int fd;           /* the pinned connection */
+    kvx_msg m;        /* UCX_GRANTED: valid_ms, and one CRC per block when asked for */
+    uint8_t *in;      /* m's arrays point here */
+    size_t in_cap;
+    uint32_t tag;
+    uint64_t deadline_ns;
+} kvx__grant;
+/** Pin piece p (asking for checksums or not). 0: g is pinned, end it with kvx__grant_done;
+ *  else an error naming the producer (what: the transport's name, for messages). */
+int kvx__grant_pin(struct kvx__session *s, kvx__grant_pool *gp, struct kvx__piece *p, bool want_crc,
+                   const char *what, kvx__grant_setup_fn setup, void *user, kvx__grant *g,
+                   td_err *err);
+/** Unpin (UCX_DONE) and give the connection back to the pool. */
+void kvx__grant_done(kvx__grant_pool *gp, kvx__grant *g);
+
+#ifdef TD_HAVE_CUDA
+/* The cuda_ipc transport (cuda_ipc.c): device-to-device copies out of the producer's pool,
+ * opened by its CUDA IPC handle once per session. */
+extern const kvx__transport kvx__cuda_transport;
+#endif
+/* Device regions that an agent of this process serves (cuda_ipc.c): a consumer in the
+ * same process cannot open its own IPC handle, and copies from the pointer instead. */
+void kvx__cuda_local_add(const kvx_region *r);
+void kvx__cuda_local_remove(const kvx_region *r);
+/** The base of this process's region with that IPC handle, or NULL. */
+void *kvx__cuda_local_find(const uint8_t handle[64]);
 
 /* Test hooks (tests only; zero in production). */
 /* When > 0, the consumer flips one received byte of the next that many pieces. */

@@ -26,7 +26,6 @@
  */
 #include <errno.h>
 #include <fcntl.h>
-#include <poll.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -37,28 +36,23 @@
 
 #include "kvx/kvx_internal.h"
 
-#define SHM_MAX_IDLE 64
-
 _Atomic int kvx__test_copy_delay_ms;
 _Atomic int kvx__test_copies_delayed;
 
 typedef struct shm_session {
-    pthread_mutex_t mu;
+    kvx__grant_pool gp; /* its mutex also guards the mapping's setup */
     const uint8_t *map; /* the producer's memfd, whole; NULL until mapped */
     size_t map_len;
     uint64_t offset, bytes; /* the region inside the mapping */
     uint64_t stride;        /* the producer's segment stride */
-    int idle[SHM_MAX_IDLE];
-    int n_idle;
 } shm_session;
 
 static void shm_session_free(void *state)
 {
     shm_session *ss = state;
     if (!ss) return;
-    for (int i = 0; i < ss->n_idle; i++) close(ss->idle[i]);
+    kvx__grant_pool_fini(&ss->gp);
     if (ss->map) munmap((void *)ss->map, ss->map_len);
-    pthread_mutex_destroy(&ss->mu);
     free(ss);
 }
 
@@ -71,7 +65,7 @@ static shm_session *session_state(struct kvx__session *s)
     if (ss) return ss;
     shm_session *fresh = calloc(1, sizeof(*fresh));
     if (!fresh) return NULL;
-    pthread_mutex_init(&fresh->mu, NULL);
+    kvx__grant_pool_init(&fresh->gp);
     shm_session *expected = NULL;
     if (__atomic_compare_exchange_n((shm_session **)slot, &expected, fresh, false, __ATOMIC_ACQ_REL,
                                     __ATOMIC_ACQUIRE))
@@ -80,42 +74,11 @@ static shm_session *session_state(struct kvx__session *s)
     return expected;
 }
 
-static int conn_take(struct kvx__session *s, shm_session *ss, uint64_t deadline, bool want_fresh,
-                     int *fd, bool *fresh, td_err *err)
+/* Map the producer's pool once per session (a kvx__grant_setup_fn: under the pool's lock). */
+static int map_pool(struct kvx__session *s, void *user, int fd, uint64_t deadline, td_err *err)
 {
-    pthread_mutex_lock(&ss->mu);
-    while (ss->n_idle > 0 && !want_fresh) {
-        *fd = ss->idle[--ss->n_idle];
-        /* An idle connection has nothing to read: readable means the producer hung up
-         * (it restarted or went away), so drop it and let a fresh handshake say why. */
-        struct pollfd pf = {.fd = *fd, .events = POLLIN};
-        if (poll(&pf, 1, 0) != 0) {
-            close(*fd);
-            continue;
-        }
-        pthread_mutex_unlock(&ss->mu);
-        *fresh = false;
-        return 0;
-    }
-    pthread_mutex_unlock(&ss->mu);
-    *fresh = true;
-    return kvx__session_connect(s, deadline, fd, err);
-}
-
-static void conn_give(shm_session *ss, int fd, bool ok)
-{
-    pthread_mutex_lock(&ss->mu);
-    if (ok && ss->n_idle < SHM_MAX_IDLE) {
-        ss->idle[ss->n_idle++] = fd;
-        fd = -1;
-    }
-    pthread_mutex_unlock(&ss->mu);
-    if (fd >= 0) close(fd);
-}
-
-/* Map the producer's pool once per session (under ss->mu). */
-static int map_pool(struct kvx__session *s, shm_session *ss, int fd, uint64_t deadline, td_err *err)
-{
+    shm_session *ss = user;
+    if (ss->map) return 0;
     const char *host = kvx__session_host(s);
     uint16_t port = kvx__session_port(s);
     uint8_t buf[512];
@@ -180,61 +143,18 @@ static int shm_run_piece(struct kvx__session *s, struct kvx__piece *p, td_err *e
     kvx__piece_get_info(p, &pi);
     bool want_crc = o->verify_checksums;
     shm_session *ss = session_state(s);
-    size_t req_cap = KVX_HDR_BYTES + 24 + (size_t)pi.count * KVX_DESC_BYTES;
-    size_t in_cap = 8 + 4 * (size_t)(want_crc ? pi.blocks : 0) + 512;
-    uint8_t *req = malloc(req_cap), *in = malloc(in_cap);
-    kvx_wire_desc *wd = malloc((pi.count ? pi.count : 1) * sizeof(*wd));
     uint32_t *crc = want_crc ? malloc(pi.blocks * sizeof(uint32_t)) : NULL;
-    int fd = -1, rc = 0;
-    if (!ss || !req || !in || !wd || (want_crc && !crc)) {
-        rc = td_err_set(err, TD_ENOMEM, "kvx: out of memory");
-        goto out;
+    if (!ss || (want_crc && !crc)) {
+        free(crc);
+        return td_err_set(err, TD_ENOMEM, "kvx: out of memory");
     }
-    for (uint32_t k = 0; k < pi.count; k++) {
-        kvx__piece_range d = kvx__piece_get_range(p, k);
-        wd[k] = (kvx_wire_desc){d.seg, d.src, d.n};
+    kvx__grant g;
+    int rc = kvx__grant_pin(s, &ss->gp, p, want_crc, "shm", map_pool, ss, &g, err);
+    if (rc) {
+        free(crc);
+        return rc;
     }
-    size_t req_n = kvx_wire_encode_grant(req, req_cap, pi.tag, pi.transfer_id,
-                                         want_crc ? KVX_READ_CHECKSUMS : 0, wd, pi.count);
-    TD_ASSERT(req_n > 0);
-
-    kvx_msg m;
-    for (int attempt = 0;; attempt++) {
-        bool fresh;
-        rc = conn_take(s, ss, pi.deadline_ns, attempt > 0, &fd, &fresh, err);
-        if (rc) {
-            fd = -1;
-            goto out;
-        }
-        pthread_mutex_lock(&ss->mu);
-        if (!ss->map) rc = map_pool(s, ss, fd, pi.deadline_ns, err);
-        pthread_mutex_unlock(&ss->mu);
-        if (rc) goto out;
-        rc = kvx__send_all(fd, req, req_n, pi.deadline_ns, err);
-        if (!rc) rc = kvx__recv_frame(fd, in, in_cap, &m, pi.deadline_ns, err);
-        if (!rc) break;
-        close(fd);
-        fd = -1;
-        /* A pooled connection may have died with its producer's previous life: retry once
-         * on a fresh one, whose handshake says what really happened. */
-        if (rc != TD_ECONN || fresh || attempt > 0) goto out;
-    }
-    if (m.hdr.type == KVX_MSG_ERROR) {
-        conn_give(ss, fd, true);
-        fd = -1;
-        rc = td_err_set(err, m.u.error.code, "kvx: producer %s:%u: %s", host, port, m.u.error.msg);
-        goto out;
-    }
-    uint32_t want_n_crc = want_crc ? (uint32_t)pi.blocks : 0;
-    if (m.hdr.type != KVX_MSG_UCX_GRANTED || m.hdr.tag != pi.tag ||
-        m.u.ucx_granted.n_crc != want_n_crc) {
-        rc = td_err_set(err, TD_EPROTO,
-                        "kvx shm: producer %s:%u answered the grant with %s (tag %u, %u "
-                        "checksums; expected UCX_GRANTED, tag %u, %u checksums)",
-                        host, port, kvx_wire_type_name(m.hdr.type), m.hdr.tag,
-                        m.u.ucx_granted.n_crc, pi.tag, want_n_crc);
-        goto out;
-    }
+    const kvx_msg m = g.m;
     /* The pin lasts valid_ms from the producer's send: copy well within it. */
     uint64_t until =
         TD_MIN(pi.deadline_ns, td_now_ns() + (uint64_t)m.u.ucx_granted.valid_ms * 750000ull);
@@ -292,17 +212,7 @@ static int shm_run_piece(struct kvx__session *s, struct kvx__piece *p, td_err *e
             rc = td_err_set(err, TD_ETIMEDOUT, "kvx shm: deadline passed while copying from %s:%u",
                             host, port);
     }
-    /* Unpin. The connection stays usable after a checksum mismatch or a bad range. */
-    size_t n = kvx_wire_encode_empty(req, req_cap, KVX_MSG_UCX_DONE, pi.tag);
-    td_err e;
-    bool sent = kvx__send_all(fd, req, n, pi.deadline_ns, &e) == 0;
-    conn_give(ss, fd, sent);
-    fd = -1;
-out:
-    if (fd >= 0) close(fd); /* closing also unpins */
-    free(req);
-    free(in);
-    free(wd);
+    kvx__grant_done(&ss->gp, &g);
     free(crc);
     return rc;
 }

@@ -51,6 +51,8 @@ const char *kvx_wire_type_name(int type)
     case KVX_MSG_UCX_DONE: return "UCX_DONE";
     case KVX_MSG_SHM_INFO: return "SHM_INFO";
     case KVX_MSG_SHM_INFO_ACK: return "SHM_INFO_ACK";
+    case KVX_MSG_CUDA_INFO: return "CUDA_INFO";
+    case KVX_MSG_CUDA_INFO_ACK: return "CUDA_INFO_ACK";
     case KVX_MSG_WRITE: return "WRITE";
     case KVX_MSG_PUSH_READY: return "PUSH_READY";
     case KVX_MSG_PUSH_DONE: return "PUSH_DONE";
@@ -296,7 +298,23 @@ int kvx_wire_decode(const kvx_hdr *h, const uint8_t *p, size_t len, kvx_msg *m, 
     case KVX_MSG_UCX_INFO:
     case KVX_MSG_UCX_DONE:
     case KVX_MSG_SHM_INFO:
+    case KVX_MSG_CUDA_INFO:
         if (len != 0) return bad_len(err, h, 0);
+        return 0;
+    case KVX_MSG_CUDA_INFO_ACK:
+        if (len != 112) return bad_len(err, h, 112);
+        m->u.cuda_info.pid = get32(p);
+        m->u.cuda_info.base = get64(p + 8);
+        m->u.cuda_info.bytes = get64(p + 16);
+        m->u.cuda_info.segment_stride = get64(p + 24);
+        m->u.cuda_info.uuid = p + 32;
+        m->u.cuda_info.handle = p + 48;
+        if (m->u.cuda_info.pid == 0 || get32(p + 4) != 0 || m->u.cuda_info.bytes == 0 ||
+            m->u.cuda_info.segment_stride == 0 ||
+            m->u.cuda_info.segment_stride > m->u.cuda_info.bytes ||
+            m->u.cuda_info.base + m->u.cuda_info.bytes < m->u.cuda_info.base)
+            return td_err_set(err, TD_EFORMAT, "kvx: CUDA_INFO_ACK with pid %u, a non-zero pad, or an empty or wrapping region",
+                              m->u.cuda_info.pid);
         return 0;
     case KVX_MSG_SHM_INFO_ACK:
         if (len != 48) return bad_len(err, h, 48);
@@ -494,7 +512,9 @@ size_t kvx_wire_encode_grant(uint8_t *buf, size_t cap, uint32_t tag,
 
 size_t kvx_wire_encode_empty(uint8_t *buf, size_t cap, uint8_t type, uint32_t tag)
 {
-    if (type != KVX_MSG_UCX_INFO && type != KVX_MSG_UCX_DONE && type != KVX_MSG_SHM_INFO) return 0;
+    if (type != KVX_MSG_UCX_INFO && type != KVX_MSG_UCX_DONE && type != KVX_MSG_SHM_INFO &&
+        type != KVX_MSG_CUDA_INFO)
+        return 0;
     return put_hdr(buf, cap, type, tag, 0);
 }
 
@@ -512,6 +532,23 @@ size_t kvx_wire_encode_shm_info(uint8_t *buf, size_t cap, uint32_t tag, uint32_t
     put64(p + 24, segment_stride);
     put64(p + 32, dev);
     put64(p + 40, ino);
+    return n;
+}
+
+size_t kvx_wire_encode_cuda_info(uint8_t *buf, size_t cap, uint32_t tag, uint32_t pid, uint64_t base,
+                                 uint64_t bytes, uint64_t segment_stride, const uint8_t uuid[16],
+                                 const uint8_t handle[64])
+{
+    size_t n = put_hdr(buf, cap, KVX_MSG_CUDA_INFO_ACK, tag, 112);
+    if (!n) return 0;
+    uint8_t *p = buf + KVX_HDR_BYTES;
+    put32(p, pid);
+    put32(p + 4, 0);
+    put64(p + 8, base);
+    put64(p + 16, bytes);
+    put64(p + 24, segment_stride);
+    memcpy(p + 32, uuid, 16);
+    memcpy(p + 48, handle, 64);
     return n;
 }
 

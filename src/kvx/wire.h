@@ -70,6 +70,9 @@ typedef enum kvx_msg_type {
     /* The shm transport (shm.c) reuses UCX_GRANT / UCX_GRANTED / UCX_DONE for its pins. */
     KVX_MSG_SHM_INFO = 25,     /* consumer -> producer: where is your pool's memfd */
     KVX_MSG_SHM_INFO_ACK = 26, /* producer -> consumer: pid, fd, offset, bytes, dev/ino */
+    /* The cuda_ipc transport (cuda_ipc.c) reuses them too. */
+    KVX_MSG_CUDA_INFO = 27,     /* consumer -> producer: your pool's CUDA IPC handle */
+    KVX_MSG_CUDA_INFO_ACK = 28, /* producer -> consumer: pid, base, bytes, stride, uuid, handle */
 } kvx_msg_type;
 
 /* HELLO features */
@@ -141,6 +144,14 @@ typedef struct kvx_msg {
                                         that /proc/<pid>/fd/<fd> is this file (a consumer in
                                         another PID namespace would open another process's) */
         } shm_info;
+        struct {
+            uint32_t pid;            /* the producer's (a consumer in the same process uses base) */
+            uint64_t base;           /* the pool's device address in the producer */
+            uint64_t bytes;          /* segments x stride */
+            uint64_t segment_stride; /* the producer's, which may differ from ours */
+            const uint8_t *uuid;     /* 16 bytes: the producer's GPU */
+            const uint8_t *handle;   /* 64 bytes: cudaIpcMemHandle_t of the pool */
+        } cuda_info;
         struct {
             uint32_t valid_ms; /* the pin ends this long after the answer was sent */
             uint32_t n_crc;    /* 0, or one per block of the GRANT, in request order */
@@ -221,6 +232,9 @@ size_t kvx_wire_encode_ucx_info(uint8_t *buf, size_t cap, uint32_t tag, uint64_t
 size_t kvx_wire_encode_shm_info(uint8_t *buf, size_t cap, uint32_t tag, uint32_t pid, uint32_t fd,
                                 uint64_t offset, uint64_t bytes, uint64_t segment_stride,
                                 uint64_t dev, uint64_t ino);
+size_t kvx_wire_encode_cuda_info(uint8_t *buf, size_t cap, uint32_t tag, uint32_t pid, uint64_t base,
+                                 uint64_t bytes, uint64_t segment_stride, const uint8_t uuid[16],
+                                 const uint8_t handle[64]);
 size_t kvx_wire_encode_ucx_granted(uint8_t *buf, size_t cap, uint32_t tag, uint32_t valid_ms,
                                    const uint32_t *crcs, uint32_t n_crc);
 

@@ -576,7 +576,11 @@ int pd_create(pd_connector **out, const pd_config *cfg, const td_kv_info *kv,
         .shm_offset = 0,
         .block_crc = kv->block_crc,
         .block_crc_ok = kv->block_crc_ok,
+        .device = kv->device,
+        .device_id = kv->device_id,
     };
+    memcpy(region.ipc_handle, kv->ipc_handle, sizeof(region.ipc_handle));
+    memcpy(region.device_uuid, kv->device_uuid, sizeof(region.device_uuid));
     int rc = 0;
     if (cfg->producer) {
         kvx_agent_opts ao;

@@ -403,7 +403,7 @@ static void detect_chat_template(srv_server *s, td_engine *e)
 static int start_pd(srv_server *s, td_engine *e, const srv_kv_config *kv, td_err *err)
 {
     static const kvx_protocol protos[] = {KVX_PROTO_TCP, KVX_PROTO_SHM, KVX_PROTO_UCX,
-                                          KVX_PROTO_TCP};
+                                          KVX_PROTO_CUDA_IPC};
     pd_config pc = {
         .producer = kv->role == SRV_KV_PRODUCER || kv->role == SRV_KV_BOTH,
         .consumer = kv->role == SRV_KV_CONSUMER || kv->role == SRV_KV_BOTH,

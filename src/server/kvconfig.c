@@ -268,13 +268,19 @@ int srv_kv_config_parse(srv_kv_config *c, const char *json, char *err, size_t ca
         rc = fail(err, cap, "'kv_role' is required", NULL);
     } else if (c->rank >= c->parallel_size) {
         rc = fail(err, cap, " must be less than kv_parallel_size", "kv_rank");
-    } else if (c->protocol == SRV_KV_CUDA_IPC) {
+    } else if ((c->protocol == SRV_KV_CUDA_IPC) != !strcmp(c->buffer_device, "cuda") &&
+               strcmp(c->buffer_device, "")) {
         rc = fail(err, cap,
-                  "'protocol' cuda_ipc moves device memory and needs the GPU backend, which "
-                  "this engine does not have yet; use tcp, shm or ucx",
+                  c->protocol == SRV_KV_CUDA_IPC
+                      ? "'kv_buffer_device' must be cuda for protocol cuda_ipc (its KV lives in "
+                        "GPU memory)"
+                      : "'kv_buffer_device' cuda goes with protocol cuda_ipc",
                   NULL);
-    } else if (!strcmp(c->buffer_device, "cuda")) {
-        rc = fail(err, cap, "'kv_buffer_device' cuda needs the GPU backend; use cpu", NULL);
+    } else if (c->protocol == SRV_KV_CUDA_IPC && c->write_mode && mode_set) {
+        rc = fail(err, cap, "'transfer_mode' write is not served from GPU memory: protocol "
+                  "cuda_ipc reads (transfer_mode read)", NULL);
+    } else if (c->protocol == SRV_KV_CUDA_IPC) {
+        c->write_mode = false; /* the consumer copies out of the producer's pool */
     } else if (!mode_set && !strcmp(c->connector, "mooncake")) {
         c->write_mode = true; /* mooncake means push semantics */
     } else if (!mode_set && !strcmp(c->connector, "moriio")) {

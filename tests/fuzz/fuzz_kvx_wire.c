@@ -36,7 +36,13 @@ static size_t reencode(const kvx_msg *m, uint8_t *out, size_t cap)
     case KVX_MSG_UCX_INFO:
     case KVX_MSG_UCX_DONE:
     case KVX_MSG_SHM_INFO:
+    case KVX_MSG_CUDA_INFO:
         return kvx_wire_encode_empty(out, cap, m->hdr.type, m->hdr.tag);
+    case KVX_MSG_CUDA_INFO_ACK:
+        return kvx_wire_encode_cuda_info(out, cap, m->hdr.tag, m->u.cuda_info.pid,
+                                         m->u.cuda_info.base, m->u.cuda_info.bytes,
+                                         m->u.cuda_info.segment_stride, m->u.cuda_info.uuid,
+                                         m->u.cuda_info.handle);
     case KVX_MSG_SHM_INFO_ACK:
         return kvx_wire_encode_shm_info(out, cap, m->hdr.tag, m->u.shm_info.pid, m->u.shm_info.fd,
                                         m->u.shm_info.offset, m->u.shm_info.bytes,

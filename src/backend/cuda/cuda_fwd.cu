@@ -56,6 +56,7 @@ enum { PROF_GEMM, PROF_ATT, PROF_OTHER, PROF_STEP, PROF_N };
 struct td_cuda_fwd {
     const td_model *m;
     int n_layer, d, qd, kd, hd, n_head, n_kv, ff, vocab, n_sm;
+    int dev; /* the CUDA device it was made on */
     int block_size, n_blocks, max_tokens, max_logits, max_ctx, max_blocks;
     int kv_type;     /* 0 f32, 1 f16, 2 bf16, 3 fp8 e4m3 */
     bool bf;         /* bf16 weights and GEMM inputs (else all f32) */
@@ -799,9 +800,11 @@ k_attn_dec(const float *qkv, int qstride, const int32_t *list, const int32_t *po
     float ma = -INFINITY, mb = -INFINITY, la = 0.0f, lb = 0.0f;
     const uint4 zero = make_uint4(0, 0, 0, 0);
 
-    for (int kb = j0; kb < j1; kb += 16) {
-        /* K rows kb + g and kb + 8 + g; V rows kb + 2c, + 1, + 8, + 9 */
-        uint4 kr[2][HD / 32], vr[4][HD / 64];
+    /* K rows kb + g and kb + 8 + g; V rows kb + 2c, + 1, + 8, + 9. The next tile's loads
+     * are issued before this tile's arithmetic (its registers cost no occupancy: the
+     * block count per SM is already bound by the registers), so a warp always has one
+     * tile, and the table lookups in front of it, in flight. */
+    auto load = [&](int kb, uint4 (&kr)[2][HD / 32], uint4 (&vr)[4][HD / 64]) {
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             const int key = kb + 8 * h + g;
@@ -816,6 +819,12 @@ k_attn_dec(const float *qkv, int qstride, const int32_t *list, const int32_t *po
 #pragma unroll
             for (int h = 0; h < HD / 64; h++) vr[r][h] = p ? p[8 * h + g] : zero;
         }
+    };
+    uint4 kr[2][HD / 32], vr[4][HD / 64];
+    if (j0 < j1) load(j0, kr, vr);
+    for (int kb = j0; kb < j1; kb += 16) {
+        uint4 nk[2][HD / 32], nv[4][HD / 64];
+        if (kb + 16 < j1) load(kb + 16, nk, nv);
         /* S for keys kb .. kb + 15: two n-tiles */
         float s[2][4];
 #pragma unroll
@@ -873,6 +882,14 @@ k_attn_dec(const float *qkv, int qstride, const int32_t *list, const int32_t *po
                 mma16816<F16>(acc, pa, __byte_perm(w0[k / 2], w1[k / 2], sel), __byte_perm(w2[k / 2], w3[k / 2], sel));
             }
         }
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+#pragma unroll
+            for (int k = 0; k < HD / 32; k++) kr[h][k] = nk[h][k];
+#pragma unroll
+        for (int r = 0; r < 4; r++)
+#pragma unroll
+            for (int h = 0; h < HD / 64; h++) vr[r][h] = nv[r][h];
     }
     for (int off = 1; off < 4; off <<= 1) {
         la += __shfl_xor_sync(0xffffffffu, la, off);
@@ -1215,6 +1232,25 @@ size_t td_cuda_fwd_device_bytes(const td_cuda_fwd *f)
     return f->device_bytes;
 }
 
+int td_cuda_fwd_kv_export(td_cuda_fwd *f, void **base, uint8_t handle[64], int *device,
+                          uint8_t uuid[16], td_err *err)
+{
+    static_assert(sizeof(cudaIpcMemHandle_t) == 64, "cudaIpcMemHandle_t is 64 bytes");
+    cudaIpcMemHandle_t h;
+    cudaDeviceProp prop;
+    cudaError_t e = cudaSetDevice(f->dev);
+    if (e == cudaSuccess) e = cudaIpcGetMemHandle(&h, f->pool);
+    if (e == cudaSuccess) e = cudaGetDeviceProperties(&prop, f->dev);
+    if (e != cudaSuccess)
+        return td_err_set(err, TD_EIO, "cuda: cannot export the KV pool for cuda_ipc: %s",
+                          cudaGetErrorString(e));
+    *base = f->pool;
+    memcpy(handle, &h, 64);
+    *device = f->dev;
+    memcpy(uuid, prop.uuid.bytes, 16);
+    return 0;
+}
+
 /* The staged integers: offsets (in int32) into h_ints and dints. */
 enum { ST_TOK, ST_POS, ST_SEQ, ST_ROWS, ST_TAB, ST_LIST, ST_TILES, ST_END };
 static size_t stage_off(const td_cuda_fwd *f, int which)
@@ -1311,6 +1347,7 @@ int td_cuda_fwd_create(td_cuda_fwd **out, const td_model *m, td_type kv_dtype, i
                 !(td && !strcmp(td, "0"));
     int dev = 0;
     cudaGetDevice(&dev);
+    f->dev = dev;
     cudaDeviceGetAttribute(&f->n_sm, cudaDevAttrMultiProcessorCount, dev);
     if (f->n_sm < 1) f->n_sm = 1;
     int rc = 0;

@@ -47,6 +47,13 @@ void td_cuda_fwd_free(td_cuda_fwd *f);
  */
 int td_cuda_probe(double *copy_gbs, double *gemm_tflops, td_err *err);
 
+/**
+ * The KV pool for a same-host transfer peer (kvx cuda_ipc): its device address, its CUDA
+ * IPC handle (64 bytes, a cudaIpcMemHandle_t), the device's ordinal and UUID.
+ */
+int td_cuda_fwd_kv_export(td_cuda_fwd *f, void **base, uint8_t handle[64], int *device,
+                          uint8_t uuid[16], td_err *err);
+
 /** Bytes of device memory the pool and the weights took (for the memory plan's log). */
 size_t td_cuda_fwd_device_bytes(const td_cuda_fwd *f);
 

@@ -566,6 +566,90 @@ static void test_shm_info_frame(void **state)
     assert_int_equal(m.hdr.type, KVX_MSG_SHM_INFO);
 }
 
+/*
+ * A pool flagged as GPU memory (kvx_region.device) moves only by cuda_ipc: tcp and shm
+ * consumers get a clear error and no bytes (the host memory behind the flag here is never
+ * read), a consumer's protocol must match where its own pool lives, and a host pool's
+ * producer refuses CUDA_INFO. (The copies themselves are tested on a GPU:
+ * tests/unit/kvx/test_kvx_cuda.c.)
+ */
+static void test_device_region_guards(void **state)
+{
+    (void)state;
+    side p, c;
+    producer_side(&p, true, 8);
+    consumer_side(&c);
+    memset(c.mem, 0, N_SEG * STRIDE);
+    p.region.device = true;
+    for (int i = 0; i < 64; i++) p.region.ipc_handle[i] = (uint8_t)(i + 1);
+    kvx_agent *a = agent(&p);
+    const kvx_protocol host_protos[] = {KVX_PROTO_TCP, KVX_PROTO_SHM};
+    for (int i = 0; i < 2; i++) {
+        kvx_client *k = client_proto(&c, host_protos[i]);
+        char tid[KVX_ID_HEX];
+        td_err res;
+        kvx_xfer *x = start(a, k, 0, 0, 4, tid, NULL);
+        assert_int_equal(kvx_xfer_wait(x, &res), TD_EUNSUPPORTED);
+        assert_non_null(strstr(res.msg, "GPU memory: use protocol cuda_ipc"));
+        kvx_xfer_free(x);
+        kvx_agent_cancel(a, tid);
+        kvx_client_destroy(k);
+    }
+    for (size_t i = 0; i < N_SEG * STRIDE; i++) assert_int_equal(c.mem[i], 0);
+    kvx_agent_destroy(a);
+
+    /* The consumer's protocol and its own pool must agree. */
+    kvx_client_opts o;
+    kvx_client_opts_default(&o);
+    o.layout = layout();
+    o.region = c.region;
+    o.protocol = KVX_PROTO_CUDA_IPC;
+    kvx_client *k;
+    td_err err;
+    assert_int_equal(kvx_client_create(&k, &o, &err), TD_EUNSUPPORTED);
+    assert_non_null(strstr(err.msg, "host memory"));
+    o.region.device = true;
+    o.protocol = KVX_PROTO_TCP;
+    assert_int_equal(kvx_client_create(&k, &o, &err), TD_EUNSUPPORTED);
+    assert_non_null(strstr(err.msg, "use protocol cuda_ipc"));
+#ifndef TD_HAVE_CUDA
+    o.protocol = KVX_PROTO_CUDA_IPC;
+    assert_int_equal(kvx_client_create(&k, &o, &err), TD_EUNSUPPORTED);
+    assert_non_null(strstr(err.msg, "CUDA backend"));
+    assert_false(kvx_protocol_available(KVX_PROTO_CUDA_IPC));
+#endif
+    assert_string_equal(kvx_protocol_name(KVX_PROTO_CUDA_IPC), "cuda_ipc");
+
+    /* A host pool's producer refuses CUDA_INFO (a cuda_ipc consumer's first question). */
+    p.region.device = false;
+    a = agent(&p);
+    kvx_client_opts_default(&o);
+    o.layout = layout();
+    o.region = c.region;
+    /* Greet it as a client would, then ask. */
+    int fd = -1;
+    assert_int_equal(kvx__connect("127.0.0.1", kvx_agent_port(a), td_now_ns() + 2000000000ull, &fd, &err), 0);
+    kvx_hello h;
+    uint8_t id[KVX_ID_BYTES] = {1, 2, 3};
+    kvx__hello_fill(&h, id, &o.layout, &o.region);
+    uint8_t buf[1024];
+    size_t n = kvx_wire_encode_hello(buf, sizeof(buf), KVX_MSG_HELLO, 1, &h);
+    kvx_msg m;
+    uint64_t dl = td_now_ns() + 2000000000ull;
+    assert_int_equal(kvx__send_all(fd, buf, n, dl, &err), 0);
+    assert_int_equal(kvx__recv_frame(fd, buf, sizeof(buf), &m, dl, &err), 0);
+    assert_int_equal(m.hdr.type, KVX_MSG_HELLO_ACK);
+    n = kvx_wire_encode_empty(buf, sizeof(buf), KVX_MSG_CUDA_INFO, 2);
+    assert_int_equal(kvx__send_all(fd, buf, n, dl, &err), 0);
+    assert_int_equal(kvx__recv_frame(fd, buf, sizeof(buf), &m, dl, &err), 0);
+    assert_int_equal(m.hdr.type, KVX_MSG_ERROR);
+    assert_non_null(strstr(m.u.error.msg, "host memory"));
+    close(fd);
+    kvx_agent_destroy(a);
+    side_free(&p);
+    side_free(&c);
+}
+
 /* Every CRC32C implementation this CPU has gives the portable one's values. */
 /*
  * Checksums the producer kept as it wrote its blocks (kvx_region.block_crc) are the ones
@@ -667,6 +751,7 @@ int main(void)
         cmocka_unit_test(test_shm_deadline_and_death),
         cmocka_unit_test(test_shm_restart_drops_mapping),
         cmocka_unit_test(test_shm_info_frame),
+        cmocka_unit_test(test_device_region_guards),
         cmocka_unit_test(test_kept_checksums),
         cmocka_unit_test(test_crc32c_impls),
     };

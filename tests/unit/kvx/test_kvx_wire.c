@@ -516,6 +516,61 @@ static void test_rail_frames(void **state)
     assert_int_equal(kvx_wire_encode_rail_ack(buf, sizeof(buf), 4, "10.0.0.1", 1, ""), 0);
 }
 
+/* The cuda_ipc handshake: CUDA_INFO (empty) and its answer, round trip and bad payloads. */
+static void test_cuda_frames(void **state)
+{
+    (void)state;
+    uint8_t buf[512], uuid[16], handle[64];
+    kvx_msg m;
+    td_err err;
+    for (int i = 0; i < 16; i++) uuid[i] = (uint8_t)(0xa0 + i);
+    for (int i = 0; i < 64; i++) handle[i] = (uint8_t)(3 * i + 1);
+    size_t n = kvx_wire_encode_empty(buf, sizeof(buf), KVX_MSG_CUDA_INFO, 5);
+    assert_int_equal(n, KVX_HDR_BYTES);
+    assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), 0);
+    assert_int_equal(m.hdr.type, KVX_MSG_CUDA_INFO);
+    assert_string_equal(kvx_wire_type_name(KVX_MSG_CUDA_INFO_ACK), "CUDA_INFO_ACK");
+
+    n = kvx_wire_encode_cuda_info(buf, sizeof(buf), 6, 4242, 0x7f0000000000ull, 1u << 30,
+                                  1u << 25, uuid, handle);
+    assert_int_equal(n, KVX_HDR_BYTES + 112);
+    assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), 0);
+    assert_int_equal(m.hdr.type, KVX_MSG_CUDA_INFO_ACK);
+    assert_int_equal(m.hdr.tag, 6);
+    assert_int_equal(m.u.cuda_info.pid, 4242);
+    assert_true(m.u.cuda_info.base == 0x7f0000000000ull);
+    assert_true(m.u.cuda_info.bytes == (1u << 30));
+    assert_true(m.u.cuda_info.segment_stride == (1u << 25));
+    assert_memory_equal(m.u.cuda_info.uuid, uuid, 16);
+    assert_memory_equal(m.u.cuda_info.handle, handle, 64);
+    assert_int_equal(kvx_wire_decode_frame(buf, n - 1, &m, &err), TD_EFORMAT); /* truncated */
+    assert_int_equal(kvx_wire_encode_cuda_info(buf, 100, 6, 1, 0, 1, 1, uuid, handle), 0);
+
+    /* pid 0, a non-zero pad, no bytes, a stride over the size, a region that wraps */
+    struct {
+        uint32_t pid;
+        uint64_t base, bytes, stride;
+        int pad;
+    } bad[] = {{0, 0, 4096, 4096, 0},
+               {7, 0, 4096, 4096, 1},
+               {7, 0, 0, 4096, 0},
+               {7, 0, 4096, 8192, 0},
+               {7, UINT64_MAX - 10, 4096, 4096, 0},
+               {7, 0, 4096, 0, 0}};
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        n = kvx_wire_encode_cuda_info(buf, sizeof(buf), 6, bad[i].pid, bad[i].base, bad[i].bytes,
+                                      bad[i].stride, uuid, handle);
+        assert_int_not_equal(n, 0);
+        if (bad[i].pad) buf[KVX_HDR_BYTES + 5] = 1;
+        if (kvx_wire_decode_frame(buf, n, &m, &err) != TD_EFORMAT) fail_msg("accepted bad case %zu", i);
+        assert_non_null(strstr(err.msg, "CUDA_INFO_ACK"));
+    }
+    /* CUDA_INFO with a payload */
+    n = kvx_wire_encode_cuda_info(buf, sizeof(buf), 6, 7, 0, 4096, 4096, uuid, handle);
+    buf[6] = KVX_MSG_CUDA_INFO; /* the header's type byte */
+    assert_int_not_equal(kvx_wire_decode_frame(buf, n, &m, &err), 0);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -524,6 +579,7 @@ int main(void)
         cmocka_unit_test(test_push_frames),    cmocka_unit_test(test_rail_frames),
         cmocka_unit_test(test_crc32c),         cmocka_unit_test(test_coalesce),
         cmocka_unit_test(test_layout_and_ids), cmocka_unit_test(test_auth_frame),
+        cmocka_unit_test(test_cuda_frames),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

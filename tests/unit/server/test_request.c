@@ -276,6 +276,16 @@ static void test_kv_config(void **state)
                      0);
     assert_true(c.write_mode);
     srv_kv_config_free(&c);
+    /* cuda_ipc parses in any build (serve checks --device); it always reads */
+    assert_int_equal(srv_kv_config_parse(&c,
+                                         "{\"kv_role\":\"kv_consumer\",\"kv_connector\":"
+                                         "\"mooncake\",\"protocol\":\"cuda_ipc\","
+                                         "\"kv_buffer_device\":\"cuda\"}",
+                                         msg, sizeof(msg)),
+                     0);
+    assert_int_equal(c.protocol, SRV_KV_CUDA_IPC);
+    assert_false(c.write_mode);
+    srv_kv_config_free(&c);
     static const char *const bad[] = {
         "{}",
         "[]",
@@ -288,7 +298,9 @@ static void test_kv_config(void **state)
         "{\"kv_role\":\"kv_both\",\"kv_connector_extra_config\":\"s\"}",
         "{\"kv_role\":\"kv_both\",\"kv_connector\":\"nixl\"}",
         "{\"kv_role\":\"kv_both\",\"protocol\":\"hip\"}",
-        "{\"kv_role\":\"kv_both\",\"protocol\":\"cuda_ipc\"}",
+        "{\"kv_role\":\"kv_both\",\"protocol\":\"cuda_ipc\",\"kv_buffer_device\":\"cpu\"}",
+        "{\"kv_role\":\"kv_both\",\"protocol\":\"tcp\",\"kv_buffer_device\":\"cuda\"}",
+        "{\"kv_role\":\"kv_both\",\"protocol\":\"cuda_ipc\",\"transfer_mode\":\"write\"}",
         "{\"kv_role\":\"kv_both\",\"transfer_mode\":\"pull\"}",
         "{\"kv_role\":\"kv_both\",\"kv_load_failure_policy\":\"retry\"}",
         "{\"kv_role\":\"kv_both\",\"verify_checksums\":1}",
