@@ -748,9 +748,15 @@ __global__ void k_attn_tiles(const float *qkv, int qstride, const int32_t *tiles
  *
  * The block's warps merge through shared memory at the end and write one partial (natural
  * log max, sum, unnormalised output) per query head, as k_attn_split does, for
- * k_attn_merge. A split's range is ceil(n / splits) keys rounded up to 16 per warp but at
- * least DEC_MIN_KEYS, computed from the row's position on the device, so a captured graph
- * stays right as contexts grow.
+ * k_attn_merge. A split's range is ceil(n / splits) keys rounded up to 16 (at least
+ * DEC_MIN_KEYS), cut into per-warp ranges of a multiple of 16 keys, computed from the
+ * row's position on the device, so a captured graph stays right as contexts grow.
+ *
+ * Latency is hidden by running ahead: a tile of 16 keys starts at a multiple of 16, so
+ * with block_size a multiple of 16 it lies in one block; the block table is read two
+ * tiles ahead and the next tile's K and V are loaded before this tile's arithmetic
+ * (registers that cost no occupancy: two blocks per SM either way). Each step took from
+ * 4.5 to 3.1 ms of attention per decode step at batch 64 (BENCHMARKS.md).
  */
 #define DEC_WARPS 4
 #define DEC_MIN_KEYS 64
@@ -767,16 +773,15 @@ k_attn_dec(const float *qkv, int qstride, const int32_t *list, const int32_t *po
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
     const int t = list[i], n = pos[t] + 1;
     int chunk = (n + splits - 1) / splits;
-    chunk = chunk < DEC_MIN_KEYS ? DEC_MIN_KEYS : chunk;
+    chunk = chunk < DEC_MIN_KEYS ? DEC_MIN_KEYS : (chunk + 15) & ~15;
     const int per = ((chunk + DEC_WARPS - 1) / DEC_WARPS + 15) & ~15;
     const int j0 = sp * chunk + warp * per;
     const int j1 = min(min(n, (sp + 1) * chunk), j0 + per);
     const int32_t *table = tables + (size_t)seq[t] * max_blocks;
     const size_t kv_off = (size_t)kh * HD * 2, v_off = (size_t)block_size * token_bytes;
-    auto row = [&](int key) -> const uint8_t * {
-        return layer + (size_t)table[key / block_size] * block_bytes + (size_t)(key % block_size) * token_bytes +
-               kv_off;
-    };
+    /* Tiles start at multiples of 16 keys and block_size is a multiple of 16, so a tile
+     * lies in one block, whose id is looked up two tiles ahead. */
+    auto blk_of = [&](int kb) -> int { return kb < j1 ? table[kb / block_size] : 0; };
 
     /* Q (heads g and g + 8 of the group, pre-scaled by log2(e) / sqrt(HD)) in the K order */
     uint32_t qa[HD / 16][4];
@@ -804,27 +809,31 @@ k_attn_dec(const float *qkv, int qstride, const int32_t *list, const int32_t *po
      * are issued before this tile's arithmetic (its registers cost no occupancy: the
      * block count per SM is already bound by the registers), so a warp always has one
      * tile, and the table lookups in front of it, in flight. */
-    auto load = [&](int kb, uint4 (&kr)[2][HD / 32], uint4 (&vr)[4][HD / 64]) {
+    auto load = [&](int kb, int blk, uint4 (&kr)[2][HD / 32], uint4 (&vr)[4][HD / 64]) {
+        const uint8_t *base = layer + (size_t)blk * block_bytes + (size_t)(kb % block_size) * token_bytes + kv_off;
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-            const int key = kb + 8 * h + g;
-            const uint4 *p = key < j1 ? (const uint4 *)row(key) : nullptr;
+            const int at = 8 * h + g;
+            const uint4 *p = kb + at < j1 ? (const uint4 *)(base + (size_t)at * token_bytes) : nullptr;
 #pragma unroll
             for (int k = 0; k < HD / 32; k++) kr[h][k] = p ? p[4 * k + c] : zero;
         }
 #pragma unroll
         for (int r = 0; r < 4; r++) {
-            const int key = kb + 2 * c + (r & 1) + 8 * (r >> 1);
-            const uint4 *p = key < j1 ? (const uint4 *)(row(key) + v_off) : nullptr;
+            const int at = 2 * c + (r & 1) + 8 * (r >> 1);
+            const uint4 *p = kb + at < j1 ? (const uint4 *)(base + v_off + (size_t)at * token_bytes) : nullptr;
 #pragma unroll
             for (int h = 0; h < HD / 64; h++) vr[r][h] = p ? p[8 * h + g] : zero;
         }
     };
     uint4 kr[2][HD / 32], vr[4][HD / 64];
-    if (j0 < j1) load(j0, kr, vr);
+    if (j0 < j1) load(j0, blk_of(j0), kr, vr);
+    int b_next = blk_of(j0 + 16);
     for (int kb = j0; kb < j1; kb += 16) {
         uint4 nk[2][HD / 32], nv[4][HD / 64];
-        if (kb + 16 < j1) load(kb + 16, nk, nv);
+        const int b_after = blk_of(kb + 32);
+        if (kb + 16 < j1) load(kb + 16, b_next, nk, nv);
+        b_next = b_after;
         /* S for keys kb .. kb + 15: two n-tiles */
         float s[2][4];
 #pragma unroll
@@ -1344,6 +1353,7 @@ int td_cuda_fwd_create(td_cuda_fwd **out, const td_model *m, td_type kv_dtype, i
     f->use_gemv = !(tg && !strcmp(tg, "0"));
     f->tiles_ok = f->bf && (kv_type == 1 || kv_type == 2) && (f->hd == 64 || f->hd == 128) && group <= 8 && !(te && !strcmp(te, "0"));
     f->dec_ok = f->bf && (kv_type == 1 || kv_type == 2) && (f->hd == 64 || f->hd == 128) && group <= 16 &&
+                block_size % 16 == 0 &&
                 !(td && !strcmp(td, "0"));
     int dev = 0;
     cudaGetDevice(&dev);
