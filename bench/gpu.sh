@@ -73,7 +73,7 @@ if want pd; then
     wait_ok() { for _ in $(seq 240); do curl -sf "$1/health" >/dev/null && return 0; sleep 0.5; done; return 1; }
     echo "== 1P1D (tandem up --protocol cuda_ipc)" | log
     rm -rf "$out/pd-work"
-    build-gpu/tandem up --protocol cuda_ipc --port 8300 --workdir "$out/pd-work" --log-level info -- "${eng[@]}" \
+    build-gpu/tandem up --model llama3-8b --protocol cuda_ipc --port 8300 --workdir "$out/pd-work" --log-level info -- "${eng[@]}" \
         >"$out/pd-up.log" 2>&1 &
     up_pid=$!
     if wait_ok http://127.0.0.1:8300; then

@@ -1284,11 +1284,12 @@ static int n_splits(const td_cuda_fwd *f, int n)
     return want < 1 ? 1 : want > SPLIT_MAX ? SPLIT_MAX : want;
 }
 
-/* Splits for k_attn_dec: about four blocks per SM, within the partials buffer (sized for
+/* Splits for k_attn_dec: about two blocks per SM (as many as fit at once: a second wave
+ * of shorter splits measured slower, BENCHMARKS.md), within the partials buffer (sized for
  * max_tokens + 2 n_sm rows); each split takes at least DEC_MIN_KEYS keys on the device. */
 static int dec_splits(const td_cuda_fwd *f, int n)
 {
-    int want = (4 * f->n_sm + n * f->n_kv - 1) / (n * f->n_kv);
+    int want = (2 * f->n_sm + n * f->n_kv - 1) / (n * f->n_kv);
     int room = (f->max_tokens + 2 * f->n_sm) / n;
     if (want > room) want = room;
     return want < 1 ? 1 : want > 64 ? 64 : want;
