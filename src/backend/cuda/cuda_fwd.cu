@@ -603,8 +603,13 @@ __global__ void k_attn_tiles(const float *qkv, int qstride, const int32_t *tiles
     constexpr int LD = HD + TILE_PAD, STAGE = 2 * TILE_KEYS * LD, VEC = HD / 8;
     const int group = n_head / n_kv, kh = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, c = lane % 4, head = kh * group + warp;
-    const int r0 = tiles[2 * blockIdx.x], nr = tiles[2 * blockIdx.x + 1];
+    /* the last tiles first: they have the most keys (causal), so the long blocks start in
+     * the first wave and the short ones fill the tail */
+    const int ti = gridDim.x - 1 - blockIdx.x;
+    const int r0 = tiles[2 * ti], nr = tiles[2 * ti + 1];
     const int32_t *table = tables + (size_t)seq[r0] * max_blocks;
+    const bool bs_pow2 = (block_size & (block_size - 1)) == 0;
+    const int bs_shift = __ffs(block_size) - 1;
     /* this lane's two rows (g and g + 8) and their positions; rows past nr see no key */
     const int pa = g < nr ? pos[r0 + g] : -1, pb = g + 8 < nr ? pos[r0 + g + 8] : -1;
     const int n_keys = pos[r0 + nr - 1] + 1;
@@ -617,8 +622,10 @@ __global__ void k_attn_tiles(const float *qkv, int qstride, const int32_t *tiles
             int j = e / VEC, v = e % VEC, key = kt + j;
             bool ok = key < n_keys;
             int kk = ok ? key : 0;
-            const uint8_t *kr = layer + (size_t)table[kk / block_size] * block_bytes +
-                                (size_t)(kk % block_size) * token_bytes + (size_t)kh * HD * 2;
+            const int blk = bs_pow2 ? kk >> bs_shift : kk / block_size;
+            const int in_blk = bs_pow2 ? kk & (block_size - 1) : kk % block_size;
+            const uint8_t *kr = layer + (size_t)table[blk] * block_bytes + (size_t)in_blk * token_bytes +
+                                (size_t)kh * HD * 2;
             cp_async16(kd + j * LD + v * 8, (const uint4 *)kr + v, ok);
             cp_async16(vd + j * LD + v * 8, (const uint4 *)(kr + (size_t)block_size * token_bytes) + v, ok);
         }
