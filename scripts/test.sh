@@ -34,7 +34,7 @@ if [ -n "$nvcc_bin" ]; then
     echo "== CUDA backend build ($nvcc_bin) and its tests"
     cmake -S . -B build-cuda -DCMAKE_BUILD_TYPE=Release -DTANDEM_CUDA=ON \
         -DCMAKE_CUDA_COMPILER="$nvcc_bin" -DTD_SHARED_DIR="$TD_SHARED_DIR" >/dev/null
-    cmake --build build-cuda -j"$jobs" --target tandem test_engine_cuda
+    cmake --build build-cuda -j"$jobs" --target tandem test_engine_cuda test_kvx_cuda
     if nvidia-smi -L >/dev/null 2>&1; then
         run_ctest cuda build-cuda -R cuda
     else
