@@ -52,7 +52,8 @@ static kvx_layout bench_layout(const geom *g, int kv_heads, int head_dim, int bl
                         .tp_size = 1};
 }
 
-static void no_release(void *u, const char *id, const int32_t *b, int n, kvx_release_reason r, void *tu)
+static void no_release(void *u, const char *id, const int32_t *b, int n, kvx_release_reason r,
+                       void *tu)
 {
     (void)u, (void)id, (void)b, (void)n, (void)r, (void)tu;
 }
@@ -66,7 +67,8 @@ static void producer_main(const geom *g, kvx_layout lay, int n_leases, int wfd, 
     struct cudaDeviceProp prop;
     uint16_t port = 0;
     if (cudaMalloc(&pool, bytes) != cudaSuccess || cudaMemset(pool, 0x5a, bytes) != cudaSuccess ||
-        cudaIpcGetMemHandle(&h, pool) != cudaSuccess || cudaGetDeviceProperties(&prop, 0) != cudaSuccess) {
+        cudaIpcGetMemHandle(&h, pool) != cudaSuccess ||
+        cudaGetDeviceProperties(&prop, 0) != cudaSuccess) {
         fprintf(stderr, "bench-xfer-cuda: the producer cannot allocate %.1f MiB on the GPU: %s\n",
                 (double)bytes / (1 << 20), cudaGetErrorString(cudaGetLastError()));
         (void)!write(wfd, &port, sizeof(port));
@@ -75,9 +77,11 @@ static void producer_main(const geom *g, kvx_layout lay, int n_leases, int wfd, 
     kvx_agent_opts o;
     kvx_agent_opts_default(&o);
     o.layout = lay;
-    o.region = (kvx_region){.base = pool, .n_segments = (uint32_t)g->layers,
+    o.region = (kvx_region){.base = pool,
+                            .n_segments = (uint32_t)g->layers,
                             .segment_stride = (uint64_t)g->blocks * g->block_bytes,
-                            .block_bytes = g->block_bytes, .n_blocks = (uint32_t)g->blocks,
+                            .block_bytes = g->block_bytes,
+                            .n_blocks = (uint32_t)g->blocks,
                             .device = true};
     memcpy(o.region.ipc_handle, &h, 64);
     memcpy(o.region.device_uuid, prop.uuid.bytes, 16);
@@ -90,8 +94,9 @@ static void producer_main(const geom *g, kvx_layout lay, int n_leases, int wfd, 
         _exit(1);
     }
     int32_t *blocks = malloc((size_t)g->blocks * sizeof(int32_t));
-    for (int i = 0; i < g->blocks; i++) blocks[i] = i;
-    char (*tids)[KVX_ID_HEX] = calloc((size_t)n_leases, KVX_ID_HEX);
+    for (int i = 0; i < g->blocks; i++)
+        blocks[i] = i;
+    char(*tids)[KVX_ID_HEX] = calloc((size_t)n_leases, KVX_ID_HEX);
     for (int k = 0; k < n_leases; k++)
         if (kvx_agent_register(a, blocks, g->blocks, 3600000, NULL, tids[k], &err)) _exit(1);
     port = kvx_agent_port(a);
@@ -166,7 +171,8 @@ int cli_bench_xfer_cuda(int argc, char **argv)
     int concs[16], n_conc = 0, max_conc = 0;
     char buf[128];
     snprintf(buf, sizeof(buf), "%s", conc_s);
-    for (char *save = NULL, *t = strtok_r(buf, ",", &save); t && n_conc < 16; t = strtok_r(NULL, ",", &save)) {
+    for (char *save = NULL, *t = strtok_r(buf, ",", &save); t && n_conc < 16;
+         t = strtok_r(NULL, ",", &save)) {
         int64_t v;
         if (td_parse_i64(t, &v) || v < 1 || v > 64) {
             fprintf(stderr, "bench-xfer-cuda: --concurrency takes numbers in [1, 64]\n");
@@ -184,7 +190,8 @@ int cli_bench_xfer_cuda(int argc, char **argv)
     }
     geom g = {.layers = (int)layers,
               .blocks = (int)((tokens + block_size - 1) / block_size),
-              .block_bytes = (uint64_t)block_size * (uint64_t)kv_heads * (uint64_t)head_dim * 2 * 2};
+              .block_bytes =
+                  (uint64_t)block_size * (uint64_t)kv_heads * (uint64_t)head_dim * 2 * 2};
     kvx_layout lay = bench_layout(&g, (int)kv_heads, (int)head_dim, (int)block_size);
     int n_leases = 1 + max_conc * (int)reps * n_conc;
     if (n_leases > MAX_LEASES) n_leases = MAX_LEASES;
@@ -200,7 +207,7 @@ int cli_bench_xfer_cuda(int argc, char **argv)
     close(down[0]);
     uint16_t port = 0;
     char engine[KVX_ID_HEX];
-    char (*tids)[KVX_ID_HEX] = calloc((size_t)n_leases, KVX_ID_HEX);
+    char(*tids)[KVX_ID_HEX] = calloc((size_t)n_leases, KVX_ID_HEX);
     int rc = 1;
     kvx_client *k = NULL;
     void *pool = NULL;
@@ -219,9 +226,12 @@ int cli_bench_xfer_cuda(int argc, char **argv)
     kvx_client_opts o;
     kvx_client_opts_default(&o);
     o.layout = lay;
-    o.region = (kvx_region){.base = pool, .n_segments = (uint32_t)g.layers, .segment_stride = seg,
+    o.region = (kvx_region){.base = pool,
+                            .n_segments = (uint32_t)g.layers,
+                            .segment_stride = seg,
                             .block_bytes = g.block_bytes,
-                            .n_blocks = (uint32_t)(max_conc * g.blocks), .device = true};
+                            .n_blocks = (uint32_t)(max_conc * g.blocks),
+                            .device = true};
     o.protocol = KVX_PROTO_CUDA_IPC;
     o.num_worker_threads = (int)threads;
     o.qp_per_transfer = (int)qp;
@@ -241,11 +251,13 @@ int cli_bench_xfer_cuda(int argc, char **argv)
     printf("floor: cudaMemcpy device to device, 1 GiB: %.0f GB/s of payload (%.0f GB/s read + "
            "written)\n",
            floor_gbs, 2 * floor_gbs);
-    int32_t *src = malloc((size_t)g.blocks * sizeof(int32_t)), *dst = malloc((size_t)g.blocks * sizeof(int32_t));
+    int32_t *src = malloc((size_t)g.blocks * sizeof(int32_t)),
+            *dst = malloc((size_t)g.blocks * sizeof(int32_t));
     kvx_xfer **xs = calloc((size_t)max_conc, sizeof(*xs));
     double *cell = calloc((size_t)reps, sizeof(double));
     int next = 0;
-    for (int i = 0; i < g.blocks; i++) src[i] = i;
+    for (int i = 0; i < g.blocks; i++)
+        src[i] = i;
     printf("%-12s %12s %12s %12s %10s\n", "concurrency", "best GB/s", "median GB/s", "ms (median)",
            "x floor");
     for (int ci = -1; ci < n_conc; ci++) {
@@ -254,10 +266,15 @@ int cli_bench_xfer_cuda(int argc, char **argv)
             if (next + C > n_leases) next = 0; /* leases may be read again */
             uint64_t t0 = td_now_ns();
             for (int j = 0; j < C; j++) {
-                for (int i = 0; i < g.blocks; i++) dst[i] = j * g.blocks + i;
-                kvx_read_req rq = {.host = "127.0.0.1", .port = port, .engine_id = engine,
-                                   .transfer_id = tids[next++], .src_blocks = src,
-                                   .dst_blocks = dst, .n_blocks = g.blocks};
+                for (int i = 0; i < g.blocks; i++)
+                    dst[i] = j * g.blocks + i;
+                kvx_read_req rq = {.host = "127.0.0.1",
+                                   .port = port,
+                                   .engine_id = engine,
+                                   .transfer_id = tids[next++],
+                                   .src_blocks = src,
+                                   .dst_blocks = dst,
+                                   .n_blocks = g.blocks};
                 if (kvx_read_start(k, &rq, &xs[j], &err)) {
                     fprintf(stderr, "bench-xfer-cuda: %s\n", err.msg);
                     goto out;

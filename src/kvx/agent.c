@@ -1160,7 +1160,8 @@ static void *conn_main(void *arg)
         case KVX_MSG_UCX_INFO:
         case KVX_MSG_CUDA_INFO:
             /* GPU memory moves only by cuda_ipc; host memory never by it */
-            if (a->opts.region.device != (m.hdr.type == KVX_MSG_CUDA_INFO) && m.hdr.type != KVX_MSG_UCX_GRANT) {
+            if (a->opts.region.device != (m.hdr.type == KVX_MSG_CUDA_INFO) &&
+                m.hdr.type != KVX_MSG_UCX_GRANT) {
                 send_error(c->fd, &b, m.hdr.tag, TD_EUNSUPPORTED,
                            a->opts.region.device
                                ? "this producer's KV lives in GPU memory: use protocol cuda_ipc"
@@ -1401,6 +1402,9 @@ int kvx_agent_create(kvx_agent **out, const kvx_agent_opts *opts, td_err *err)
     *out = NULL;
     int rc = kvx_region_check(&opts->region, err);
     if (rc) return rc;
+    if (opts->rails && opts->rails->n > 0 && opts->region.device)
+        return td_err_set(err, TD_EUNSUPPORTED,
+                          "kvx: rails carry host memory; a KV pool in GPU memory moves by cuda_ipc");
     kvx_agent *a = calloc(1, sizeof(*a));
     if (!a) return td_err_set(err, TD_ENOMEM, "kvx: out of memory");
     a->opts = *opts;
@@ -1487,11 +1491,6 @@ int kvx_agent_create(kvx_agent **out, const kvx_agent_opts *opts, td_err *err)
         close(a->listen_fd);
         free(a);
         return td_err_set(err, TD_ENOMEM, "kvx: cannot start the accept thread");
-    }
-    if (opts->rails && opts->rails->n > 0 && opts->region.device) {
-        kvx_agent_destroy(a);
-        return td_err_set(err, TD_EUNSUPPORTED,
-                          "kvx: rails carry host memory; a KV pool in GPU memory moves by cuda_ipc");
     }
     if (opts->rails && opts->rails->n > 0) {
         a->rails = *opts->rails;

@@ -95,7 +95,7 @@ static int copy_mode_get(void)
 }
 
 typedef struct cuda_session {
-    kvx__grant_pool gp;  /* its mutex also guards opening the handle */
+    kvx__grant_pool gp; /* its mutex also guards opening the handle */
     bool open;
     bool opened_ipc;     /* the pointer came from cudaIpcOpenMemHandle (close it) */
     int device;          /* the consumer's device, current when the handle was opened */
@@ -125,8 +125,8 @@ static cuda_session *session_state(struct kvx__session *s)
     if (!fresh) return NULL;
     kvx__grant_pool_init(&fresh->gp);
     cuda_session *expected = NULL;
-    if (__atomic_compare_exchange_n((cuda_session **)slot, &expected, fresh, false, __ATOMIC_ACQ_REL,
-                                    __ATOMIC_ACQUIRE))
+    if (__atomic_compare_exchange_n((cuda_session **)slot, &expected, fresh, false,
+                                    __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
         return fresh;
     cuda_session_free(fresh);
     return expected;
@@ -162,7 +162,8 @@ static int thread_copy_get(int device, thread_copy **out, td_err *err)
     thread_copy *tc = pthread_getspecific(copy_key);
     cudaError_t e = cudaSetDevice(device);
     if (e != cudaSuccess)
-        return td_err_set(err, TD_EIO, "kvx cuda_ipc: cannot use GPU %d: %s", device, cudaGetErrorString(e));
+        return td_err_set(err, TD_EIO, "kvx cuda_ipc: cannot use GPU %d: %s", device,
+                          cudaGetErrorString(e));
     if (tc && tc->device == device) {
         *out = tc;
         return 0;
@@ -179,13 +180,14 @@ static int thread_copy_get(int device, thread_copy **out, td_err *err)
     if (tc->n_sm < 1) tc->n_sm = 1;
     if ((e = cudaStreamCreateWithFlags(&tc->stream, cudaStreamNonBlocking)) != cudaSuccess) {
         free(tc);
-        return td_err_set(err, TD_EIO, "kvx cuda_ipc: cannot create a stream: %s", cudaGetErrorString(e));
+        return td_err_set(err, TD_EIO, "kvx cuda_ipc: cannot create a stream: %s",
+                          cudaGetErrorString(e));
     }
-    if ((e = cudaEventCreateWithFlags(&tc->done, cudaEventDisableTiming)) !=
-        cudaSuccess) {
+    if ((e = cudaEventCreateWithFlags(&tc->done, cudaEventDisableTiming)) != cudaSuccess) {
         cudaStreamDestroy(tc->stream);
         free(tc);
-        return td_err_set(err, TD_EIO, "kvx cuda_ipc: cannot create an event: %s", cudaGetErrorString(e));
+        return td_err_set(err, TD_EIO, "kvx cuda_ipc: cannot create an event: %s",
+                          cudaGetErrorString(e));
     }
     pthread_setspecific(copy_key, tc);
     *out = tc;
@@ -282,7 +284,9 @@ static int cuda_run_piece(struct kvx__session *s, struct kvx__piece *p, td_err *
     kvx_copy_group groups[KVX_COPY_MAX_GROUPS];
     int n_groups = 0;
     bool aligned = ((uintptr_t)r->base | (uintptr_t)cs->peer | r->segment_stride | cs->stride |
-                    r->block_bytes) % 16 == 0;
+                    r->block_bytes) %
+                       16 ==
+                   0;
     for (uint32_t k = 0; k < pi.count && !rc && e == cudaSuccess;) {
         kvx__piece_range d = kvx__piece_get_range(p, k);
         uint32_t rows = 1;
@@ -304,17 +308,22 @@ static int cuda_run_piece(struct kvx__session *s, struct kvx__piece *p, td_err *
         }
         uint64_t dst_off = kvx__offset(r, d.seg, d.dst);
         if (copy_mode == COPY_KERNEL && aligned && len / 16 * rows < UINT32_MAX) {
-            groups[n_groups++] = (kvx_copy_group){.src_off = off, .dst_off = dst_off,
-                                                  .spitch = cs->stride, .dpitch = r->segment_stride,
-                                                  .row_chunks = (uint32_t)(len / 16), .rows = rows};
+            groups[n_groups++] = (kvx_copy_group){.src_off = off,
+                                                  .dst_off = dst_off,
+                                                  .spitch = cs->stride,
+                                                  .dpitch = r->segment_stride,
+                                                  .row_chunks = (uint32_t)(len / 16),
+                                                  .rows = rows};
             if (n_groups == KVX_COPY_MAX_GROUPS) {
-                if (kvx__cuda_copy_groups(r->base, cs->peer, groups, n_groups, tc->n_sm, tc->stream))
+                if (kvx__cuda_copy_groups(r->base, cs->peer, groups, n_groups, tc->n_sm,
+                                          tc->stream))
                     e = cudaGetLastError();
                 n_groups = 0;
             }
         } else if (copy_mode == COPY_2D && rows > 1) {
             e = cudaMemcpy2DAsync((uint8_t *)r->base + dst_off, r->segment_stride, cs->peer + off,
-                                  cs->stride, (size_t)len, rows, cudaMemcpyDeviceToDevice, tc->stream);
+                                  cs->stride, (size_t)len, rows, cudaMemcpyDeviceToDevice,
+                                  tc->stream);
         } else {
             for (uint32_t j = 0; j < rows && e == cudaSuccess; j++)
                 e = cudaMemcpyAsync((uint8_t *)r->base + dst_off + (uint64_t)j * r->segment_stride,
@@ -328,8 +337,10 @@ static int cuda_run_piece(struct kvx__session *s, struct kvx__piece *p, td_err *
         e = cudaGetLastError();
     /* Wait for what was queued, even after an error: the grant must outlive the copies. */
     cudaError_t e2 = cudaEventRecord(tc->done, tc->stream);
-    if (e2 == cudaSuccess) e2 = cudaEventSynchronize(tc->done);
-    else cudaStreamSynchronize(tc->stream);
+    if (e2 == cudaSuccess)
+        e2 = cudaEventSynchronize(tc->done);
+    else
+        cudaStreamSynchronize(tc->stream);
     if (e == cudaSuccess) e = e2;
     if (!rc && e != cudaSuccess)
         rc = td_err_set(err, TD_EIO, "kvx cuda_ipc: copying from producer %s:%u failed: %s", host,

@@ -18,13 +18,14 @@ void kvx__grant_pool_init(kvx__grant_pool *gp)
 
 void kvx__grant_pool_fini(kvx__grant_pool *gp)
 {
-    for (int i = 0; i < gp->n_idle; i++) close(gp->idle[i]);
+    for (int i = 0; i < gp->n_idle; i++)
+        close(gp->idle[i]);
     gp->n_idle = 0;
     pthread_mutex_destroy(&gp->mu);
 }
 
-static int conn_take(struct kvx__session *s, kvx__grant_pool *gp, uint64_t deadline, bool want_fresh,
-                     int *fd, bool *fresh, td_err *err)
+static int conn_take(struct kvx__session *s, kvx__grant_pool *gp, uint64_t deadline,
+                     bool want_fresh, int *fd, bool *fresh, td_err *err)
 {
     pthread_mutex_lock(&gp->mu);
     while (gp->n_idle > 0 && !want_fresh) {
@@ -57,7 +58,8 @@ static void conn_give(kvx__grant_pool *gp, int fd, bool ok)
 }
 
 int kvx__grant_pin(struct kvx__session *s, kvx__grant_pool *gp, struct kvx__piece *p, bool want_crc,
-                   const char *what, kvx__grant_setup_fn setup, void *user, kvx__grant *g, td_err *err)
+                   const char *what, kvx__grant_setup_fn setup, void *user, kvx__grant *g,
+                   td_err *err)
 {
     const char *host = kvx__session_host(s);
     uint16_t port = kvx__session_port(s);
@@ -109,7 +111,8 @@ int kvx__grant_pin(struct kvx__session *s, kvx__grant_pool *gp, struct kvx__piec
     if (g->m.hdr.type == KVX_MSG_ERROR) {
         conn_give(gp, fd, true);
         fd = -1;
-        rc = td_err_set(err, g->m.u.error.code, "kvx: producer %s:%u: %s", host, port, g->m.u.error.msg);
+        rc = td_err_set(err, g->m.u.error.code, "kvx: producer %s:%u: %s", host, port,
+                        g->m.u.error.msg);
         goto out;
     }
     uint32_t want_n_crc = want_crc ? (uint32_t)pi.blocks : 0;

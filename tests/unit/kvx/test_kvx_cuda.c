@@ -35,8 +35,13 @@
 
 static kvx_layout layout(void)
 {
-    return (kvx_layout){.model_fingerprint = 77, .n_layers = N_SEG, .n_kv_heads = 4,
-                        .head_dim = 64, .block_size = 16, .kv_dtype = 1, .tp_size = 1};
+    return (kvx_layout){.model_fingerprint = 77,
+                        .n_layers = N_SEG,
+                        .n_kv_heads = 4,
+                        .head_dim = 64,
+                        .block_size = 16,
+                        .kv_dtype = 1,
+                        .tp_size = 1};
 }
 
 /* The producer pool's byte at offset i (both processes compute it). */
@@ -49,18 +54,24 @@ static uint8_t pattern(size_t i, uint32_t seed)
 static uint8_t *make_device_pool(uint32_t seed, kvx_region *r)
 {
     uint8_t *host = malloc(POOL_BYTES), *dev = NULL;
-    for (size_t i = 0; i < POOL_BYTES; i++) host[i] = seed ? pattern(i, seed) : 0;
+    for (size_t i = 0; i < POOL_BYTES; i++)
+        host[i] = seed ? pattern(i, seed) : 0;
     if (cudaMalloc((void **)&dev, POOL_BYTES) != cudaSuccess ||
         cudaMemcpy(dev, host, POOL_BYTES, cudaMemcpyHostToDevice) != cudaSuccess) {
         free(host);
         return NULL;
     }
     free(host);
-    *r = (kvx_region){.base = dev, .n_segments = N_SEG, .segment_stride = STRIDE,
-                      .block_bytes = BLOCK_BYTES, .n_blocks = N_BLOCKS, .device = true};
+    *r = (kvx_region){.base = dev,
+                      .n_segments = N_SEG,
+                      .segment_stride = STRIDE,
+                      .block_bytes = BLOCK_BYTES,
+                      .n_blocks = N_BLOCKS,
+                      .device = true};
     cudaIpcMemHandle_t h;
     struct cudaDeviceProp prop;
-    if (cudaIpcGetMemHandle(&h, dev) != cudaSuccess || cudaGetDeviceProperties(&prop, 0) != cudaSuccess)
+    if (cudaIpcGetMemHandle(&h, dev) != cudaSuccess ||
+        cudaGetDeviceProperties(&prop, 0) != cudaSuccess)
         return NULL;
     memcpy(r->ipc_handle, &h, 64);
     memcpy(r->device_uuid, prop.uuid.bytes, 16);
@@ -78,7 +89,8 @@ typedef struct child_info {
 static pid_t g_child = -1;
 static child_info g_info;
 
-static void on_release(void *u, const char *id, const int32_t *b, int n, kvx_release_reason r, void *tu)
+static void on_release(void *u, const char *id, const int32_t *b, int n, kvx_release_reason r,
+                       void *tu)
 {
     (void)u, (void)id, (void)b, (void)n, (void)r, (void)tu;
 }
@@ -107,7 +119,8 @@ static void producer_main(int wfd, int rfd)
     }
     for (int k = 0; k < N_LEASES; k++) {
         int32_t blocks[40];
-        for (int i = 0; i < 40; i++) blocks[i] = 40 * k + i;
+        for (int i = 0; i < 40; i++)
+            blocks[i] = 40 * k + i;
         if (kvx_agent_register(a, blocks, 40, 600000, NULL, ci.tid[k], &err)) _exit(1);
     }
     ci.ok = 1;
@@ -139,13 +152,19 @@ static kvx_client *consumer(const char *token, uint8_t **pool, kvx_region *r)
     return k;
 }
 
-static kvx_xfer *read_start(kvx_client *k, uint16_t port, const char *engine, const char *tid, int src,
-                            int dst, int n)
+static kvx_xfer *read_start(kvx_client *k, uint16_t port, const char *engine, const char *tid,
+                            int src, int dst, int n)
 {
     int32_t s[256], d[256];
-    for (int i = 0; i < n; i++) s[i] = src + i, d[i] = dst + i;
-    kvx_read_req rq = {.host = "127.0.0.1", .port = port, .engine_id = engine, .transfer_id = tid,
-                       .src_blocks = s, .dst_blocks = d, .n_blocks = n};
+    for (int i = 0; i < n; i++)
+        s[i] = src + i, d[i] = dst + i;
+    kvx_read_req rq = {.host = "127.0.0.1",
+                       .port = port,
+                       .engine_id = engine,
+                       .transfer_id = tid,
+                       .src_blocks = s,
+                       .dst_blocks = d,
+                       .n_blocks = n};
     kvx_xfer *x;
     td_err err;
     assert_int_equal(kvx_read_start(k, &rq, &x, &err), 0);
@@ -181,7 +200,8 @@ static void test_cross_process(void **state)
     assert_true(holds(pool, 0, 10, 40, 11));
     kvx_xfer *xs[3];
     for (int i = 0; i < 3; i++)
-        xs[i] = read_start(k, g_info.port, g_info.engine_id, g_info.tid[i + 1], 40 * (i + 1), 60 + 50 * i, 40);
+        xs[i] = read_start(k, g_info.port, g_info.engine_id, g_info.tid[i + 1], 40 * (i + 1),
+                           60 + 50 * i, 40);
     for (int i = 0; i < 3; i++) {
         int rc = kvx_xfer_wait(xs[i], &res);
         if (rc) fprintf(stderr, "transfer %d: %s\n", i, res.msg);
@@ -234,7 +254,8 @@ static void test_producer_dies(void **state)
     uint64_t t0 = td_now_ns();
     x = read_start(k, g_info.port, g_info.engine_id, g_info.tid[2], 80, 100, 40);
     int rc = kvx_xfer_wait(x, &res);
-    fprintf(stderr, "after the producer died: %s (%.2f s)\n", res.msg, (double)(td_now_ns() - t0) / 1e9);
+    fprintf(stderr, "after the producer died: %s (%.2f s)\n", res.msg,
+            (double)(td_now_ns() - t0) / 1e9);
     assert_int_not_equal(rc, 0);
     assert_true(td_now_ns() - t0 < 6000000000ull); /* the transfer's own deadline bounds it */
     kvx_xfer_free(x);
@@ -261,7 +282,8 @@ static void test_same_process(void **state)
     kvx_region r;
     kvx_client *k = consumer(NULL, &pool, &r);
     int32_t blocks[100];
-    for (int i = 0; i < 100; i++) blocks[i] = 100 + i;
+    for (int i = 0; i < 100; i++)
+        blocks[i] = 100 + i;
     char tid[KVX_ID_HEX];
     assert_int_equal(kvx_agent_register(a, blocks, 100, 0, NULL, tid, &err), 0);
     kvx_xfer *x = read_start(k, kvx_agent_port(a), kvx_agent_engine_id(a), tid, 100, 3, 100);
@@ -273,14 +295,20 @@ static void test_same_process(void **state)
     assert_true(holds(pool, 100, 3, 100, 5));
     /* Scattered consumer blocks (runs of one block: no strided copies). */
     int32_t src[100], dst[100];
-    for (int i = 0; i < 100; i++) src[i] = 100 + i, dst[i] = 255 - 2 * i;
-    kvx_read_req rq = {.host = "127.0.0.1", .port = kvx_agent_port(a),
-                       .engine_id = kvx_agent_engine_id(a), .transfer_id = tid,
-                       .src_blocks = src, .dst_blocks = dst, .n_blocks = 100};
+    for (int i = 0; i < 100; i++)
+        src[i] = 100 + i, dst[i] = 255 - 2 * i;
+    kvx_read_req rq = {.host = "127.0.0.1",
+                       .port = kvx_agent_port(a),
+                       .engine_id = kvx_agent_engine_id(a),
+                       .transfer_id = tid,
+                       .src_blocks = src,
+                       .dst_blocks = dst,
+                       .n_blocks = 100};
     assert_int_equal(kvx_read_start(k, &rq, &x, &err), 0);
     assert_int_equal(kvx_xfer_wait(x, &res), 0);
     kvx_xfer_free(x);
-    for (int i = 0; i < 100; i += 9) assert_true(holds(pool, 100 + i, 255 - 2 * i, 1, 5));
+    for (int i = 0; i < 100; i += 9)
+        assert_true(holds(pool, 100 + i, 255 - 2 * i, 1, 5));
     kvx_client_destroy(k);
     kvx_agent_destroy(a);
     cudaFree(pool);
