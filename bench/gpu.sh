@@ -58,39 +58,47 @@ if want xfer; then
     echo "== cuda_ipc: 2048-token KV of the Llama-3-8B shape between two processes" | log
     build-gpu/tandem bench-xfer-cuda --tokens 2048 --concurrency 1,4,16 --reps 7 2>&1 | log
 fi
-if want pd; then
-    # 1P1D on the one GPU through the router (each engine with its share of the memory),
-    # then the aggregated engine alone, the same tandem bench at concurrency 1, 4 and 16.
-    eng=(--model llama3-8b --load-format dummy --dtype bf16 --device cuda --kv-cache-dtype bf16
-         --max-model-len 4096 --kv-cache-memory 30G --max-num-batched-tokens 2048 --log-level warn)
-    bench_at() { # URL LABEL
-        for c in 1 4 16; do
-            build-gpu/tandem bench --base-url "$1" --input-len 1024 --output-len 128 --ignore-eos \
-                --num-prompts $((c * 4)) --max-concurrency $c --label "$2 c=$c" \
-                --save-result "$out/pd-$2-c$c.json" 2>&1 | grep -vE "^\s*$" | log
-        done
-    }
-    wait_ok() { for _ in $(seq 240); do curl -sf "$1/health" >/dev/null && return 0; sleep 0.5; done; return 1; }
-    echo "== 1P1D (tandem up --protocol cuda_ipc)" | log
+# 1P1D on the one GPU through the router (each engine with its share of the memory),
+# then the aggregated engine alone, the same tandem bench at concurrency 1, 4 and 16.
+eng=(--model llama3-8b --load-format dummy --dtype bf16 --device cuda --kv-cache-dtype bf16
+     --max-model-len 4096 --kv-cache-memory 30G --max-num-batched-tokens 2048 --log-level warn)
+bench_at() { # URL LABEL
+    for c in 1 4 16; do
+        build-gpu/tandem bench --base-url "$1" --input-len 1024 --output-len 128 --ignore-eos \
+            --num-prompts $((c * 4)) --max-concurrency $c --label "$2 c=$c" \
+            --save-result "$out/pd-$2-c$c.json" 2>&1 | grep -vE "^\s*$" | log
+    done
+}
+wait_ok() { for _ in $(seq 240); do curl -sf "$1/health" >/dev/null && return 0; sleep 0.5; done; return 1; }
+run_1p1d() { # PROTOCOL PORT
+    echo "== 1P1D (tandem up --protocol $1)" | log
     rm -rf "$out/pd-work"
-    build-gpu/tandem up --model llama3-8b --protocol cuda_ipc --port 8300 --workdir "$out/pd-work" --log-level info -- "${eng[@]}" \
-        >"$out/pd-up.log" 2>&1 &
-    up_pid=$!
-    if wait_ok http://127.0.0.1:8300; then
-        bench_at http://127.0.0.1:8300 1p1d
-        curl -s http://127.0.0.1:8300/metrics | grep -E "kv_transfer|tandem_router_requests" | head -20 | log || true
+    build-gpu/tandem up --model llama3-8b --protocol "$1" --port "$2" --workdir "$out/pd-work" --log-level info \
+        -- "${eng[@]}" >"$out/pd-up.log" 2>&1 &
+    local up_pid=$!
+    if wait_ok "http://127.0.0.1:$2"; then
+        bench_at "http://127.0.0.1:$2" "1p1d-$1"
     else
         echo "1P1D did not come up" | log; tail -30 "$out"/pd-work/*.log | log
     fi
     kill $up_pid; wait $up_pid || true
     grep -hE "cuda_ipc|error" "$out"/pd-work/*.log | head -10 | log || true
+}
+if want pd; then
+    run_1p1d cuda_ipc 8300
     echo "== aggregated (one engine, all of it)" | log
     build-gpu/tandem serve "${eng[@]}" --server-port 8301 >"$out/agg.log" 2>&1 &
     agg_pid=$!
     if wait_ok http://127.0.0.1:8301; then bench_at http://127.0.0.1:8301 agg; else tail -20 "$out/agg.log" | log; fi
     kill $agg_pid; wait $agg_pid || true
-    build-gpu/tandem bench --compare "$out"/pd-1p1d-c1.json "$out"/pd-agg-c1.json "$out"/pd-1p1d-c4.json \
-        "$out"/pd-agg-c4.json "$out"/pd-1p1d-c16.json "$out"/pd-agg-c16.json --plot "$out/pd.svg" 2>&1 | log || true
+    build-gpu/tandem bench --compare "$out"/pd-1p1d-cuda_ipc-c1.json "$out"/pd-agg-c1.json \
+        "$out"/pd-1p1d-cuda_ipc-c4.json "$out"/pd-agg-c4.json "$out"/pd-1p1d-cuda_ipc-c16.json \
+        "$out"/pd-agg-c16.json --plot "$out/pd.svg" 2>&1 | log || true
+fi
+if want pdtcp; then # the same 1P1D with tcp: GPU memory through pinned host staging
+    run_1p1d tcp 8302
+    build-gpu/tandem bench --compare "$out"/pd-1p1d-tcp-c1.json "$out"/pd-1p1d-tcp-c4.json \
+        "$out"/pd-1p1d-tcp-c16.json 2>&1 | log || true
 fi
 if want profile; then
     echo "== where a step's time goes (TD_CUDA_PROFILE=1: every launch timed, no graphs)" | log

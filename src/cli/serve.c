@@ -133,11 +133,20 @@ int cli_serve(int argc, char **argv)
         if (have_kv) srv_kv_config_free(&kv);
         return 2;
     }
+    /* A GPU engine's KV moves by cuda_ipc (same host) or by tcp through pinned host
+     * staging, in read mode; cuda_ipc moves only GPU memory. */
     bool on_gpu = cfg.device && !strcmp(cfg.device, "cuda");
-    if (have_kv && on_gpu != (kv.protocol == SRV_KV_CUDA_IPC)) {
-        fprintf(stderr, "error: --kv-transfer-config: %s\n",
-                on_gpu ? "with --device cuda the KV pool is in GPU memory: use protocol cuda_ipc"
-                       : "protocol cuda_ipc moves GPU memory: it needs --device cuda");
+    const char *why = NULL;
+    if (have_kv && on_gpu && kv.protocol != SRV_KV_CUDA_IPC && kv.protocol != SRV_KV_TCP)
+        why = "with --device cuda the KV pool is in GPU memory: use protocol cuda_ipc (same "
+              "host) or tcp";
+    else if (have_kv && on_gpu && kv.write_mode)
+        why = "with --device cuda transfers read (transfer_mode read): push is not served from "
+              "GPU memory";
+    else if (have_kv && !on_gpu && kv.protocol == SRV_KV_CUDA_IPC)
+        why = "protocol cuda_ipc moves GPU memory: it needs --device cuda";
+    if (why) {
+        fprintf(stderr, "error: --kv-transfer-config: %s\n", why);
         srv_kv_config_free(&kv);
         return 2;
     }

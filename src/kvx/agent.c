@@ -460,8 +460,17 @@ static int serve_read(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m)
     int rc = 0;
     char msg[200] = "";
     ranges_ok(a, l, m, want_crc, &total, &n_blocks, msg, sizeof(msg));
+    /* GPU memory goes out through pinned host staging: each batch's blocks are copied into
+     * it (a batch is under per_chunk blocks before its last entry, which holds at most
+     * per_chunk), checksummed there and sent from there. */
+    uint32_t at = 0, per_chunk = kvx__batch_blocks(r->block_bytes, BATCH_BYTES);
+    uint8_t *stage = NULL;
+    td_err se;
+    if (!msg[0] && r->device &&
+        kvx__stage_buf(r->device_id, 2 * (size_t)per_chunk * r->block_bytes, &stage, &se))
+        snprintf(msg, sizeof(msg), "%.190s", se.msg);
     if (msg[0]) {
-        rc = send_error(fd, b, tag, TD_ERANGE, msg);
+        rc = send_error(fd, b, tag, stage || !r->device ? TD_ERANGE : TD_ENOMEM, msg);
     } else {
         uint32_t n_crc = want_crc ? (uint32_t)n_blocks : 0;
         uint8_t hdr[KVX_HDR_BYTES + 12];
@@ -476,14 +485,21 @@ static int serve_read(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m)
             b->iov[n_iov++] = (struct iovec){hdr, hn};
         }
         uint64_t batch = 0;
-        uint32_t at = 0, per_chunk = kvx__batch_blocks(r->block_bytes, BATCH_BYTES);
         for (uint32_t k = 0; k < m->u.read.n_desc && !rc; k++) {
             kvx_wire_desc d = kvx_wire_get_desc(m, k);
             uint8_t *p = (uint8_t *)r->base + kvx__offset(r, d.segment, d.block);
             for (uint32_t j = 0; j < d.n_blocks && !rc;) {
                 uint32_t cb = TD_MIN(d.n_blocks - j, per_chunk);
                 uint8_t *q = p + (uint64_t)j * r->block_bytes;
-                if (want_crc) region_crcs(r, d.segment, d.block + j, cb, b->crc + at);
+                if (stage) {
+                    rc = kvx__stage_copy(r->device_id, stage + batch, q, (size_t)cb * r->block_bytes,
+                                         false, &e);
+                    if (rc) break;
+                    q = stage + batch;
+                    if (want_crc) td_crc32c_blocks(q, r->block_bytes, cb, b->crc + at);
+                } else if (want_crc) {
+                    region_crcs(r, d.segment, d.block + j, cb, b->crc + at);
+                }
                 at += cb;
                 b->iov[n_iov++] = (struct iovec){q, (size_t)cb * r->block_bytes};
                 batch += (uint64_t)cb * r->block_bytes;
@@ -1159,13 +1175,17 @@ static void *conn_main(void *arg)
         case KVX_MSG_SHM_INFO:
         case KVX_MSG_UCX_INFO:
         case KVX_MSG_CUDA_INFO:
-            /* GPU memory moves only by cuda_ipc; host memory never by it */
+            /* GPU memory moves by cuda_ipc, or by tcp through host staging where CUDA is
+             * built; host memory never by cuda_ipc */
             if (a->opts.region.device != (m.hdr.type == KVX_MSG_CUDA_INFO) &&
-                m.hdr.type != KVX_MSG_UCX_GRANT) {
+                m.hdr.type != KVX_MSG_UCX_GRANT &&
+                !(m.hdr.type == KVX_MSG_READ && kvx_protocol_available(KVX_PROTO_CUDA_IPC))) {
                 send_error(c->fd, &b, m.hdr.tag, TD_EUNSUPPORTED,
                            a->opts.region.device
-                               ? "this producer's KV lives in GPU memory: use protocol cuda_ipc"
-                               : "this producer's KV lives in host memory: use protocol tcp, shm or ucx");
+                               ? "this producer's KV lives in GPU memory: use protocol cuda_ipc "
+                                 "(same host) or tcp"
+                               : "this producer's KV lives in host memory: use protocol tcp, shm "
+                                 "or ucx");
                 rc = -1;
                 break;
             }

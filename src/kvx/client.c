@@ -466,6 +466,7 @@ static int tcp_run_piece(kvx__session *s, kvx__piece *p, td_err *err)
     kvx_wire_desc *wd = malloc(p->count * sizeof(*wd));
     struct iovec *iov = malloc((2 * p->count + 1) * sizeof(*iov)), *todo = iov + p->count;
     uint32_t *crc = want_crc ? malloc(p->blocks * sizeof(uint32_t)) : NULL;
+    uint8_t **dev = NULL; /* GPU memory: each iovec's destination on the device */
     int rc = 0;
     if (!req || !in || !wd || !iov || (want_crc && !crc)) {
         rc = td_err_set(err, TD_ENOMEM, "kvx: out of memory");
@@ -517,13 +518,27 @@ static int tcp_run_piece(kvx__session *s, kvx__piece *p, td_err *err)
     uint32_t per_chunk = kvx__batch_blocks(r->block_bytes, BATCH_BYTES), at = 0;
     int n_iov = 0;
     uint64_t batch = 0;
+    /* GPU memory comes in through pinned host staging: a batch is received into it (as the
+     * producer's batches, under 2 per_chunk blocks), checksummed there, then copied to
+     * its blocks on the device (dev[v]: where iov[v] goes). */
+    uint8_t *stage = NULL;
+    if (r->device) {
+        dev = malloc(p->count * sizeof(*dev));
+        if (!dev) rc = td_err_set(err, TD_ENOMEM, "kvx: out of memory");
+        if (!rc)
+            rc = kvx__stage_buf(r->device_id, 2 * (size_t)per_chunk * r->block_bytes, &stage, err);
+    }
     for (uint32_t k = 0; k < p->count && !rc; k++) {
         const piece_desc *d = &x->pd[p->first + k];
         uint8_t *base = (uint8_t *)r->base + kvx__offset(r, d->seg, d->dst);
         for (uint32_t j = 0; j < d->n && !rc;) {
             uint32_t cb = TD_MIN(d->n - j, per_chunk);
-            iov[n_iov++] =
-                (struct iovec){base + (uint64_t)j * r->block_bytes, (size_t)cb * r->block_bytes};
+            uint8_t *to = base + (uint64_t)j * r->block_bytes;
+            if (stage) {
+                dev[n_iov] = to;
+                to = stage + batch;
+            }
+            iov[n_iov++] = (struct iovec){to, (size_t)cb * r->block_bytes};
             batch += (uint64_t)cb * r->block_bytes;
             j += cb;
             bool last = k + 1 == p->count && j == d->n;
@@ -543,6 +558,9 @@ static int tcp_run_piece(kvx__session *s, kvx__piece *p, td_err *err)
                 td_crc32c_blocks(iov[v].iov_base, r->block_bytes, nb, crc + at);
                 at += nb;
             }
+            for (int v = 0; v < n_iov && !rc && stage; v++)
+                rc = kvx__stage_copy(r->device_id, dev[v], iov[v].iov_base, iov[v].iov_len, true,
+                                     err);
             n_iov = 0;
             batch = 0;
         }
@@ -567,6 +585,7 @@ out:
     free(wd);
     free(iov);
     free(crc);
+    free(dev);
     return rc;
 }
 
@@ -941,12 +960,15 @@ int kvx_client_create(kvx_client **out, const kvx_client_opts *opts, td_err *err
     kvx__hello_fill(&c->hello, id, &c->opts.layout, &c->opts.region);
     c->transport = &tcp_transport;
     if (c->opts.protocol == KVX_PROTO_SHM) c->transport = &kvx__shm_transport;
-    if ((c->opts.protocol == KVX_PROTO_CUDA_IPC) != c->opts.region.device) {
+    /* GPU memory moves by cuda_ipc, or by tcp through pinned host staging (CUDA builds) */
+    bool dev_ok = c->opts.protocol == KVX_PROTO_CUDA_IPC ||
+                  (c->opts.protocol == KVX_PROTO_TCP && kvx_protocol_available(KVX_PROTO_CUDA_IPC));
+    if (c->opts.region.device ? !dev_ok : c->opts.protocol == KVX_PROTO_CUDA_IPC) {
         bool dev = c->opts.region.device;
         free(c);
         return td_err_set(err, TD_EUNSUPPORTED,
-                          dev
-                              ? "kvx: this consumer's KV lives in GPU memory: use protocol cuda_ipc"
+                          dev ? "kvx: this consumer's KV lives in GPU memory: use protocol "
+                                "cuda_ipc (same host) or tcp, in a build with CUDA"
                               : "kvx: protocol cuda_ipc moves GPU memory, and this consumer's KV "
                                 "lives in host memory");
     }

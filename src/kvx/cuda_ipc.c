@@ -138,6 +138,8 @@ typedef struct thread_copy {
     cudaEvent_t done;
     int device;
     int n_sm;
+    uint8_t *stage; /* pinned host memory for tcp's staging (kvx__stage_*), grown on use */
+    size_t stage_cap;
 } thread_copy;
 static pthread_key_t copy_key;
 static pthread_once_t copy_once = PTHREAD_ONCE_INIT;
@@ -146,6 +148,7 @@ static void thread_copy_free(void *p)
 {
     thread_copy *tc = p;
     cudaSetDevice(tc->device);
+    if (tc->stage) cudaFreeHost(tc->stage);
     cudaEventDestroy(tc->done);
     cudaStreamDestroy(tc->stream);
     free(tc);
@@ -191,6 +194,42 @@ static int thread_copy_get(int device, thread_copy **out, td_err *err)
     }
     pthread_setspecific(copy_key, tc);
     *out = tc;
+    return 0;
+}
+
+/* ---- host staging: tcp out of or into GPU memory (agent.c serve_read, client.c) ---- */
+
+int kvx__stage_buf(int device, size_t bytes, uint8_t **buf, td_err *err)
+{
+    thread_copy *tc = NULL;
+    int rc = thread_copy_get(device, &tc, err);
+    if (rc) return rc;
+    if (tc->stage_cap < bytes) {
+        if (tc->stage) cudaFreeHost(tc->stage);
+        tc->stage = NULL;
+        tc->stage_cap = 0;
+        cudaError_t e = cudaMallocHost((void **)&tc->stage, bytes);
+        if (e != cudaSuccess)
+            return td_err_set(err, TD_ENOMEM, "kvx: cannot pin %zu bytes of host staging: %s",
+                              bytes, cudaGetErrorString(e));
+        tc->stage_cap = bytes;
+    }
+    *buf = tc->stage;
+    return 0;
+}
+
+int kvx__stage_copy(int device, void *dst, const void *src, size_t n, bool to_device, td_err *err)
+{
+    thread_copy *tc = NULL;
+    int rc = thread_copy_get(device, &tc, err);
+    if (rc) return rc;
+    cudaError_t e = cudaMemcpyAsync(dst, src, n, to_device ? cudaMemcpyHostToDevice
+                                                            : cudaMemcpyDeviceToHost,
+                                    tc->stream);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(tc->stream);
+    if (e != cudaSuccess)
+        return td_err_set(err, TD_EIO, "kvx: staging copy %s the GPU failed: %s",
+                          to_device ? "to" : "from", cudaGetErrorString(e));
     return 0;
 }
 
@@ -360,4 +399,17 @@ static int cuda_control(struct kvx__session *s, uint8_t type, const uint8_t id[K
 
 const kvx__transport kvx__cuda_transport = {"cuda_ipc", cuda_run_piece, cuda_control,
                                             cuda_session_free};
+#else /* no CUDA: GPU memory cannot be staged */
+
+int kvx__stage_buf(int device, size_t bytes, uint8_t **buf, td_err *err)
+{
+    (void)device, (void)bytes, (void)buf;
+    return td_err_set(err, TD_EUNSUPPORTED, "kvx: GPU memory needs the CUDA backend");
+}
+
+int kvx__stage_copy(int device, void *dst, const void *src, size_t n, bool to_device, td_err *err)
+{
+    (void)device, (void)dst, (void)src, (void)n, (void)to_device;
+    return td_err_set(err, TD_EUNSUPPORTED, "kvx: GPU memory needs the CUDA backend");
+}
 #endif

@@ -226,6 +226,13 @@ void kvx__cuda_local_add(const kvx_region *r);
 void kvx__cuda_local_remove(const kvx_region *r);
 /** The base of this process's region with that IPC handle, or NULL. */
 void *kvx__cuda_local_find(const uint8_t handle[64]);
+/*
+ * Host staging for tcp out of or into GPU memory (cuda_ipc.c): the calling thread's pinned
+ * buffer of at least `bytes` (kept for the thread's life), and a synchronous copy between
+ * it and the device on the thread's stream. Without CUDA both are TD_EUNSUPPORTED.
+ */
+int kvx__stage_buf(int device, size_t bytes, uint8_t **buf, td_err *err);
+int kvx__stage_copy(int device, void *dst, const void *src, size_t n, bool to_device, td_err *err);
 
 /* Test hooks (tests only; zero in production). */
 /* When > 0, the consumer flips one received byte of the next that many pieces. */

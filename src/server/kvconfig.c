@@ -268,14 +268,14 @@ int srv_kv_config_parse(srv_kv_config *c, const char *json, char *err, size_t ca
         rc = fail(err, cap, "'kv_role' is required", NULL);
     } else if (c->rank >= c->parallel_size) {
         rc = fail(err, cap, " must be less than kv_parallel_size", "kv_rank");
-    } else if ((c->protocol == SRV_KV_CUDA_IPC) != !strcmp(c->buffer_device, "cuda") &&
-               strcmp(c->buffer_device, "")) {
+    } else if (c->protocol == SRV_KV_CUDA_IPC && !strcmp(c->buffer_device, "cpu")) {
         rc = fail(err, cap,
-                  c->protocol == SRV_KV_CUDA_IPC
-                      ? "'kv_buffer_device' must be cuda for protocol cuda_ipc (its KV lives in "
-                        "GPU memory)"
-                      : "'kv_buffer_device' cuda goes with protocol cuda_ipc",
+                  "'kv_buffer_device' must be cuda for protocol cuda_ipc (its KV lives in GPU "
+                  "memory)",
                   NULL);
+    } else if (!strcmp(c->buffer_device, "cuda") && c->protocol != SRV_KV_CUDA_IPC &&
+               c->protocol != SRV_KV_TCP) {
+        rc = fail(err, cap, "'kv_buffer_device' cuda goes with protocol cuda_ipc or tcp", NULL);
     } else if (c->protocol == SRV_KV_CUDA_IPC && c->write_mode && mode_set) {
         rc = fail(err, cap, "'transfer_mode' write is not served from GPU memory: protocol "
                   "cuda_ipc reads (transfer_mode read)", NULL);

@@ -5,8 +5,9 @@
  * pattern, served by an agent that requires a token, with leases it reports through a
  * pipe. The consumer copies out of it device to device, by several transfers at once,
  * and the bytes are checked on the host. Then: a guessed transfer id copies nothing, a
- * wrong token is refused, and a producer killed mid-session ends the next transfer with
- * an error (never a hang). Last, a consumer in the producer's own process (the pointer
+ * wrong token is refused, tcp between the two GPU pools through pinned host staging (with
+ * checksums, a corrupted byte caught), and a producer killed mid-session ends the next
+ * transfer with an error (never a hang). Last, a consumer in the producer's own process (the pointer
  * path: a process cannot open its own IPC handle).
  */
 #include <setjmp.h>
@@ -16,6 +17,7 @@
 
 #include <cuda_runtime_api.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -133,7 +135,8 @@ static void producer_main(int wfd, int rfd)
     _exit(0);
 }
 
-static kvx_client *consumer(const char *token, uint8_t **pool, kvx_region *r)
+static kvx_client *consumer_proto(const char *token, uint8_t **pool, kvx_region *r,
+                                  kvx_protocol proto)
 {
     *pool = make_device_pool(0, r);
     assert_non_null(*pool);
@@ -141,7 +144,7 @@ static kvx_client *consumer(const char *token, uint8_t **pool, kvx_region *r)
     kvx_client_opts_default(&o);
     o.layout = layout();
     o.region = *r;
-    o.protocol = KVX_PROTO_CUDA_IPC;
+    o.protocol = proto;
     o.transfer_timeout_ms = 5000;
     o.auth_token = token;
     kvx_client *k;
@@ -150,6 +153,11 @@ static kvx_client *consumer(const char *token, uint8_t **pool, kvx_region *r)
     if (rc) fprintf(stderr, "client: %s\n", err.msg);
     assert_int_equal(rc, 0);
     return k;
+}
+
+static kvx_client *consumer(const char *token, uint8_t **pool, kvx_region *r)
+{
+    return consumer_proto(token, pool, r, KVX_PROTO_CUDA_IPC);
 }
 
 static kvx_xfer *read_start(kvx_client *k, uint16_t port, const char *engine, const char *tid,
@@ -233,6 +241,35 @@ static void test_cross_process(void **state)
     assert_non_null(strstr(res.msg, "auth"));
     kvx_xfer_free(x);
     assert_true(holds(pool, 0, 0, N_BLOCKS, 0));
+    kvx_client_destroy(k);
+    cudaFree(pool);
+}
+
+/* tcp between two GPU pools, through pinned host staging on both sides, with checksums
+ * (computed on the staged bytes): equal bytes, and a corrupted byte caught. */
+static void test_tcp_staging(void **state)
+{
+    (void)state;
+    uint8_t *pool;
+    kvx_region r;
+    kvx_client *k = consumer_proto(TOKEN, &pool, &r, KVX_PROTO_TCP);
+    td_err res;
+    kvx_xfer *xs[3];
+    for (int i = 0; i < 3; i++)
+        xs[i] = read_start(k, g_info.port, g_info.engine_id, g_info.tid[i], 40 * i, 200 - 60 * i, 40);
+    for (int i = 0; i < 3; i++) {
+        int rc = kvx_xfer_wait(xs[i], &res);
+        if (rc) fprintf(stderr, "tcp transfer %d: %s\n", i, res.msg);
+        assert_int_equal(rc, 0);
+        kvx_xfer_free(xs[i]);
+        assert_true(holds(pool, 40 * i, 200 - 60 * i, 40, 11));
+    }
+    atomic_store(&kvx__test_corrupt_pieces, 1);
+    kvx_xfer *x = read_start(k, g_info.port, g_info.engine_id, g_info.tid[3], 120, 0, 40);
+    assert_int_equal(kvx_xfer_wait(x, &res), TD_EPROTO);
+    assert_non_null(strstr(res.msg, "checksum mismatch"));
+    kvx_xfer_free(x);
+    atomic_store(&kvx__test_corrupt_pieces, 0);
     kvx_client_destroy(k);
     cudaFree(pool);
 }
@@ -339,6 +376,7 @@ int main(void)
     }
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_cross_process),
+        cmocka_unit_test(test_tcp_staging),
         cmocka_unit_test(test_producer_dies),
         cmocka_unit_test(test_same_process),
     };

@@ -567,10 +567,11 @@ static void test_shm_info_frame(void **state)
 }
 
 /*
- * A pool flagged as GPU memory (kvx_region.device) moves only by cuda_ipc: tcp and shm
- * consumers get a clear error and no bytes (the host memory behind the flag here is never
- * read), a consumer's protocol must match where its own pool lives, and a host pool's
- * producer refuses CUDA_INFO. (The copies themselves are tested on a GPU:
+ * A pool flagged as GPU memory (kvx_region.device) moves only by cuda_ipc, or by tcp
+ * through host staging in CUDA builds: shm consumers (and tcp ones without CUDA) get a
+ * clear error and no bytes (the host memory behind the flag here is never read), a
+ * consumer's protocol must fit where its own pool lives, and a host pool's producer
+ * refuses CUDA_INFO. (The copies themselves are tested on a GPU:
  * tests/unit/kvx/test_kvx_cuda.c.)
  */
 static void test_device_region_guards(void **state)
@@ -583,8 +584,9 @@ static void test_device_region_guards(void **state)
     p.region.device = true;
     for (int i = 0; i < 64; i++) p.region.ipc_handle[i] = (uint8_t)(i + 1);
     kvx_agent *a = agent(&p);
-    const kvx_protocol host_protos[] = {KVX_PROTO_TCP, KVX_PROTO_SHM};
-    for (int i = 0; i < 2; i++) {
+    /* (With CUDA built, tcp stages GPU memory through pinned host memory: test_kvx_cuda.) */
+    const kvx_protocol host_protos[] = {KVX_PROTO_SHM, KVX_PROTO_TCP};
+    for (int i = 0; i < (kvx_protocol_available(KVX_PROTO_CUDA_IPC) ? 1 : 2); i++) {
         kvx_client *k = client_proto(&c, host_protos[i]);
         char tid[KVX_ID_HEX];
         td_err res;
@@ -609,7 +611,7 @@ static void test_device_region_guards(void **state)
     assert_int_equal(kvx_client_create(&k, &o, &err), TD_EUNSUPPORTED);
     assert_non_null(strstr(err.msg, "host memory"));
     o.region.device = true;
-    o.protocol = KVX_PROTO_TCP;
+    o.protocol = KVX_PROTO_SHM;
     assert_int_equal(kvx_client_create(&k, &o, &err), TD_EUNSUPPORTED);
     assert_non_null(strstr(err.msg, "use protocol cuda_ipc"));
 #ifndef TD_HAVE_CUDA

@@ -299,7 +299,7 @@ static void test_kv_config(void **state)
         "{\"kv_role\":\"kv_both\",\"kv_connector\":\"nixl\"}",
         "{\"kv_role\":\"kv_both\",\"protocol\":\"hip\"}",
         "{\"kv_role\":\"kv_both\",\"protocol\":\"cuda_ipc\",\"kv_buffer_device\":\"cpu\"}",
-        "{\"kv_role\":\"kv_both\",\"protocol\":\"tcp\",\"kv_buffer_device\":\"cuda\"}",
+        "{\"kv_role\":\"kv_both\",\"protocol\":\"shm\",\"kv_buffer_device\":\"cuda\"}",
         "{\"kv_role\":\"kv_both\",\"protocol\":\"cuda_ipc\",\"transfer_mode\":\"write\"}",
         "{\"kv_role\":\"kv_both\",\"transfer_mode\":\"pull\"}",
         "{\"kv_role\":\"kv_both\",\"kv_load_failure_policy\":\"retry\"}",
