@@ -117,19 +117,7 @@ static void cuda_session_free(void *state)
 
 static cuda_session *session_state(struct kvx__session *s)
 {
-    void **slot = kvx__session_transport_state(s);
-    /* As in shm.c: two workers racing on a fresh session settle it by compare-and-swap. */
-    cuda_session *cs = __atomic_load_n((cuda_session **)slot, __ATOMIC_ACQUIRE);
-    if (cs) return cs;
-    cuda_session *fresh = calloc(1, sizeof(*fresh));
-    if (!fresh) return NULL;
-    kvx__grant_pool_init(&fresh->gp);
-    cuda_session *expected = NULL;
-    if (__atomic_compare_exchange_n((cuda_session **)slot, &expected, fresh, false,
-                                    __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
-        return fresh;
-    cuda_session_free(fresh);
-    return expected;
+    return kvx__session_state_get(s, sizeof(cuda_session), cuda_session_free);
 }
 
 /* Each worker thread's stream and event, made on its first piece, destroyed at its exit. */

@@ -4,6 +4,7 @@
  * UCX_GRANT -> UCX_GRANTED ... copy ... UCX_DONE (see shm.c for the protocol's reasons).
  */
 #include <poll.h>
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -151,4 +152,23 @@ void kvx__grant_done(kvx__grant_pool *gp, kvx__grant *g)
     }
     free(g->in);
     g->in = NULL;
+}
+
+void *kvx__session_state_get(struct kvx__session *s, size_t size, void (*drop)(void *))
+{
+    void **slot = kvx__session_transport_state(s);
+    /* Sessions are created under the client's lock in client.c, but their state on first
+     * use: two workers racing on a fresh session settle it by compare-and-swap. */
+    void *st = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
+    if (st) return st;
+    /* every such state begins with its grant pool */
+    kvx__grant_pool *fresh = calloc(1, size);
+    if (!fresh) return NULL;
+    kvx__grant_pool_init(fresh);
+    void *expected = NULL;
+    if (__atomic_compare_exchange_n(slot, &expected, (void *)fresh, false, __ATOMIC_ACQ_REL,
+                                    __ATOMIC_ACQUIRE))
+        return fresh;
+    drop(fresh);
+    return expected;
 }

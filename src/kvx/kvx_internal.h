@@ -214,6 +214,10 @@ int kvx__grant_pin(struct kvx__session *s, kvx__grant_pool *gp, struct kvx__piec
                    td_err *err);
 /** Unpin (UCX_DONE) and give the connection back to the pool. */
 void kvx__grant_done(kvx__grant_pool *gp, kvx__grant *g);
+/** The session's transport state (a struct of `size` bytes whose first member is its
+ *  kvx__grant_pool), made zeroed with the pool initialised on first use; drop frees one
+ *  that lost a race. NULL when out of memory. */
+void *kvx__session_state_get(struct kvx__session *s, size_t size, void (*drop)(void *));
 
 #ifdef TD_HAVE_CUDA
 /* The cuda_ipc transport (cuda_ipc.c): device-to-device copies out of the producer's pool,

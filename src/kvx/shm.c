@@ -58,20 +58,7 @@ static void shm_session_free(void *state)
 
 static shm_session *session_state(struct kvx__session *s)
 {
-    void **slot = kvx__session_transport_state(s);
-    /* Sessions are created and their state set under the client's lock in client.c; a
-     * race between two workers on a fresh session is settled with compare-and-swap. */
-    shm_session *ss = __atomic_load_n((shm_session **)slot, __ATOMIC_ACQUIRE);
-    if (ss) return ss;
-    shm_session *fresh = calloc(1, sizeof(*fresh));
-    if (!fresh) return NULL;
-    kvx__grant_pool_init(&fresh->gp);
-    shm_session *expected = NULL;
-    if (__atomic_compare_exchange_n((shm_session **)slot, &expected, fresh, false, __ATOMIC_ACQ_REL,
-                                    __ATOMIC_ACQUIRE))
-        return fresh;
-    shm_session_free(fresh);
-    return expected;
+    return kvx__session_state_get(s, sizeof(shm_session), shm_session_free);
 }
 
 /* Map the producer's pool once per session (a kvx__grant_setup_fn: under the pool's lock). */
