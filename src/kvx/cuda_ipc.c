@@ -230,17 +230,10 @@ static int open_pool(struct kvx__session *s, void *user, int fd, uint64_t deadli
     const char *host = kvx__session_host(s);
     uint16_t port = kvx__session_port(s);
     uint8_t buf[512];
-    size_t n = kvx_wire_encode_empty(buf, sizeof(buf), KVX_MSG_CUDA_INFO, 7);
     kvx_msg m;
-    int rc = kvx__send_all(fd, buf, n, deadline, err);
-    if (!rc) rc = kvx__recv_frame(fd, buf, sizeof(buf), &m, deadline, err);
+    int rc = kvx__info_ask(s, fd, KVX_MSG_CUDA_INFO, KVX_MSG_CUDA_INFO_ACK, "cuda_ipc", buf,
+                           sizeof(buf), &m, deadline, err);
     if (rc) return rc;
-    if (m.hdr.type == KVX_MSG_ERROR)
-        return td_err_set(err, m.u.error.code == TD_EUNSUPPORTED ? TD_EUNSUPPORTED : TD_EPROTO,
-                          "kvx cuda_ipc: producer %s:%u: %s", host, port, m.u.error.msg);
-    if (m.hdr.type != KVX_MSG_CUDA_INFO_ACK)
-        return td_err_set(err, TD_EPROTO, "kvx cuda_ipc: producer %s:%u answered CUDA_INFO with %s",
-                          host, port, kvx_wire_type_name(m.hdr.type));
     cudaError_t e = cudaSetDevice(r->device_id);
     if (e != cudaSuccess)
         return td_err_set(err, TD_EIO, "kvx cuda_ipc: cannot use GPU %d: %s", r->device_id,

@@ -172,3 +172,21 @@ void *kvx__session_state_get(struct kvx__session *s, size_t size, void (*drop)(v
     drop(fresh);
     return expected;
 }
+
+int kvx__info_ask(struct kvx__session *s, int fd, uint8_t ask, uint8_t answer, const char *what,
+                  uint8_t *buf, size_t cap, kvx_msg *m, uint64_t deadline_ns, td_err *err)
+{
+    const char *host = kvx__session_host(s);
+    uint16_t port = kvx__session_port(s);
+    size_t n = kvx_wire_encode_empty(buf, cap, ask, 7);
+    int rc = kvx__send_all(fd, buf, n, deadline_ns, err);
+    if (!rc) rc = kvx__recv_frame(fd, buf, cap, m, deadline_ns, err);
+    if (rc) return rc;
+    if (m->hdr.type == KVX_MSG_ERROR)
+        return td_err_set(err, m->u.error.code == TD_EUNSUPPORTED ? TD_EUNSUPPORTED : TD_EPROTO,
+                          "kvx %s: producer %s:%u: %s", what, host, port, m->u.error.msg);
+    if (m->hdr.type != answer)
+        return td_err_set(err, TD_EPROTO, "kvx %s: producer %s:%u answered %s with %s", what, host,
+                          port, kvx_wire_type_name(ask), kvx_wire_type_name(m->hdr.type));
+    return 0;
+}

@@ -214,6 +214,11 @@ int kvx__grant_pin(struct kvx__session *s, kvx__grant_pool *gp, struct kvx__piec
                    td_err *err);
 /** Unpin (UCX_DONE) and give the connection back to the pool. */
 void kvx__grant_done(kvx__grant_pool *gp, kvx__grant *g);
+/** Send the empty frame `ask` (SHM_INFO, CUDA_INFO) on a greeted connection and receive
+ *  `answer` into *m (its arrays in buf, cap >= 512); the producer's ERROR or another frame
+ *  is an error naming the transport (what). */
+int kvx__info_ask(struct kvx__session *s, int fd, uint8_t ask, uint8_t answer, const char *what,
+                  uint8_t *buf, size_t cap, kvx_msg *m, uint64_t deadline_ns, td_err *err);
 /** The session's transport state (a struct of `size` bytes whose first member is its
  *  kvx__grant_pool), made zeroed with the pool initialised on first use; drop frees one
  *  that lost a race. NULL when out of memory. */
