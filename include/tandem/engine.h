@@ -176,9 +176,9 @@ typedef struct td_kv_info {
      * engine thread; read them only for blocks that a request holds. Else both NULL. */
     const uint32_t *block_crc;
     const uint8_t *block_crc_ok;
-    /* --device cuda: base is the pool's device address, and a same-host peer opens it by
-     * ipc_handle (a cudaIpcMemHandle_t) on the GPU with device_uuid (ordinal device_id
-     * here); shm_fd is -1 and block_crc NULL. device is false when the export failed. */
+    /* --device cuda (device true): base is the pool's device address, and a same-host
+     * peer opens it by ipc_handle (a cudaIpcMemHandle_t) on the GPU with device_uuid
+     * (ordinal device_id here); shm_fd is -1 and block_crc NULL. */
     bool device;
     int device_id;
     uint8_t ipc_handle[64];

@@ -101,12 +101,13 @@ static int check_config(const td_engine_config *c, td_err *err)
                           "-DTANDEM_CUDA=ON where nvcc is installed)");
 #endif
         /* The pool's bytes live on the GPU: a peer opens them by CUDA IPC handle (kvx
-         * cuda_ipc), never through a memfd, and the host computes no checksums of them. */
+         * cuda_ipc) or reads them through host staging (tcp), never through a memfd, and
+         * the engine keeps no checksums of them. */
         if (c->kv_shareable || c->kv_checksums)
             return td_err_set(err, TD_EUNSUPPORTED,
                               "--device cuda: the KV pool is in GPU memory, so it is neither "
                               "shared through a memfd (protocol shm) nor checksummed by the "
-                              "host; KV transfers use protocol cuda_ipc");
+                              "host; KV transfers use protocol cuda_ipc or tcp");
     }
     const char *lf = c->load_format ? c->load_format : "auto";
     if (strcmp(lf, "auto") && strcmp(lf, "gguf") && strcmp(lf, "dummy"))
@@ -192,10 +193,9 @@ int td_engine_create(td_engine **out, const td_engine_config *cfg, td_err *err)
                                  e->max_batched, e->max_num_seqs, e->max_model_len, err)))
         goto fail;
     /* What a cuda_ipc transfer peer needs to open the pool (td_engine_kv_info). */
-    if (e->cuda && (rc = td_cuda_fwd_kv_export(e->cuda, &e->kv_dev_base, e->kv_ipc_handle,
-                                               &e->kv_dev_id, e->kv_dev_uuid, err)))
+    if (e->cuda && (rc = td_cuda_fwd_kv_export(e->cuda, &e->kv_dev.base, e->kv_dev.ipc_handle,
+                                               &e->kv_dev.id, e->kv_dev.uuid, err)))
         goto fail;
-    e->kv_dev_ok = e->cuda != NULL;
 #endif
 
     rc = sampler_scratch_init(&e->samp, s->n_vocab);
@@ -353,15 +353,15 @@ void td_engine_kv_info(const td_engine *e, td_kv_info *out)
     out->shm_fd = e->kv.fd;
     out->block_crc = e->kv.crc;
     out->block_crc_ok = e->kv.crc_ok;
-    if (e->kv_dev_ok) {
-        out->base = e->kv_dev_base;
+    if (e->cuda) {
+        out->base = e->kv_dev.base;
         out->shm_fd = -1;
         out->block_crc = NULL;
         out->block_crc_ok = NULL;
         out->device = true;
-        out->device_id = e->kv_dev_id;
-        memcpy(out->ipc_handle, e->kv_ipc_handle, 64);
-        memcpy(out->device_uuid, e->kv_dev_uuid, 16);
+        out->device_id = e->kv_dev.id;
+        memcpy(out->ipc_handle, e->kv_dev.ipc_handle, 64);
+        memcpy(out->device_uuid, e->kv_dev.uuid, 16);
     }
 }
 

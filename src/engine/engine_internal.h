@@ -84,10 +84,11 @@ struct td_engine {
     kv_pool kv;
     fwd_ctx fwd;
     struct td_cuda_fwd *cuda; /* --device cuda: the forward pass on the GPU, else NULL */
-    bool kv_dev_ok; /* with cuda: the device pool's export for KV transfers (kv_info) */
-    void *kv_dev_base;
-    int kv_dev_id;
-    uint8_t kv_ipc_handle[64], kv_dev_uuid[16];
+    struct { /* with cuda: the device pool's export for KV transfers (td_engine_kv_info) */
+        void *base;
+        int id;
+        uint8_t ipc_handle[64], uuid[16];
+    } kv_dev;
     sampler_scratch samp;
     td_rng rng;
     int max_model_len;

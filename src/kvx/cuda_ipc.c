@@ -88,10 +88,14 @@ void *kvx__cuda_local_find(const uint8_t handle[64])
 #include "kvx/cuda_copy.h"
 
 enum { COPY_KERNEL, COPY_MEMCPY, COPY_2D };
-static int copy_mode_get(void)
+static int copy_mode;
+static pthread_once_t copy_mode_once = PTHREAD_ONCE_INIT;
+static void copy_mode_read(void)
 {
     const char *v = getenv("TD_KVX_CUDA_COPY");
-    return v && !strcmp(v, "memcpy") ? COPY_MEMCPY : v && !strcmp(v, "2d") ? COPY_2D : COPY_KERNEL;
+    copy_mode = v && !strcmp(v, "memcpy") ? COPY_MEMCPY
+                : v && !strcmp(v, "2d")   ? COPY_2D
+                                          : COPY_KERNEL;
 }
 
 typedef struct cuda_session {
@@ -211,9 +215,8 @@ int kvx__stage_copy(int device, void *dst, const void *src, size_t n, bool to_de
     thread_copy *tc = NULL;
     int rc = thread_copy_get(device, &tc, err);
     if (rc) return rc;
-    cudaError_t e = cudaMemcpyAsync(dst, src, n, to_device ? cudaMemcpyHostToDevice
-                                                            : cudaMemcpyDeviceToHost,
-                                    tc->stream);
+    cudaError_t e = cudaMemcpyAsync(
+        dst, src, n, to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost, tc->stream);
     if (e == cudaSuccess) e = cudaStreamSynchronize(tc->stream);
     if (e != cudaSuccess)
         return td_err_set(err, TD_EIO, "kvx: staging copy %s the GPU failed: %s",
@@ -253,12 +256,11 @@ static int open_pool(struct kvx__session *s, void *user, int fd, uint64_t deadli
                           "(another host, or hidden by CUDA_VISIBLE_DEVICES); cuda_ipc needs "
                           "both engines on GPUs of one host",
                           host, port);
-    uint8_t handle[64];
-    memcpy(handle, m.u.cuda_info.handle, 64);
-    void *peer = kvx__cuda_local_find(handle);
+    void *peer = kvx__cuda_local_find(m.u.cuda_info.handle);
     if (!peer) {
         cudaIpcMemHandle_t h;
-        memcpy(&h, handle, sizeof(h) < 64 ? sizeof(h) : 64);
+        _Static_assert(sizeof(h) == 64, "cudaIpcMemHandle_t is 64 bytes");
+        memcpy(&h, m.u.cuda_info.handle, sizeof(h));
         e = cudaIpcOpenMemHandle(&peer, h, cudaIpcMemLazyEnablePeerAccess);
         if (e != cudaSuccess) {
             cudaGetLastError(); /* not sticky: clear it */
@@ -294,7 +296,7 @@ static int cuda_run_piece(struct kvx__session *s, struct kvx__piece *p, td_err *
     kvx__grant g;
     rc = kvx__grant_pin(s, &cs->gp, p, false, "cuda_ipc", open_pool, cs, &g, err);
     if (rc) return rc;
-    int copy_mode = copy_mode_get();
+    pthread_once(&copy_mode_once, copy_mode_read);
     /* Ranges of consecutive segments with the same blocks (a piece lists them segment by
      * segment) become one group of rows, the pitches being the two strides; the groups go
      * to the copy kernel (cuda_copy.cu) in launches of up to KVX_COPY_MAX_GROUPS. Where
@@ -372,13 +374,7 @@ static int cuda_run_piece(struct kvx__session *s, struct kvx__piece *p, td_err *
     return rc;
 }
 
-static int cuda_control(struct kvx__session *s, uint8_t type, const uint8_t id[KVX_ID_BYTES],
-                        uint64_t deadline_ns, td_err *err)
-{
-    return kvx__session_control(s, type, id, deadline_ns, err);
-}
-
-const kvx__transport kvx__cuda_transport = {"cuda_ipc", cuda_run_piece, cuda_control,
+const kvx__transport kvx__cuda_transport = {"cuda_ipc", cuda_run_piece, kvx__session_control,
                                             cuda_session_free};
 #else /* no CUDA: GPU memory cannot be staged */
 

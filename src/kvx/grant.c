@@ -58,6 +58,29 @@ static void conn_give(kvx__grant_pool *gp, int fd, bool ok)
     if (fd >= 0) close(fd);
 }
 
+uint8_t *kvx__grant_request(struct kvx__piece *p, bool want_crc, size_t *n)
+{
+    kvx__piece_info pi;
+    kvx__piece_get_info(p, &pi);
+    size_t cap = KVX_HDR_BYTES + 24 + (size_t)pi.count * KVX_DESC_BYTES;
+    uint8_t *req = malloc(cap);
+    kvx_wire_desc *wd = malloc((pi.count ? pi.count : 1) * sizeof(*wd));
+    if (!req || !wd) {
+        free(req);
+        free(wd);
+        return NULL;
+    }
+    for (uint32_t k = 0; k < pi.count; k++) {
+        kvx__piece_range d = kvx__piece_get_range(p, k);
+        wd[k] = (kvx_wire_desc){d.seg, d.src, d.n};
+    }
+    *n = kvx_wire_encode_grant(req, cap, pi.tag, pi.transfer_id, want_crc ? KVX_READ_CHECKSUMS : 0,
+                               wd, pi.count);
+    TD_ASSERT(*n > 0);
+    free(wd);
+    return req;
+}
+
 int kvx__grant_pin(struct kvx__session *s, kvx__grant_pool *gp, struct kvx__piece *p, bool want_crc,
                    const char *what, kvx__grant_setup_fn setup, void *user, kvx__grant *g,
                    td_err *err)
@@ -70,23 +93,15 @@ int kvx__grant_pin(struct kvx__session *s, kvx__grant_pool *gp, struct kvx__piec
     g->fd = -1;
     g->tag = pi.tag;
     g->deadline_ns = pi.deadline_ns;
-    size_t req_cap = KVX_HDR_BYTES + 24 + (size_t)pi.count * KVX_DESC_BYTES;
     g->in_cap = 8 + 4 * (size_t)(want_crc ? pi.blocks : 0) + 512;
-    uint8_t *req = malloc(req_cap);
-    kvx_wire_desc *wd = malloc((pi.count ? pi.count : 1) * sizeof(*wd));
+    size_t req_n = 0;
+    uint8_t *req = kvx__grant_request(p, want_crc, &req_n);
     g->in = malloc(g->in_cap);
     int rc = 0, fd = -1;
-    if (!req || !wd || !g->in) {
+    if (!req || !g->in) {
         rc = td_err_set(err, TD_ENOMEM, "kvx: out of memory");
         goto out;
     }
-    for (uint32_t k = 0; k < pi.count; k++) {
-        kvx__piece_range d = kvx__piece_get_range(p, k);
-        wd[k] = (kvx_wire_desc){d.seg, d.src, d.n};
-    }
-    size_t req_n = kvx_wire_encode_grant(req, req_cap, pi.tag, pi.transfer_id,
-                                         want_crc ? KVX_READ_CHECKSUMS : 0, wd, pi.count);
-    TD_ASSERT(req_n > 0);
     for (int attempt = 0;; attempt++) {
         bool fresh;
         rc = conn_take(s, gp, pi.deadline_ns, attempt > 0, &fd, &fresh, err);
@@ -131,7 +146,6 @@ int kvx__grant_pin(struct kvx__session *s, kvx__grant_pool *gp, struct kvx__piec
 out:
     if (fd >= 0) close(fd); /* closing also unpins */
     free(req);
-    free(wd);
     if (rc) {
         free(g->in);
         g->in = NULL;

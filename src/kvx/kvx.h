@@ -82,9 +82,10 @@ typedef struct kvx_region {
     const uint32_t *block_crc;
     const uint8_t *block_crc_ok;
     /* The region is GPU memory (the CUDA backend's pool; base is a device pointer): the
-     * host never reads it, so only cuda_ipc moves it and no checksums are kept or sent
-     * (the copy never leaves the GPUs' ECC-protected memory and links). device_id is its
-     * CUDA device. Producer side: ipc_handle is the cudaIpcMemHandle_t of the allocation
+     * host never reads it directly. cuda_ipc copies it device to device (no checksums:
+     * the bytes never leave the GPUs' ECC-protected memory and links), and tcp stages it
+     * through pinned host memory (checksummed there; CUDA builds). device_id is its CUDA
+     * device. Producer side: ipc_handle is the cudaIpcMemHandle_t of the allocation
      * that starts at base (made by its owner), device_uuid the device's UUID, which a
      * consumer compares with the devices it can see. */
     bool device;

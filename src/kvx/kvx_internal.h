@@ -110,8 +110,9 @@ static inline uint64_t kvx__offset(const kvx_region *r, uint32_t seg, uint32_t b
 /*
  * The consumer's transport seam. A transfer is cut into pieces; a worker thread hands a
  * piece to its transport, which moves its bytes into the consumer's region (verifying
- * checksums if asked) before the deadline. tcp (client.c) and ucx (ucx.c, with
- * TD_HAVE_UCX) implement it.
+ * checksums if asked) before the deadline. tcp (client.c), shm (shm.c), ucx (ucx.c, with
+ * TD_HAVE_UCX) and cuda_ipc (cuda_ipc.c, with TD_HAVE_CUDA) implement it; all but tcp
+ * send their RELEASEs and HEARTBEATs through kvx__session_control.
  */
 struct kvx__piece;
 struct kvx__session;
@@ -207,6 +208,9 @@ typedef struct kvx__grant {
     uint32_t tag;
     uint64_t deadline_ns;
 } kvx__grant;
+/** The UCX_GRANT frame for piece p (malloc'd, at least KVX_HDR_BYTES + 24 bytes), its size
+ *  in *n; NULL when out of memory. */
+uint8_t *kvx__grant_request(struct kvx__piece *p, bool want_crc, size_t *n);
 /** Pin piece p (asking for checksums or not). 0: g is pinned, end it with kvx__grant_done;
  *  else an error naming the producer (what: the transport's name, for messages). */
 int kvx__grant_pin(struct kvx__session *s, kvx__grant_pool *gp, struct kvx__piece *p, bool want_crc,

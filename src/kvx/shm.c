@@ -197,10 +197,5 @@ static int shm_run_piece(struct kvx__session *s, struct kvx__piece *p, td_err *e
     return rc;
 }
 
-static int shm_control(struct kvx__session *s, uint8_t type, const uint8_t id[KVX_ID_BYTES],
-                       uint64_t deadline_ns, td_err *err)
-{
-    return kvx__session_control(s, type, id, deadline_ns, err);
-}
-
-const kvx__transport kvx__shm_transport = {"shm", shm_run_piece, shm_control, shm_session_free};
+const kvx__transport kvx__shm_transport = {"shm", shm_run_piece, kvx__session_control,
+                                           shm_session_free};

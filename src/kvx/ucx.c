@@ -597,25 +597,17 @@ static int ucx_run_piece(struct kvx__session *s, struct kvx__piece *p, td_err *e
     chan_pool *pool = pool_of(s);
     uint32_t per_chunk = kvx__batch_blocks(r->block_bytes, BATCH_BYTES);
     size_t max_chunks = pi.count + pi.blocks / per_chunk + 1;
-    size_t req_cap = KVX_HDR_BYTES + 24 + (size_t)pi.count * KVX_DESC_BYTES;
     size_t in_cap = 8 + 4 * (size_t)(want_crc ? pi.blocks : 0) + 512;
-    uint8_t *req = malloc(req_cap), *in = malloc(in_cap);
-    kvx_wire_desc *wd = malloc(pi.count * sizeof(*wd));
+    size_t req_n = 0;
+    uint8_t *req = kvx__grant_request(p, want_crc, &req_n), *in = malloc(in_cap);
     gets g = {.c = calloc(max_chunks, sizeof(get_chunk))};
     uint32_t *crc = want_crc ? malloc(pi.blocks * sizeof(uint32_t)) : NULL;
     chan *ch = NULL;
     int rc = 0;
-    if (!pool || !req || !in || !wd || !g.c || (want_crc && !crc)) {
+    if (!pool || !req || !in || !g.c || (want_crc && !crc)) {
         rc = td_err_set(err, TD_ENOMEM, "kvx: out of memory");
         goto out;
     }
-    for (uint32_t k = 0; k < pi.count; k++) {
-        kvx__piece_range d = kvx__piece_get_range(p, k);
-        wd[k] = (kvx_wire_desc){d.seg, d.src, d.n};
-    }
-    size_t req_n = kvx_wire_encode_grant(req, req_cap, pi.tag, pi.transfer_id,
-                                         want_crc ? KVX_READ_CHECKSUMS : 0, wd, pi.count);
-    TD_ASSERT(req_n > 0);
 
     /* Ask the producer to check and pin the ranges. */
     kvx_msg m;
@@ -688,7 +680,7 @@ static int ucx_run_piece(struct kvx__session *s, struct kvx__piece *p, td_err *e
 
     /* The gets are over: unpin. The channel stays usable after a checksum mismatch. If
      * UCX_DONE cannot be sent, the channel closes, which unpins too; the bytes are in. */
-    size_t n = kvx_wire_encode_empty(req, req_cap, KVX_MSG_UCX_DONE, pi.tag);
+    size_t n = kvx_wire_encode_empty(req, KVX_HDR_BYTES, KVX_MSG_UCX_DONE, pi.tag);
     td_err e;
     bool sent = kvx__send_all(ch->fd, req, n, pi.deadline_ns, &e) == 0;
     chan_put(pool, ch, sent);
@@ -700,16 +692,10 @@ out:
     }
     free(req);
     free(in);
-    free(wd);
     free(g.c);
     free(crc);
     return rc;
 }
 
-static int ucx_control(struct kvx__session *s, uint8_t type, const uint8_t id[KVX_ID_BYTES],
-                       uint64_t deadline_ns, td_err *err)
-{
-    return kvx__session_control(s, type, id, deadline_ns, err);
-}
 
-const kvx__transport kvx__ucx_transport = {"ucx", ucx_run_piece, ucx_control, pool_free};
+const kvx__transport kvx__ucx_transport = {"ucx", ucx_run_piece, kvx__session_control, pool_free};

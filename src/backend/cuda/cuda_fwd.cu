@@ -249,7 +249,6 @@ __global__ void k_norm(float *x, const float *add, const float *w, void *out, bo
         store_act(out, (size_t)r * d + i, obf, x[src + i] * scale * w[i]);
 }
 
-/* out[t][i] = silu(gu[t][i]) * gu[t][ff + i] */
 /* out[t][c] = silu(gate[t][c]) * up[t][c], gu's row t being gate then up (ff each). Rows
  * on grid y, four columns per thread (16-byte loads) where ff allows, else one. */
 __global__ void k_silu_mul(const float *gu, void *out, bool obf, int ff, int T)
