@@ -5,8 +5,10 @@ set -euo pipefail
 source "$(dirname "$0")/serve_lib.sh"
 command -v jq >/dev/null || fail "jq is needed"
 
-# One server for both endpoints: stories260K has no chat template, so name one.
-start_server s --chat-template chatml
+# One server for both endpoints: stories260K has no chat template, so name one. Each engine
+# step sleeps 2 ms: stories260K makes 8 tokens in well under a millisecond, and a request
+# whose tokens all arrive in one read has a TPOT of 0 (seen on a loaded 2-core machine).
+start_server s --chat-template chatml --enable-debug-endpoints --debug-step-delay-ms 2
 
 # A result file's latency fields must be numbers above 0. (A median or p99 gap between
 # token events may be 0: events that arrive in one read share a timestamp.)
