@@ -2,7 +2,7 @@
 # On the GPU machine, in one run: unpack the kit (scripts/gpu_kit.sh made it on the CPU
 # machine), build with -DTANDEM_CUDA=ON, run the GPU tests, then the benchmarks whose
 # figures BENCHMARKS.md records (each with the floor measured in the same run).
-#   bench/gpu.sh [all | a comma list of test,bench,xfer,pd,profile]   (default all; logs
+#   bench/gpu.sh [all | a comma list of test,bench,xfer,pd,pdtcp,dec,profile]   (default all; logs
 #   also go to $OUT if set)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -99,6 +99,12 @@ if want pdtcp; then # the same 1P1D with tcp: GPU memory through pinned host sta
     run_1p1d tcp 8302
     build-gpu/tandem bench --compare "$out"/pd-1p1d-tcp-c1.json "$out"/pd-1p1d-tcp-c4.json \
         "$out"/pd-1p1d-tcp-c16.json 2>&1 | log || true
+fi
+if want dec; then # small-batch decode alone (quick A/B of decode kernels)
+    echo "== decode at batch 1, 2 and 8 from 1024-token contexts" | log
+    "${b8[@]}" --prompt-len 128 --context 1024 --gen-len 64 --batch 1,2,8 --max-num-batched-tokens 2048 2>&1 | log
+    echo "== whole steps on the GPU (TD_CUDA_PROFILE=2)" | log
+    TD_CUDA_PROFILE=2 "${b8[@]}" --prompt-len 128 --gen-len 64 --batch 1 --context 1024 --reps 1 --no-floor 2>&1 | log
 fi
 if want profile; then
     echo "== where a step's time goes (TD_CUDA_PROFILE=1: every launch timed, no graphs)" | log
