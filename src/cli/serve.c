@@ -2,18 +2,65 @@
  * cli/serve.c - `tandem serve`: the OpenAI-compatible engine server.
  *
  *   tandem serve --model M [--served-model-name NAME] [--host H] [--server-port P]
- *                [--kv-transfer-config JSON] [--chat-template chatml] ...
+ *                [--kv-transfer-config JSON] [--chat-template chatml]
+ *                [--data-parallel-size N] ...
  *
  * Engine flags are engine_opts'; the rest are the server's. Flag names follow the
  * seed systems' recipes (vLLM spellings, underscore aliases, -tp).
  */
+#include <sched.h>
 #include <stdio.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "cli/cli.h"
 #include "cli/engine_opts.h"
 #include "kvx/kvx.h"
 #include "server/server.h"
+
+/*
+ * The data-parallel ranks' engines. With more than one, the CPUs this process may use are
+ * split evenly between them (a rank's compute threads are pinned inside its share, as
+ * `tandem up` splits them between processes), and --threads is the total.
+ */
+static int create_ranks(td_engine **engines, cpu_set_t *cpus, int n, const td_engine_config *base, td_err *err)
+{
+    if (n == 1) return td_engine_create(&engines[0], base, err);
+    cpu_set_t all;
+    CPU_ZERO(&all);
+    bool pin = sched_getaffinity(0, sizeof(all), &all) == 0;
+    int ncpu = pin ? CPU_COUNT(&all) : (int)sysconf(_SC_NPROCESSORS_ONLN);
+    if (ncpu < 1) ncpu = 1;
+    int rc = 0;
+    for (int r = 0; r < n && !rc; r++) {
+        td_engine_config cfg = *base;
+        /* rank r: CPUs [lo, hi) of the allowed set (one shared CPU when ranks outnumber them) */
+        int lo = ncpu >= n ? (int)((int64_t)r * ncpu / n) : r % ncpu;
+        int hi = ncpu >= n ? (int)((int64_t)(r + 1) * ncpu / n) : lo + 1;
+        cfg.n_threads = base->n_threads > 0 ? TD_MAX(1, base->n_threads / n) : hi - lo;
+        if (pin) {
+            cpu_set_t mine;
+            CPU_ZERO(&mine);
+            for (int c = 0, k = 0; c < CPU_SETSIZE; c++)
+                if (CPU_ISSET(c, &all)) {
+                    if (k >= lo && k < hi) CPU_SET(c, &mine);
+                    k++;
+                }
+            sched_setaffinity(0, sizeof(mine), &mine); /* the engine's threads start inside it */
+            cpus[r] = mine;
+        }
+        rc = td_engine_create(&engines[r], &cfg, err);
+        if (rc) {
+            char msg[sizeof(err->msg)];
+            snprintf(msg, sizeof(msg), "%s", err->msg);
+            td_err_set(err, err->code, "data-parallel rank %d: %s", r, msg);
+        }
+    }
+    if (pin) sched_setaffinity(0, sizeof(all), &all);
+    if (rc)
+        for (int r = 0; r < n; r++) td_engine_free(engines[r]);
+    return rc;
+}
 
 int cli_serve(int argc, char **argv)
 {
@@ -23,11 +70,11 @@ int cli_serve(int argc, char **argv)
     srv_config sc;
     srv_config_default(&sc);
     const char *served = NULL, *host = sc.host, *kv_json = NULL, *chat = NULL;
-    int64_t port = sc.port, tp = 1, max_queue = sc.max_queue, step_delay = 0, kv_delay = 0,
+    int64_t port = sc.port, tp = 1, dp = 1, max_queue = sc.max_queue, step_delay = 0, kv_delay = 0,
             kv_corrupt = 0;
     uint64_t max_body = sc.max_body_size;
     double stall = sc.health_stall_s;
-    bool debug = false;
+    bool debug = false, dp_attention = false, expert_parallel = false;
     flags[nf++] = CLI_FLAG("served-model-name", CLI_FLAG_STR, &served,
                            "the model name clients use (default: the --model argument)");
     flags[nf++] = CLI_FLAG("host", CLI_FLAG_STR, &host, "address to listen on (0.0.0.0)");
@@ -36,6 +83,17 @@ int cli_serve(int argc, char **argv)
     flags[nf++] = CLI_FLAG("port", CLI_FLAG_INT, &port, "same as --server-port");
     flags[nf++] = CLI_FLAG("tensor-parallel-size", CLI_FLAG_INT, &tp, "tensor parallelism (1)");
     flags[nf++] = CLI_FLAG("tp", CLI_FLAG_INT, &tp, "same as --tensor-parallel-size");
+    flags[nf++] = CLI_FLAG("data-parallel-size", CLI_FLAG_INT, &dp,
+                           "data-parallel ranks in this server (1): each an engine with its own "
+                           "scheduler, KV pool, compute threads (the CPUs split between the ranks) "
+                           "and transfer agent (handshake_port + rank)");
+    flags[nf++] = CLI_FLAG("dp", CLI_FLAG_INT, &dp, "same as --data-parallel-size");
+    flags[nf++] = CLI_FLAG("enable-dp-attention", CLI_FLAG_BOOL, &dp_attention,
+                           "accepted for the seed recipes: the ranks' attention is always "
+                           "data-parallel (each rank attends over its own requests)");
+    flags[nf++] = CLI_FLAG("enable-expert-parallel", CLI_FLAG_BOOL, &expert_parallel,
+                           "split a mixture-of-experts model's experts across the ranks (not "
+                           "available yet: an error)");
     flags[nf++] = CLI_FLAG("kv-transfer-config", CLI_FLAG_STR, &kv_json,
                            "JSON: kv_role (kv_producer|kv_consumer|kv_both, required), "
                            "kv_connector (tandem|mooncake|moriio), protocol (tcp|shm|ucx), "
@@ -69,6 +127,15 @@ int cli_serve(int argc, char **argv)
     if (tp != 1) {
         fprintf(stderr, "error: --tensor-parallel-size %lld is not supported yet (only 1 is)\n",
                 (long long)tp);
+        return 2;
+    }
+    if (dp < 1 || dp > SRV_MAX_DP) {
+        fprintf(stderr, "error: --data-parallel-size must be in [1, %d], got %lld\n", SRV_MAX_DP, (long long)dp);
+        return 2;
+    }
+    if (expert_parallel) {
+        fprintf(stderr, "error: --enable-expert-parallel is not available yet: run the data-parallel "
+                        "ranks with every expert each (drop the flag)\n");
         return 2;
     }
     if (port < 0 || port > 65535) {
@@ -161,8 +228,10 @@ int cli_serve(int argc, char **argv)
     cfg.kv_checksums = have_kv && !on_gpu && kv.verify_checksums &&
                        (kv.role == SRV_KV_PRODUCER || kv.role == SRV_KV_BOTH);
     td_err err = {0};
-    td_engine *e = NULL;
-    if (td_engine_create(&e, &cfg, &err)) {
+    td_engine *engines[SRV_MAX_DP] = {0};
+    static cpu_set_t cpus[SRV_MAX_DP];
+    bool split = dp > 1 && sched_getaffinity(0, sizeof(cpus[0]), &cpus[0]) == 0;
+    if (create_ranks(engines, cpus, (int)dp, &cfg, &err)) {
         fprintf(stderr, "error: %s\n", err.msg);
         if (have_kv) srv_kv_config_free(&kv);
         return err.code == TD_EINVAL ? 2 : 1;
@@ -181,10 +250,10 @@ int cli_serve(int argc, char **argv)
     sc.max_num_seqs = cfg.max_num_seqs;
     sc.kv_cache_dtype = cfg.kv_cache_dtype;
     sc.kv = have_kv ? &kv : NULL;
+    sc.rank_cpus = split ? cpus : NULL;
     srv_server *s = NULL;
-    if (srv_server_create(&s, e, &sc, &err)) {
+    if (srv_server_create(&s, engines, (int)dp, &sc, &err)) { /* it frees the engines */
         fprintf(stderr, "error: %s\n", err.msg);
-        td_engine_free(e);
         if (have_kv) srv_kv_config_free(&kv);
         return 1;
     }

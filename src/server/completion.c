@@ -69,6 +69,7 @@ typedef struct srv__req {
     int32_t first_token;        /* the first generated token */
     srv__out kv_res;            /* the final output's KV fields (kv_blocks owned here) */
     double t_second;            /* when the second token arrived */
+    int rank;                   /* the data-parallel rank that serves it */
 } srv__req;
 
 enum { KV_NONE = 0, KV_PRODUCE = 1, KV_CONSUME = 2 };
@@ -119,7 +120,7 @@ static void on_close(struct evhttp_connection *evcon, void *arg)
     if (req && evhttp_request_get_connection(req) == NULL) evhttp_request_free(req);
     if (q->outstanding > 0) {
         TD_DEBUG("%s: client disconnected, aborting", q->id);
-        srv__engine_abort(&q->s->eng, q);
+        srv__engine_abort(&q->s->ranks[q->rank].eng, q);
     } else {
         req_free(q);
     }
@@ -272,6 +273,7 @@ static double ms(double a, double b)
 static cJSON *kv_producer_json(srv__req *q)
 {
     srv_server *s = q->s;
+    pd_connector *pd = s->ranks[q->rank].pd; /* the agent of the rank that holds the blocks */
     const srv__out *o = &q->kv_res;
     cJSON *k = cJSON_CreateObject();
     cJSON_AddBoolToObject(k, "do_remote_decode", false);
@@ -282,10 +284,10 @@ static cJSON *kv_producer_json(srv__req *q)
     }
     cJSON_AddBoolToObject(k, "do_remote_prefill", true);
     cJSON_AddStringToObject(k, "transfer_mode", q->push_id[0] ? "write" : "read");
-    cJSON_AddStringToObject(k, "remote_engine_id", pd_engine_id(s->pd));
-    cJSON_AddStringToObject(k, "remote_host", pd_host(s->pd));
-    cJSON_AddNumberToObject(k, "remote_handshake_port", pd_port(s->pd));
-    cJSON_AddNumberToObject(k, "remote_port", pd_port(s->pd));
+    cJSON_AddStringToObject(k, "remote_engine_id", pd_engine_id(pd));
+    cJSON_AddStringToObject(k, "remote_host", pd_host(pd));
+    cJSON_AddNumberToObject(k, "remote_handshake_port", pd_port(pd));
+    cJSON_AddNumberToObject(k, "remote_port", pd_port(pd));
     cJSON *ids = cJSON_AddArrayToObject(k, "remote_block_ids");
     for (int i = 0; i < o->n_kv_blocks; i++)
         cJSON_AddItemToArray(ids, cJSON_CreateNumber(o->kv_blocks[i]));
@@ -293,13 +295,13 @@ static cJSON *kv_producer_json(srv__req *q)
     cJSON_AddNumberToObject(k, "num_prompt_tokens", o->num_prompt_tokens);
     cJSON_AddNumberToObject(k, "first_token_id", q->first_token);
     cJSON_AddNumberToObject(k, "tp_size", s->cfg.tp_size > 0 ? s->cfg.tp_size : 1);
-    cJSON_AddNumberToObject(k, "dp_rank", 0);
+    cJSON_AddNumberToObject(k, "dp_rank", q->rank);
     cJSON_AddNumberToObject(k, "block_size", s->cfg.block_size);
     cJSON_AddStringToObject(k, "kv_dtype", s->kv_dtype);
     char fp[24];
     snprintf(fp, sizeof(fp), "%016llx", (unsigned long long)s->model_fingerprint);
     cJSON_AddStringToObject(k, "model_fingerprint", fp);
-    cJSON_AddNumberToObject(k, "lease_ms", pd_lease_ms(s->pd));
+    cJSON_AddNumberToObject(k, "lease_ms", pd_lease_ms(pd));
     cJSON *t = cJSON_AddObjectToObject(k, "producer_timing");
     cJSON_AddNumberToObject(t, "queue_ms", ms(o->t_arrival, o->t_first_scheduled));
     cJSON_AddNumberToObject(t, "compute_ms", ms(o->t_first_scheduled, o->t_first_token));
@@ -559,6 +561,7 @@ static void choice_finished(srv_server *s, srv__req *q, srv__choice *c, srv__out
         c->t_queue = o->t_first_scheduled - o->t_arrival;
     q->outstanding--;
     s->outstanding--;
+    s->ranks[q->rank].outstanding--;
     srv__metrics *m = &s->metrics;
     if ((unsigned)o->finish < 5) m->finished[o->finish]++;
     if (c->first_of_prompt) m->prompt_tokens += (uint64_t)c->n_prompt;
@@ -588,7 +591,7 @@ void srv__handle_outputs(srv_server *s, srv__out *outs, int n)
                 srv_error_set(&q->err, o->rejected ? 400 : 500,
                               o->rejected ? "invalid_request_error" : "server_error", NULL, "%s",
                               o->error ? o->error : "the engine failed");
-                if (q->outstanding > 1) srv__engine_abort(&s->eng, q);
+                if (q->outstanding > 1) srv__engine_abort(&s->ranks[q->rank].eng, q);
             }
         } else if (o->token >= 0) {
             double now = td_now_s();
@@ -827,7 +830,7 @@ static int kv_prepare(srv_server *s, srv__req *q, const prepared *p, int n_choic
         snprintf(why, cap, "the producer sent %d block ids for %d prompt tokens (block size %d)",
                  r->n_blocks, p[0].n_ids, bs);
     if (!why[0]) goto out;
-    pd_release_remote(s->pd, r); /* the producer's blocks are of no use here */
+    pd_release_remote(s->ranks[q->rank].pd, r); /* the producer's blocks are of no use here */
     if (!s->kv_recompute)
         rc = srv_error_set(err, 400, "invalid_request_error", P,
                            "cannot use the producer's KV: %s (kv_load_failure_policy is fail)",
@@ -856,6 +859,18 @@ static void fill_sampling(const srv_request *r, int sample_index, int max_tokens
         sp->seed = r->seed + (uint64_t)sample_index * 0x9E3779B97F4A7C15ull;
     }
     sp->logprobs = r->logprobs < 0 ? 0 : TD_MAX(1, r->logprobs);
+}
+
+/* A request without data_parallel_rank goes to the live rank with the fewest requests in
+ * flight (the lowest index among equals); rank 0 when none is live (it then answers 503). */
+static int pick_rank(const srv_server *s)
+{
+    int best = -1;
+    for (int r = 0; r < s->n_ranks; r++) {
+        if (srv__engine_stopped(&s->ranks[r].eng, NULL, 0)) continue;
+        if (best < 0 || s->ranks[r].outstanding < s->ranks[best].outstanding) best = r;
+    }
+    return best < 0 ? 0 : best;
 }
 
 void srv__handle_generate(srv_server *s, struct evhttp_request *req, srv_endpoint ep)
@@ -893,9 +908,19 @@ void srv__handle_generate(srv_server *s, struct evhttp_request *req, srv_endpoin
                       q->r.model, s->model_name);
         goto reject;
     }
-    if (srv__engine_stopped(&s->eng, reason, sizeof(reason))) {
-        srv_error_set(&err, 503, "service_unavailable", NULL, "the engine loop has stopped: %s",
-                      reason);
+    if (q->r.dp_rank >= s->n_ranks) {
+        srv_error_set(&err, 400, "invalid_request_error", "data_parallel_rank",
+                      "'data_parallel_rank' is %d, but this server has %d data-parallel rank%s (0..%d)",
+                      q->r.dp_rank, s->n_ranks, s->n_ranks == 1 ? "" : "s", s->n_ranks - 1);
+        goto reject;
+    }
+    q->rank = q->r.dp_rank >= 0 ? q->r.dp_rank : pick_rank(s);
+    if (srv__engine_stopped(&s->ranks[q->rank].eng, reason, sizeof(reason))) {
+        if (s->n_ranks > 1)
+            srv_error_set(&err, 503, "service_unavailable", NULL,
+                          "the engine loop of data-parallel rank %d has stopped: %s", q->rank, reason);
+        else
+            srv_error_set(&err, 503, "service_unavailable", NULL, "the engine loop has stopped: %s", reason);
         goto reject;
     }
     prepared *p = NULL;
@@ -978,12 +1003,13 @@ void srv__handle_generate(srv_server *s, struct evhttp_request *req, srv_endpoin
                 }
             }
             kv.stream_layers = q->push_id[0] != 0;
-            if (srv__engine_add(&s->eng, q, pi * q->r.n + j, q->push_id[0] ? q->push_id : NULL,
+            if (srv__engine_add(&s->ranks[q->rank].eng, q, pi * q->r.n + j, q->push_id[0] ? q->push_id : NULL,
                                 p[pi].ids, p[pi].n_ids, &sp, &kv, kv.remote ? &moved : NULL) != 0)
                 goto posted_fail;
             posted++;
             q->outstanding++;
             s->outstanding++;
+            s->ranks[q->rank].outstanding++;
         }
     }
     prepared_free(p, n_prompts);

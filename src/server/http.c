@@ -161,44 +161,109 @@ static void send_cjson(srv_server *s, struct evhttp_request *req, int status, cJ
 
 /* ---- informational endpoints ---- */
 
+/* "" for rank 0 of one, else "rank N: " (the prefix of a rank's health message) */
+static const char *rank_prefix(const srv_server *s, int r, char *buf, size_t cap)
+{
+    if (s->n_ranks == 1) return "";
+    snprintf(buf, cap, "data-parallel rank %d: ", r);
+    return buf;
+}
+
+/* 200 while every rank's engine loop is alive and making progress. */
 static void handle_health(srv_server *s, struct evhttp_request *req)
 {
-    char reason[160];
+    char reason[160], pre[48], msg[320];
     cJSON *root = cJSON_CreateObject();
-    if (srv__engine_stopped(&s->eng, reason, sizeof(reason))) {
+    for (int r = 0; r < s->n_ranks; r++) {
+        const srv__rank *k = &s->ranks[r];
+        if (srv__engine_stopped(&s->ranks[r].eng, reason, sizeof(reason)))
+            snprintf(msg, sizeof(msg), "%sthe engine loop has stopped: %s", rank_prefix(s, r, pre, sizeof(pre)),
+                     reason);
+        else if (k->outstanding > 0 &&
+                 (double)(td_now_ns() - atomic_load(&k->eng.last_progress_ns)) / 1e9 > s->cfg.health_stall_s)
+            snprintf(msg, sizeof(msg), "%sthe engine loop is stalled: no step for %.1f s with %d requests in flight",
+                     rank_prefix(s, r, pre, sizeof(pre)),
+                     (double)(td_now_ns() - atomic_load(&k->eng.last_progress_ns)) / 1e9, k->outstanding);
+        else
+            continue;
         cJSON_AddStringToObject(root, "status", "error");
-        char msg[224];
-        snprintf(msg, sizeof(msg), "the engine loop has stopped: %s", reason);
-        cJSON_AddStringToObject(root, "reason", msg);
-        send_cjson(s, req, 503, root);
-        return;
-    }
-    double idle_s = (double)(td_now_ns() - atomic_load(&s->eng.last_progress_ns)) / 1e9;
-    if (s->outstanding > 0 && idle_s > s->cfg.health_stall_s) {
-        cJSON_AddStringToObject(root, "status", "error");
-        char msg[160];
-        snprintf(msg, sizeof(msg),
-                 "the engine loop is stalled: no step for %.1f s with %d "
-                 "requests in flight",
-                 idle_s, s->outstanding);
         cJSON_AddStringToObject(root, "reason", msg);
         send_cjson(s, req, 503, root);
         return;
     }
     cJSON_AddStringToObject(root, "status", "ok");
     cJSON_AddNumberToObject(root, "load", s->outstanding); /* for routers' load balancing */
+    if (s->n_ranks > 1) {
+        cJSON *loads = cJSON_AddArrayToObject(root, "rank_loads");
+        for (int r = 0; r < s->n_ranks; r++) cJSON_AddItemToArray(loads, cJSON_CreateNumber(s->ranks[r].outstanding));
+    }
     send_cjson(s, req, 200, root);
+}
+
+void srv__snapshot_sum(const srv_server *s, srv__snapshot *out)
+{
+    memset(out, 0, sizeof(*out));
+    for (int r = 0; r < s->n_ranks; r++) {
+        const srv__snapshot *a = &s->ranks[r].snap;
+        td_engine_stats *o = &out->stats;
+        const td_engine_stats *i = &a->stats;
+        out->num_running += a->num_running;
+        out->num_waiting += a->num_waiting;
+        o->num_blocks_total += i->num_blocks_total;
+        o->num_blocks_free += i->num_blocks_free;
+        o->num_blocks_cached += i->num_blocks_cached;
+        o->prefix_hits_tokens += i->prefix_hits_tokens;
+        o->prefix_queries_tokens += i->prefix_queries_tokens;
+        o->num_preemptions += i->num_preemptions;
+        o->steps += i->steps;
+        o->tokens_prefilled += i->tokens_prefilled;
+        o->tokens_decoded += i->tokens_decoded;
+        o->num_loading += i->num_loading;
+        o->num_held += i->num_held;
+        o->num_blocks_held += i->num_blocks_held;
+        o->kv_loads += i->kv_loads;
+        o->kv_load_failures += i->kv_load_failures;
+        o->kv_tokens_loaded += i->kv_tokens_loaded;
+        o->kv_tokens_skipped += i->kv_tokens_skipped;
+    }
+}
+
+/* Prometheus text with dp_rank="r" added to every sample; HELP and TYPE lines only when
+ * `comments` (the first rank's), so that each family is declared once. */
+static void add_rank_label(struct evbuffer *b, const char *text, int rank, bool comments)
+{
+    for (const char *p = text; *p;) {
+        const char *nl = strchr(p, '\n');
+        size_t n = nl ? (size_t)(nl - p) : strlen(p);
+        if (p[0] == '#') {
+            if (comments) evbuffer_add_printf(b, "%.*s\n", (int)n, p);
+        } else if (n > 0) {
+            size_t name = strcspn(p, "{ ");
+            if (name > n) name = n;
+            if (p[name] == '{')
+                evbuffer_add_printf(b, "%.*s{dp_rank=\"%d\",%.*s\n", (int)name, p, rank, (int)(n - name - 1),
+                                    p + name + 1);
+            else
+                evbuffer_add_printf(b, "%.*s{dp_rank=\"%d\"}%.*s\n", (int)name, p, rank, (int)(n - name),
+                                    p + name);
+        }
+        p += n + (nl ? 1 : 0);
+    }
 }
 
 static void handle_metrics(srv_server *s, struct evhttp_request *req)
 {
-    char *text = srv__metrics_render(&s->metrics, &s->snap, s->model_name);
+    srv__snapshot snap;
+    srv__snapshot_sum(s, &snap);
+    char *text = srv__metrics_render(&s->metrics, &snap, s->model_name);
     struct evbuffer *b = evbuffer_new();
     if (text) evbuffer_add(b, text, strlen(text));
     free(text);
-    if (s->pd) {
-        text = pd_metrics_render(s->pd);
-        if (text) evbuffer_add(b, text, strlen(text));
+    for (int r = 0; r < s->n_ranks; r++) { /* the transfers: per rank */
+        if (!s->ranks[r].pd) continue;
+        text = pd_metrics_render(s->ranks[r].pd);
+        if (text && s->n_ranks == 1) evbuffer_add(b, text, strlen(text));
+        else if (text) add_rank_label(b, text, r, r == 0);
         free(text);
     }
     evhttp_add_header(evhttp_request_get_output_headers(req), "Content-Type",
@@ -242,12 +307,24 @@ static cJSON *discovery(srv_server *s)
     /* how a router should dispatch: read = prefill first, then decode with its answer;
      * write = both at once with one transfer_id it draws (docs/ARCHITECTURE.md) */
     if (kv) cJSON_AddStringToObject(root, "transfer_mode", kv->write_mode ? "write" : "read");
-    if (s->pd && s->kv_producer) {
-        cJSON_AddNumberToObject(root, "handshake_port", pd_port(s->pd));
-        cJSON_AddStringToObject(root, "kv_host", pd_host(s->pd));
-        cJSON_AddStringToObject(root, "engine_id", pd_engine_id(s->pd));
+    pd_connector *pd = s->ranks[0].pd;
+    if (pd && s->kv_producer) {
+        cJSON_AddNumberToObject(root, "handshake_port", pd_port(pd));
+        cJSON_AddStringToObject(root, "kv_host", pd_host(pd));
+        cJSON_AddStringToObject(root, "engine_id", pd_engine_id(pd));
     } else {
         cJSON_AddNullToObject(root, "handshake_port");
+    }
+    if (pd && s->kv_producer && s->n_ranks > 1) { /* each rank's agent (rank 0's above) */
+        cJSON *a = cJSON_AddArrayToObject(root, "dp_ranks");
+        for (int r = 0; r < s->n_ranks; r++) {
+            cJSON *o = cJSON_CreateObject();
+            cJSON_AddNumberToObject(o, "rank", r);
+            cJSON_AddNumberToObject(o, "handshake_port", pd_port(s->ranks[r].pd));
+            cJSON_AddStringToObject(o, "kv_host", pd_host(s->ranks[r].pd));
+            cJSON_AddStringToObject(o, "engine_id", pd_engine_id(s->ranks[r].pd));
+            cJSON_AddItemToArray(a, o);
+        }
     }
     return root;
 }
@@ -258,7 +335,9 @@ static void handle_server_info(srv_server *s, struct evhttp_request *req)
     cJSON_AddStringToObject(root, "version", "tandem 0.1");
     cJSON_AddStringToObject(root, "chat_template", srv_chat_family_name(s->chat));
     cJSON_AddNumberToObject(root, "max_num_seqs", s->max_num_seqs);
-    cJSON_AddNumberToObject(root, "kv_blocks_total", s->snap.stats.num_blocks_total);
+    srv__snapshot snap;
+    srv__snapshot_sum(s, &snap);
+    cJSON_AddNumberToObject(root, "kv_blocks_total", snap.stats.num_blocks_total);
     const srv_kv_config *kv = s->cfg.kv;
     if (kv) {
         cJSON *k = cJSON_AddObjectToObject(root, "kv_transfer_config");
@@ -339,7 +418,11 @@ static void dispatch(struct evhttp_request *req, void *arg)
         send_cjson(s, req, 200, discovery(s));
         break;
     case 7: {
-        srv__engine_request_stop(&s->eng, "stopped by POST /debug/stop_engine");
+        /* ?rank=N stops one data-parallel rank; without it, every rank */
+        const char *q = evhttp_uri_get_query(uri);
+        int only = q && !strncmp(q, "rank=", 5) ? atoi(q + 5) : -1;
+        for (int k = 0; k < s->n_ranks; k++)
+            if (only < 0 || only == k) srv__engine_request_stop(&s->ranks[k].eng, "stopped by POST /debug/stop_engine");
         TD_WARN("engine loop stopped by POST /debug/stop_engine");
         cJSON *root = cJSON_CreateObject();
         cJSON_AddStringToObject(root, "status", "engine loop stopping");
@@ -349,21 +432,26 @@ static void dispatch(struct evhttp_request *req, void *arg)
     }
 }
 
-/* The engine thread wrote the eventfd: take everything it posted. */
-static void on_wake(evutil_socket_t fd, short what, void *arg)
+/* Take everything a rank's engine thread posted, and hand it to the requests. */
+static void take_outputs(srv__rank *k)
 {
-    (void)what;
-    srv_server *s = arg;
-    uint64_t v;
-    ssize_t r = read(fd, &v, sizeof(v));
-    (void)r;
     srv__out *outs;
     int n;
-    srv__engine_take(&s->eng, &outs, &n, &s->snap);
-    srv__handle_outputs(s, outs, n);
+    srv__engine_take(&k->eng, &outs, &n, &k->snap);
+    srv__handle_outputs(k->s, outs, n);
     for (int i = 0; i < n; i++)
         srv__out_free(&outs[i]);
     free(outs);
+}
+
+/* A rank's engine thread wrote its eventfd. */
+static void on_wake(evutil_socket_t fd, short what, void *arg)
+{
+    (void)what;
+    uint64_t v;
+    ssize_t r = read(fd, &v, sizeof(v));
+    (void)r;
+    take_outputs(arg);
 }
 
 static void on_signal(evutil_socket_t sig, short what, void *arg)
@@ -400,7 +488,7 @@ static void detect_chat_template(srv_server *s, td_engine *e)
 /* The transfer connector for --kv-transfer-config. The agent (producer) binds to kv_ip,
  * else to the server's own address unless that is every interface, else 127.0.0.1: KV
  * blocks hold users' prompts, so they are never served on all interfaces by default. */
-static int start_pd(srv_server *s, td_engine *e, const srv_kv_config *kv, td_err *err)
+static int start_pd(srv_server *s, srv__rank *k, td_engine *e, const srv_kv_config *kv, td_err *err)
 {
     static const kvx_protocol protos[] = {KVX_PROTO_TCP, KVX_PROTO_SHM, KVX_PROTO_UCX,
                                           KVX_PROTO_CUDA_IPC};
@@ -408,7 +496,8 @@ static int start_pd(srv_server *s, td_engine *e, const srv_kv_config *kv, td_err
         .producer = kv->role == SRV_KV_PRODUCER || kv->role == SRV_KV_BOTH,
         .consumer = kv->role == SRV_KV_CONSUMER || kv->role == SRV_KV_BOTH,
         .protocol = protos[kv->protocol],
-        .handshake_port = kv->handshake_port > 0 ? kv->handshake_port : 0,
+        /* rank r listens on handshake_port + r (each rank has its own agent) */
+        .handshake_port = kv->handshake_port > 0 ? kv->handshake_port + k->index : 0,
         .num_worker_threads = kv->num_worker_threads,
         .qp_per_transfer = kv->qp_per_transfer,
         .lease_ms = (uint32_t)kv->lease_ms,
@@ -435,34 +524,51 @@ static int start_pd(srv_server *s, td_engine *e, const srv_kv_config *kv, td_err
     }
     const char *env = getenv("TANDEM_KV_TOKEN");
     pc.auth_token = kv->auth_token[0] ? kv->auth_token : env && env[0] ? env : NULL;
-    if (kv->notes[0]) TD_INFO("kv transfer config: %s", kv->notes);
+    if (kv->notes[0] && k->index == 0) TD_INFO("kv transfer config: %s", kv->notes);
     td_kv_info ki;
     td_engine_kv_info(e, &ki);
-    int rc = pd_create(&s->pd, &pc, &ki, srv__engine_on_release, srv__engine_on_loaded, &s->eng,
-                       err);
+    int rc = pd_create(&k->pd, &pc, &ki, srv__engine_on_release, srv__engine_on_loaded, &k->eng, err);
     if (rc) return rc;
     s->kv_producer = pc.producer;
     s->kv_consumer = pc.consumer;
     s->kv_recompute = kv->recompute;
+    char pre[48] = "";
+    if (s->n_ranks > 1) snprintf(pre, sizeof(pre), " for data-parallel rank %d", k->index);
     if (pc.producer)
-        fprintf(stderr, "kv transfer agent on %s:%d (engine %s, %s)\n", pd_host(s->pd),
-                pd_port(s->pd), pd_engine_id(s->pd),
-                pc.auth_token ? "authentication on" : "no authentication");
+        fprintf(stderr, "kv transfer agent%s on %s:%d (engine %s, %s)\n", pre, pd_host(k->pd), pd_port(k->pd),
+                pd_engine_id(k->pd), pc.auth_token ? "authentication on" : "no authentication");
     return 0;
 }
 
-int srv_server_create(srv_server **out, td_engine *e, const srv_config *cfg, td_err *err)
+int srv_server_create(srv_server **out, td_engine *const *engines, int n_ranks, const srv_config *cfg,
+                      td_err *err)
 {
     srv_server *s = calloc(1, sizeof(*s));
-    if (!s) return td_err_set(err, TD_ENOMEM, "out of memory");
-    s->cfg = *cfg;
-    if (cfg->chat_template && srv_chat_family_by_name(cfg->chat_template) < 0) {
+    srv__rank *ranks = n_ranks >= 1 && n_ranks <= SRV_MAX_DP ? calloc((size_t)n_ranks, sizeof(*ranks)) : NULL;
+    if (!s || !ranks) {
+        for (int r = 0; r < n_ranks; r++) td_engine_free(engines[r]);
         free(s);
-        return td_err_set(err, TD_EINVAL,
-                          "--chat-template must be chatml, llama-2, llama-3, "
-                          "zephyr or mistral, got '%s'",
-                          cfg->chat_template);
+        free(ranks);
+        return n_ranks < 1 || n_ranks > SRV_MAX_DP
+                   ? td_err_set(err, TD_EINVAL, "the data-parallel size must be in [1, %d]", SRV_MAX_DP)
+                   : td_err_set(err, TD_ENOMEM, "out of memory");
     }
+    s->ranks = ranks;
+    s->n_ranks = n_ranks;
+    for (int r = 0; r < n_ranks; r++) {
+        ranks[r].s = s;
+        ranks[r].index = r;
+    }
+    s->cfg = *cfg;
+    s->cfg.dp_size = n_ranks;
+    td_engine *e = engines[0]; /* every rank runs the same model with the same settings */
+    int rc = 0;
+    if (cfg->chat_template && srv_chat_family_by_name(cfg->chat_template) < 0)
+        rc = td_err_set(err, TD_EINVAL,
+                        "--chat-template must be chatml, llama-2, llama-3, "
+                        "zephyr or mistral, got '%s'",
+                        cfg->chat_template);
+    if (rc) goto fail_engines;
     const td_model *m = td_engine_model(e);
     snprintf(s->model_name, sizeof(s->model_name), "%s",
              cfg->served_model_name ? cfg->served_model_name
@@ -483,8 +589,8 @@ int srv_server_create(srv_server **out, td_engine *e, const srv_config *cfg, td_
     s->base = event_base_new();
     s->http = s->base ? evhttp_new(s->base) : NULL;
     if (!s->http) {
-        srv_server_free(s);
-        return td_err_set(err, TD_ENOMEM, "cannot create the event loop");
+        rc = td_err_set(err, TD_ENOMEM, "cannot create the event loop");
+        goto fail_engines;
     }
     evhttp_set_allowed_methods(s->http, EVHTTP_REQ_GET | EVHTTP_REQ_POST | EVHTTP_REQ_HEAD |
                                             EVHTTP_REQ_PUT | EVHTTP_REQ_DELETE |
@@ -499,33 +605,47 @@ int srv_server_create(srv_server **out, td_engine *e, const srv_config *cfg, td_
         evhttp_bind_socket_with_handle(s->http, cfg->host, (ev_uint16_t)cfg->port);
     if (!bound) {
         int code = errno;
-        srv_server_free(s);
-        return td_err_set(err, TD_EIO, "cannot listen on %s:%d: %s", cfg->host, cfg->port,
-                          code ? strerror(code) : "bind failed");
+        rc = td_err_set(err, TD_EIO, "cannot listen on %s:%d: %s", cfg->host, cfg->port,
+                        code ? strerror(code) : "bind failed");
+        goto fail_engines;
     }
     struct sockaddr_storage ss;
     socklen_t sl = sizeof(ss);
     if (getsockname(evhttp_bound_socket_get_fd(bound), (struct sockaddr *)&ss, &sl) == 0)
         s->port = ntohs(((struct sockaddr_in *)&ss)->sin_port);
 
-    if (cfg->kv && start_pd(s, e, cfg->kv, err)) {
-        srv_server_free(s); /* the engine stays the caller's: it has no thread yet */
-        return err->code;
+    /* Each rank: its connector, then its engine thread (which owns the engine from then on;
+     * srv_server_free frees the engines whose thread started, and the rest below). */
+    int started = 0;
+    for (int r = 0; r < n_ranks && !rc; r++) {
+        srv__rank *k = &ranks[r];
+        if (cfg->kv && (rc = start_pd(s, k, engines[r], cfg->kv, err))) break;
+        cpu_set_t saved;
+        bool pinned = cfg->rank_cpus && pthread_getaffinity_np(pthread_self(), sizeof(saved), &saved) == 0 &&
+                      pthread_setaffinity_np(pthread_self(), sizeof(cfg->rank_cpus[r]), &cfg->rank_cpus[r]) == 0;
+        rc = srv__engine_start(&k->eng, engines[r], cfg->debug_step_delay_ms, k->pd, s->kv_recompute, err);
+        if (pinned) pthread_setaffinity_np(pthread_self(), sizeof(saved), &saved); /* its thread inherited it */
+        if (rc) {
+            k->eng.engine = NULL; /* no thread: freed below with the ranks not started */
+            pd_destroy(k->pd);
+            k->pd = NULL;
+            break;
+        }
+        started++;
+        k->wake_ev = event_new(s->base, k->eng.wake_fd, EV_READ | EV_PERSIST, on_wake, k);
+        event_add(k->wake_ev, NULL);
+        srv__engine_take(&k->eng, &(srv__out *){NULL}, &(int){0}, &k->snap);
     }
-    if (srv__engine_start(&s->eng, e, cfg->debug_step_delay_ms, s->pd, s->kv_recompute, err)) {
-        pd_destroy(s->pd);
-        s->pd = NULL;
+    if (rc) {
+        for (int r = started; r < n_ranks; r++) td_engine_free(engines[r]);
         srv_server_free(s);
-        return err->code;
+        return rc;
     }
-    s->max_num_seqs = cfg->max_num_seqs > 0 ? cfg->max_num_seqs : 64;
-    s->wake_ev = event_new(s->base, s->eng.wake_fd, EV_READ | EV_PERSIST, on_wake, s);
-    event_add(s->wake_ev, NULL);
+    s->max_num_seqs = (cfg->max_num_seqs > 0 ? cfg->max_num_seqs : 64) * n_ranks;
     s->sigint_ev = evsignal_new(s->base, SIGINT, on_signal, s);
     s->sigterm_ev = evsignal_new(s->base, SIGTERM, on_signal, s);
     event_add(s->sigint_ev, NULL);
     event_add(s->sigterm_ev, NULL);
-    srv__engine_take(&s->eng, &(srv__out *){NULL}, &(int){0}, &s->snap);
     if (cfg->kv && srv__register_start(s, cfg->kv, err)) {
         srv_server_free(s);
         return err->code;
@@ -534,6 +654,11 @@ int srv_server_create(srv_server **out, td_engine *e, const srv_config *cfg, td_
     fflush(stderr);
     *out = s;
     return 0;
+
+fail_engines: /* no engine thread started: the engines are still ours to free */
+    for (int r = 0; r < n_ranks; r++) td_engine_free(engines[r]);
+    srv_server_free(s);
+    return rc;
 }
 
 int srv_server_run(srv_server *s)
@@ -549,32 +674,31 @@ void srv_server_stop(srv_server *s)
 void srv_server_free(srv_server *s)
 {
     if (!s) return;
-    td_engine *e = s->eng.engine;
-    if (e) {
-        srv__engine_stop(&s->eng, "shutting down");
-        /* Deliver the final outputs so that request objects are released. */
-        srv__out *outs;
-        int n;
-        srv__engine_take(&s->eng, &outs, &n, &s->snap);
-        srv__handle_outputs(s, outs, n);
-        for (int i = 0; i < n; i++)
-            srv__out_free(&outs[i]);
-        free(outs);
+    for (int r = 0; r < s->n_ranks; r++) {
+        srv__rank *k = &s->ranks[r];
+        if (!k->eng.engine) continue;
+        srv__engine_stop(&k->eng, "shutting down");
+        take_outputs(k); /* the final outputs, so that request objects are released */
     }
     srv__free_all_requests(s);
     srv__register_stop(s);
-    /* After the engine loop (which starts loads) and before the engine (whose pool the
-     * transfers read and write); its callbacks now find a closed inbox. */
-    pd_destroy(s->pd);
-    s->pd = NULL;
-    if (s->wake_ev) event_free(s->wake_ev);
+    /* After the engine loops (which start loads) and before the engines (whose pools the
+     * transfers read and write); their callbacks now find a closed inbox. */
+    for (int r = 0; r < s->n_ranks; r++) {
+        pd_destroy(s->ranks[r].pd);
+        s->ranks[r].pd = NULL;
+        if (s->ranks[r].wake_ev) event_free(s->ranks[r].wake_ev);
+    }
     if (s->sigint_ev) event_free(s->sigint_ev);
     if (s->sigterm_ev) event_free(s->sigterm_ev);
     if (s->http) evhttp_free(s->http);
     if (s->base) event_base_free(s->base);
-    if (e) {
-        srv__engine_free(&s->eng);
+    for (int r = 0; r < s->n_ranks; r++) {
+        td_engine *e = s->ranks[r].eng.engine;
+        if (!e) continue;
+        srv__engine_free(&s->ranks[r].eng);
         td_engine_free(e);
     }
+    free(s->ranks);
     free(s);
 }

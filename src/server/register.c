@@ -88,7 +88,7 @@ int srv__register_start(srv_server *s, const srv_kv_config *kv, td_err *err)
     snprintf(g->body, sizeof(g->body),
              "{\"url\":\"http://%s:%d\",\"role\":\"%s\",\"engine_id\":\"%s\",\"heartbeat\":true}",
              adv, kv->http_port > 0 ? kv->http_port : s->port, role,
-             s->pd ? pd_engine_id(s->pd) : "");
+             s->ranks[0].pd ? pd_engine_id(s->ranks[0].pd) : "");
     const char *key = getenv("TANDEM_ROUTER_API_KEY"); /* a router started with --api-key */
     if (key && key[0] && strlen(key) < sizeof(g->auth) - 8 && !strpbrk(key, "\r\n"))
         snprintf(g->auth, sizeof(g->auth), "Bearer %s", key);

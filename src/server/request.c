@@ -341,6 +341,10 @@ static int parse_fields(srv_request *r, const cJSON *root, srv_error *err)
         if (!cJSON_IsString(v)) return BAD("user", "'user' must be a string");
         r->user = dup_str(v->valuestring);
     }
+    if (FIELD("data_parallel_rank")) { /* the server checks it against its dp_size */
+        if (get_int(v, "data_parallel_rank", 0, SRV_MAX_DP - 1, &i64, err)) return TD_EINVAL;
+        r->dp_rank = (int)i64;
+    }
     if (FIELD("kv_transfer_params")) {
         if (!cJSON_IsObject(v))
             return BAD("kv_transfer_params", "'kv_transfer_params' must be an object");
@@ -359,6 +363,7 @@ int srv_request_parse(srv_request *out, srv_endpoint ep, const char *body, size_
     memset(out, 0, sizeof(*out));
     out->endpoint = ep;
     out->max_tokens = -1;
+    out->dp_rank = -1;
     out->temperature = 1.0;
     out->top_p = 1.0;
     out->n = 1;

@@ -17,6 +17,7 @@
 #ifndef TD_SERVER_SERVER_H
 #define TD_SERVER_SERVER_H
 
+#include <sched.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -39,6 +40,7 @@ typedef enum srv_endpoint {
 #define SRV_MAX_STOP 16       /* stop strings */
 #define SRV_MAX_STOP_LEN 256  /* bytes per stop string */
 #define SRV_MAX_MESSAGES 1024 /* chat messages */
+#define SRV_MAX_DP 64         /* data-parallel ranks in one server */
 
 /** One prompt: text (`text` non-NULL, NUL-terminated, valid UTF-8) or token ids. */
 typedef struct srv_prompt {
@@ -74,6 +76,7 @@ typedef struct srv_request {
     int n;        /* choices per prompt, default 1 */
     int logprobs; /* -1: none; else top-N alternatives (0..TD_MAX_LOGPROBS) */
     char *user;
+    int dp_rank; /* data_parallel_rank: the rank that must serve it, -1 when absent */
     void *kv_transfer_params; /* a cJSON object (owned) or NULL, echoed back as given */
 } srv_request;
 
@@ -248,6 +251,9 @@ typedef struct srv_config {
     int max_num_seqs; /* the engine's, for the queue limit */
     const char *kv_cache_dtype;
     const srv_kv_config *kv; /* may be NULL */
+    /* Data-parallel ranks: the CPUs each rank's engine thread may run on ([n_ranks]), or
+     * NULL to inherit the caller's. */
+    const cpu_set_t *rank_cpus;
 } srv_config;
 
 void srv_config_default(srv_config *c);
@@ -255,11 +261,13 @@ void srv_config_default(srv_config *c);
 typedef struct srv_server srv_server;
 
 /**
- * Start serving an engine that the caller created. The server takes ownership of
- * the engine (it moves to the engine thread and is freed by srv_server_free).
- * Binds and prints "listening on HOST:PORT" to stderr.
+ * Start serving n_ranks engines that the caller created, one per data-parallel rank (1:
+ * an ordinary server), all of the same model and settings. The server takes ownership of
+ * the engines, whether it starts or not (each moves to its own engine thread and is freed
+ * by srv_server_free). Binds and prints "listening on HOST:PORT" to stderr.
  */
-int srv_server_create(srv_server **out, td_engine *engine, const srv_config *cfg, td_err *err);
+int srv_server_create(srv_server **out, td_engine *const *engines, int n_ranks, const srv_config *cfg,
+                      td_err *err);
 /** Run the I/O loop until SIGINT/SIGTERM or srv_server_stop. */
 int srv_server_run(srv_server *s);
 /** Thread-safe: make srv_server_run return. */

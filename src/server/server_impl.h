@@ -138,6 +138,21 @@ struct evhttp_request;
 struct event;
 struct evbuffer;
 
+/*
+ * One data-parallel rank (--data-parallel-size): an engine with its own thread,
+ * scheduler and KV pool, and its own transfer connector (kvx agent and handshake port).
+ * Requests are bound to one rank for their whole life.
+ */
+typedef struct srv__rank {
+    srv_server *s;
+    int index;
+    srv__engine eng;
+    pd_connector *pd;       /* NULL without --kv-transfer-config */
+    struct event *wake_ev;  /* eng.wake_fd */
+    srv__snapshot snap;     /* the latest one taken from its engine thread */
+    int outstanding;        /* I/O side: its engine requests posted and not finished */
+} srv__rank;
+
 struct srv_server {
     srv_config cfg;
     char model_name[256];
@@ -147,14 +162,13 @@ struct srv_server {
     struct evhttp *http;
     struct event *wake_ev, *sigint_ev, *sigterm_ev;
     int port;
-    srv__engine eng;
+    srv__rank *ranks; /* [n_ranks] */
+    int n_ranks;
     const td_tokenizer *tok; /* read-only, safe on the I/O thread */
     int max_model_len, n_vocab, max_num_seqs;
     uint64_t model_fingerprint;
     srv_chat_family chat;
     srv__metrics metrics;
-    srv__snapshot snap; /* the latest one taken from the engine thread */
-    pd_connector *pd;   /* the KV transfer connector, or NULL */
     bool kv_producer, kv_consumer, kv_recompute;
     int outstanding;    /* I/O side: engine requests posted and not finished */
     uint64_t next_id;
@@ -167,6 +181,9 @@ typedef struct srv__registrar srv__registrar;
 /** Start registering with the router the kv-transfer config names (none: nothing). */
 int srv__register_start(srv_server *s, const srv_kv_config *kv, td_err *err);
 void srv__register_stop(srv_server *s);
+
+/** Every rank's snapshot summed (counts and counters; the server-wide view). */
+void srv__snapshot_sum(const srv_server *s, srv__snapshot *out);
 
 /** Send an OpenAI error response and count it. */
 void srv__send_error(srv_server *s, struct evhttp_request *req, const srv_error *e);

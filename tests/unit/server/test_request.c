@@ -72,7 +72,8 @@ static void test_fields(void **state)
         "{\"prompt\":[1],\"max_tokens\":7,\"temperature\":0.5,\"top_p\":0.9,\"top_k\":-1,"
         "\"min_p\":0.1,\"seed\":42,\"stop\":\"END\",\"stream\":true,\"stream_options\":"
         "{\"include_usage\":true},\"ignore_eos\":true,\"n\":3,\"echo\":true,\"logprobs\":2,"
-        "\"user\":\"u\",\"kv_transfer_params\":{\"do_remote_decode\":true},\"unknown\":[{}]}";
+        "\"user\":\"u\",\"kv_transfer_params\":{\"do_remote_decode\":true},\"unknown\":[{}],"
+        "\"data_parallel_rank\":3}";
     assert_int_equal(parse(&r, SRV_EP_COMPLETIONS, body, &err), 0);
     assert_int_equal(r.max_tokens, 7);
     assert_true(r.temperature == 0.5 && r.top_p == 0.9 && r.min_p == 0.1);
@@ -85,6 +86,7 @@ static void test_fields(void **state)
     assert_int_equal(r.logprobs, 2);
     assert_string_equal(r.user, "u");
     assert_non_null(r.kv_transfer_params);
+    assert_int_equal(r.dp_rank, 3);
     srv_request_free(&r);
 
     /* nulls are the same as absent */
@@ -94,6 +96,7 @@ static void test_fields(void **state)
                      0);
     assert_int_equal(r.max_tokens, -1);
     assert_false(r.has_seed);
+    assert_int_equal(r.dp_rank, -1);
     srv_request_free(&r);
 }
 
@@ -183,6 +186,9 @@ static void test_bad(void **state)
     expect_bad(C, "{\"prompt\":[1],\"top_k\":-2}", "top_k");
     expect_bad(C, "{\"prompt\":[1],\"min_p\":2}", "min_p");
     expect_bad(C, "{\"prompt\":[1],\"n\":65}", "n");
+    expect_bad(C, "{\"prompt\":[1],\"data_parallel_rank\":-1}", "data_parallel_rank");
+    expect_bad(C, "{\"prompt\":[1],\"data_parallel_rank\":64}", "data_parallel_rank");
+    expect_bad(C, "{\"prompt\":[1],\"data_parallel_rank\":\"0\"}", "data_parallel_rank");
     expect_bad(C, "{\"prompt\":[1],\"stop\":[1]}", "stop");
     expect_bad(C, "{\"prompt\":[1],\"stream_options\":1}", "stream_options");
     expect_bad(C, "{\"prompt\":[1],\"stream_options\":{\"include_usage\":1}}",
