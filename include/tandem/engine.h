@@ -49,6 +49,9 @@ typedef struct td_engine_config {
     const char *device;          /* "cpu" (default) or "cuda": where the forward pass, the
                                     weights and the KV pool live (cuda: built with
                                     -DTANDEM_CUDA=ON, and a GPU present) */
+    struct td_ep_group *ep;      /* expert parallelism (tandem/ep.h): the group this engine is
+                                    rank ep_rank of; NULL: it runs every expert itself */
+    int ep_rank;
 } td_engine_config;
 
 /** Fill defaults. */
@@ -271,6 +274,10 @@ typedef struct td_engine_stats {
     uint64_t kv_load_failures;
     uint64_t kv_tokens_loaded;   /* prompt tokens whose KV was copied in */
     uint64_t kv_tokens_skipped;  /* remote prompt tokens found in the local prefix cache */
+    uint64_t moe_expert_runs;    /* models with experts: experts run, summed over the layers of
+                                    every step (each run reads that expert's weights once) */
+    uint64_t ep_exchange_bytes;  /* expert parallelism: the exchange's buffers (apart from the
+                                    KV pool and counted in the workspace) */
 } td_engine_stats;
 
 void td_engine_get_stats(const td_engine *e, td_engine_stats *st);

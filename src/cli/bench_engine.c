@@ -8,6 +8,11 @@
  *   decode:  B requests of one token each generate --gen-len tokens together;
  *            tokens/s = decoded tokens / time of the decode steps (the first step,
  *            which prefills, is excluded), for each B in --batch
+ *   floors:  a decode step must read every weight it uses once: all of a dense model's
+ *            (but the embedding table, which is only indexed), and for a model with
+ *            experts its active weights: everything but the experts, plus the distinct
+ *            experts the step's tokens were routed to (counted by the engine during the
+ *            timed steps); over the measured read bandwidth
  *
  * The figures are printed, never asserted: speed is a benchmark's job, not a test's.
  */
@@ -68,8 +73,8 @@ static double run_prefill(td_engine *e, int prompt_len, td_rng *rng)
  * steps, after which the sequences are aborted. *mean_ctx is the sequences' mean context
  * at the middle of the timed steps.
  */
-static double run_decode(td_engine *e, int batch, int gen_len, int context, int max_len, td_rng *rng,
-                         double *mean_ctx)
+static double run_decode(td_engine *e, int batch, int gen_len, int context, int max_len,
+                         td_rng *rng, double *mean_ctx, double *experts_per_step)
 {
     int n_vocab = td_engine_model(e)->shape.n_vocab;
     td_sampling sp;
@@ -107,6 +112,8 @@ static double run_decode(td_engine *e, int batch, int gen_len, int context, int 
     double ctx_sum = 0;
     for (int b = 0; b < batch; b++) ctx_sum += context + gen[b];
     *mean_ctx = ctx_sum / batch + (gen_len - 1) / 2.0;
+    td_engine_stats st0, st1;
+    td_engine_get_stats(e, &st0);
     double t0 = td_now_s();
     long decoded = 0;
     for (int st = 0; st < gen_len - 1 && !ended && td_engine_has_work(e); st++) {
@@ -114,6 +121,12 @@ static double run_decode(td_engine *e, int batch, int gen_len, int context, int 
         while (td_engine_poll(e, &o)) ended = ended || o.finish != TD_FINISH_NONE;
     }
     double dt = td_now_s() - t0;
+    td_engine_get_stats(e, &st1);
+    /* experts run per step, all layers together (0 for a dense model) */
+    *experts_per_step =
+        st1.steps > st0.steps
+            ? (double)(st1.moe_expert_runs - st0.moe_expert_runs) / (double)(st1.steps - st0.steps)
+            : 0;
     if (ended || decoded != (long)batch * (gen_len - 1)) {
         fprintf(stderr, "error: decode at batch %d: a sequence ended before the timed steps did (raise "
                         "--max-model-len or lower --context)\n", batch);
@@ -135,26 +148,47 @@ static size_t weight_bytes(const td_weight *w)
     return w->data || w->gen.on ? w->row_bytes * (size_t)w->rows : 0;
 }
 
-/* Bytes a decode step must read (every matrix and vector except the embedding table,
- * which is only indexed) and FLOPs of a P-token prefill (every matrix once per token,
- * attention over the causal triangle, the output matrix once). */
-static void model_costs(const td_model *m, int P, double *decode_bytes, double *prefill_flops)
+/*
+ * What a decode step must read and a prefill must compute. base_bytes: every matrix and
+ * vector except the embedding table (only indexed) and the routed experts: attention,
+ * norms, biases, the router, a shared expert, the output. expert_bytes: one routed
+ * expert's gate, up and down matrices in one layer (every layer's are the same size), so
+ * a step that runs X experts over all layers reads base_bytes + X * expert_bytes. FLOPs of
+ * a P-token prefill: every matrix a token uses once per token (k experts of a model with
+ * experts), attention over the causal triangle, the output matrix once.
+ */
+static void model_costs(const td_model *m, int P, double *base_bytes, double *expert_bytes,
+                        double *prefill_flops)
 {
     const td_model_shape *s = &m->shape;
     double bytes = weight_bytes(&m->output) + weight_bytes(&m->output_norm), flops = 0;
+    double per_expert = 0;
     for (int l = 0; l < s->n_layer; l++) {
         const td_layer *L = &m->layers[l];
-        const td_weight *mats[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up,
-                                   &L->w_down};
+        const td_weight *mats[] = {&L->wq,           &L->wk,         &L->wv,          &L->wo,
+                                   &L->w_gate,       &L->w_up,       &L->w_down,      &L->router,
+                                   &L->w_gate_shexp, &L->w_up_shexp, &L->w_down_shexp};
         for (size_t i = 0; i < TD_ARRAY_LEN(mats); i++) {
             bytes += weight_bytes(mats[i]);
             flops += 2.0 * (double)mats[i]->rows * (double)mats[i]->cols * P;
         }
-        bytes += weight_bytes(&L->attn_norm) + weight_bytes(&L->ffn_norm);
+        const td_weight *vecs[] = {&L->attn_norm, &L->ffn_norm, &L->bq,
+                                   &L->bk,        &L->bv,       &L->shexp_gate};
+        for (size_t i = 0; i < TD_ARRAY_LEN(vecs); i++)
+            bytes += weight_bytes(vecs[i]);
+        if (s->n_expert) {
+            const td_weight *exps[] = {&L->w_gate_exps, &L->w_up_exps, &L->w_down_exps};
+            for (size_t i = 0; i < TD_ARRAY_LEN(exps); i++) {
+                double rows = (double)exps[i]->rows / s->n_expert; /* one expert's */
+                if (l == 0) per_expert += weight_bytes(exps[i]) / (double)s->n_expert;
+                flops += 2.0 * rows * (double)exps[i]->cols * s->n_expert_used * P;
+            }
+        }
     }
     flops += 2.0 * (double)m->output.rows * (double)m->output.cols;
     flops += 4.0 * s->n_layer * s->n_head * s->head_dim * (double)P * (P + 1) / 2;
-    *decode_bytes = bytes;
+    *base_bytes = bytes;
+    *expert_bytes = per_expert;
     *prefill_flops = flops;
 }
 
@@ -226,8 +260,15 @@ int cli_bench_engine(int argc, char **argv)
     printf("model: %s\n", desc);
     printf("threads: %d, kv: %s%s\n", cfg.n_threads, cfg.kv_cache_dtype,
            kv_checksums ? ", block checksums kept" : "");
-    double dec_bytes, pf_flops, bw = 0, peak = 0, rate_gbs = 0;
-    model_costs(m, (int)prompt_len, &dec_bytes, &pf_flops);
+    double base_bytes, expert_bytes, pf_flops, bw = 0, peak = 0, rate_gbs = 0;
+    model_costs(m, (int)prompt_len, &base_bytes, &expert_bytes, &pf_flops);
+    /* Batch 1 reads the experts its one token is routed to: n_expert_used per layer. */
+    const td_model_shape *ms = &m->shape;
+    double dec_bytes = base_bytes + expert_bytes * ms->n_expert_used * ms->n_layer;
+    if (ms->n_expert)
+        printf("experts: %d per layer, top-%d; one expert is %.2f MB per layer; everything else "
+               "a step reads is %.1f MB\n",
+               ms->n_expert, ms->n_expert_used, expert_bytes / 1e6, base_bytes / 1e6);
     bool gpu = cfg.device && !strcmp(cfg.device, "cuda");
 #ifdef TD_HAVE_CUDA
     if (!no_floor && gpu) {
@@ -274,16 +315,25 @@ int cli_bench_engine(int argc, char **argv)
         char *end;
         int b = (int)strtol(p, &end, 10);
         p = *end ? end + 1 : end;
-        double tsum = 0, mean_ctx = 0;
-        for (int r = 0; r < reps; r++) tsum += run_decode(e, b, (int)gen_len, (int)context, ctx, &rng, &mean_ctx);
+        double tsum = 0, mean_ctx = 0, experts = 0, experts_sum = 0;
+        for (int r = 0; r < reps; r++) {
+            tsum += run_decode(e, b, (int)gen_len, (int)context, ctx, &rng, &mean_ctx, &experts);
+            experts_sum += experts;
+        }
         snprintf(name, sizeof(name), "tg%lld@b%d", (long long)gen_len, b);
         printf("%-12s %-8lld %10.1f %12.3f\n", name, (long long)gen_len * b, tsum / reps,
                1e3 * reps / tsum);
         if (rate_gbs > 0) {
-            /* a step reads the weights once and each sequence's KV at its mean context */
+            /* a step reads the weights it uses once and each sequence's KV at its mean
+             * context; with experts, the ones the engine ran in the timed steps */
             double kv = (double)b * mean_ctx * kv_token_bytes(m, cfg.kv_cache_dtype);
-            printf("  floor at b%d, mean context %.0f: %.4g GB/step -> %.0f tok/s\n", b, mean_ctx,
-                   (dec_bytes + kv) / 1e9, b * rate_gbs * 1e9 / (dec_bytes + kv));
+            double w = ms->n_expert ? base_bytes + expert_bytes * experts_sum / reps : dec_bytes;
+            char note[96] = "";
+            if (ms->n_expert)
+                snprintf(note, sizeof(note), ", %.2f of %d experts per layer",
+                         experts_sum / reps / ms->n_layer, ms->n_expert);
+            printf("  floor at b%d, mean context %.0f%s: %.4g GB/step -> %.0f tok/s\n", b, mean_ctx,
+                   note, (w + kv) / 1e9, b * rate_gbs * 1e9 / (w + kv));
         }
         fflush(stdout);
     }

@@ -109,6 +109,12 @@ int cli_generate(int argc, char **argv)
         int cap = (int)len + 8;
         ids = malloc((size_t)cap * sizeof(int32_t));
         n_ids = ids ? tok_encode(tok, prompt, len, true, true, ids, cap, &err) : TD_ENOMEM;
+        if (n_ids > cap) { /* byte fallback can need more tokens than bytes: retry */
+            int32_t *more = realloc(ids, (size_t)n_ids * sizeof(int32_t));
+            cap = n_ids;
+            n_ids = more ? tok_encode(tok, prompt, len, true, true, more, cap, &err) : TD_ENOMEM;
+            if (more) ids = more;
+        }
         if (n_ids < 0) {
             fprintf(stderr, "error: cannot tokenize the prompt: %s\n", err.msg[0] ? err.msg : td_strerror(n_ids));
             free(ids);

@@ -1,6 +1,6 @@
 /*
  * cli/mkmodel.c - `tandem mkmodel`: write a GGUF with random weights at a chosen
- * shape (a preset, with any dimension overridden by flags).
+ * shape (a preset, with any dimension overridden by flags), dense or with experts.
  */
 #include <math.h>
 #include <stdio.h>
@@ -13,8 +13,9 @@
 #include "model/model.h"
 
 static const char *usage_line =
-    "tandem mkmodel --out PATH [--preset NAME] [--arch llama|qwen2] [--dim N --layers N "
-    "--heads N --kv-heads N --ffn N --vocab N --ctx N --rope-theta X] "
+    "tandem mkmodel --out PATH [--preset NAME] [--arch llama|qwen2|qwen2moe] [--dim N --layers N "
+    "--heads N --kv-heads N --ffn N --vocab N --ctx N --rope-theta X] [--experts N "
+    "--experts-used K --expert-ffn N --shared-ffn N] "
     "[--type f32|f16|bf16|q8_0|q4_0] [--vocab-from PATH] [--seed N]";
 
 /* Check an explicitly given dimension and store it; 2 (usage error) if out of range. */
@@ -30,16 +31,79 @@ static int take_dim(const cli_flag *f, int64_t v, int64_t max, int *dst)
     return 0;
 }
 
+/*
+ * Apply --experts, --experts-used, --expert-ffn and --shared-ffn to a shape whose
+ * architecture is final. Llama experts are --ffn wide; qwen2moe's experts and shared
+ * expert default to --ffn. Returns 2 (usage error) with a message.
+ */
+static int take_experts(const cli_flag *f_exp, int64_t experts, const cli_flag *f_used,
+                        int64_t used, const cli_flag *f_effn, int64_t effn, const cli_flag *f_sffn,
+                        int64_t sffn, td_model_shape *s)
+{
+    if (f_exp->seen) {
+        if (experts < 0 || experts > 512) {
+            fprintf(stderr, "error: mkmodel: --experts %lld is out of range (0..512; 0 = dense)\n",
+                    (long long)experts);
+            return 2;
+        }
+        s->n_expert = (int)experts;
+    }
+    if (s->n_expert == 0) {
+        if (f_used->seen || f_effn->seen || f_sffn->seen) {
+            fprintf(stderr, "error: mkmodel: --experts-used, --expert-ffn and --shared-ffn need "
+                            "--experts N\n");
+            return 2;
+        }
+        if (s->arch == TD_ARCH_QWEN2MOE) {
+            fprintf(stderr, "error: mkmodel: --arch qwen2moe needs --experts N\n");
+            return 2;
+        }
+        s->n_expert_used = s->n_ff_exp = s->n_ff_shexp = 0;
+        return 0;
+    }
+    if (s->arch == TD_ARCH_QWEN2) {
+        fprintf(stderr, "error: mkmodel: qwen2 has no experts (use --arch qwen2moe)\n");
+        return 2;
+    }
+    int rc = 0;
+    if ((rc = take_dim(f_used, used, 512, &s->n_expert_used))) return rc;
+    if (!s->n_expert_used) s->n_expert_used = TD_MIN(2, s->n_expert);
+    if (s->n_expert_used > s->n_expert) {
+        fprintf(stderr, "error: mkmodel: --experts-used %d must be at most --experts %d\n",
+                s->n_expert_used, s->n_expert);
+        return 2;
+    }
+    if (s->arch == TD_ARCH_LLAMA) {
+        if (f_effn->seen || f_sffn->seen) {
+            fprintf(stderr, "error: mkmodel: llama experts are --ffn wide and have no shared "
+                            "expert (--expert-ffn and --shared-ffn are for qwen2moe)\n");
+            return 2;
+        }
+        s->n_ff_exp = s->n_ff;
+        s->n_ff_shexp = 0;
+        return 0;
+    }
+    if ((rc = take_dim(f_effn, effn, 1 << 20, &s->n_ff_exp)) ||
+        (rc = take_dim(f_sffn, sffn, 1 << 20, &s->n_ff_shexp)))
+        return rc;
+    if (!s->n_ff_exp) s->n_ff_exp = s->n_ff;
+    if (!s->n_ff_shexp) s->n_ff_shexp = s->n_ff;
+    return 0;
+}
+
 int cli_mkmodel(int argc, char **argv)
 {
     const char *out = NULL, *preset = "tiny", *arch = NULL, *type = "f16", *vocab_from = NULL;
     int64_t dim = 0, layers = 0, heads = 0, kv_heads = 0, ffn = 0, vocab = 0, ctx = 0, seed = 0;
+    int64_t experts = 0, experts_used = 0, expert_ffn = 0, shared_ffn = 0;
     double rope_theta = 0;
     cli_flag flags[] = {
         {"out", CLI_FLAG_STR, &out, "output GGUF path (required)", false},
-        {"preset", CLI_FLAG_STR, &preset, "tiny, llama-134m, llama-1b, llama3-8b (default tiny)",
+        {"preset", CLI_FLAG_STR, &preset,
+         "tiny, llama-134m, llama-1b, llama3-8b; with experts: moe-tiny, qwen2moe-tiny, moe-1b, "
+         "mixtral-8x7b, qwen2moe-a2.7b (default tiny)",
          false},
-        {"arch", CLI_FLAG_STR, &arch, "llama or qwen2 (default llama)", false},
+        {"arch", CLI_FLAG_STR, &arch, "llama, qwen2 or qwen2moe (default: the preset's)", false},
         {"dim", CLI_FLAG_INT, &dim, "embedding dimension", false},
         {"layers", CLI_FLAG_INT, &layers, "number of layers", false},
         {"heads", CLI_FLAG_INT, &heads, "attention heads (must divide --dim)", false},
@@ -53,6 +117,14 @@ int cli_mkmodel(int argc, char **argv)
          false},
         {"vocab-from", CLI_FLAG_STR, &vocab_from, "copy the tokenizer from this GGUF", false},
         {"seed", CLI_FLAG_INT, &seed, "random seed (default 0)", false},
+        {"experts", CLI_FLAG_INT, &experts,
+         "experts per layer (0 = a dense FFN; default: preset's)", false},
+        {"experts-used", CLI_FLAG_INT, &experts_used,
+         "experts each token is routed to, top-k (default: preset's, else 2)", false},
+        {"expert-ffn", CLI_FLAG_INT, &expert_ffn,
+         "qwen2moe: one expert's FFN width (default: preset's, else --ffn)", false},
+        {"shared-ffn", CLI_FLAG_INT, &shared_ffn,
+         "qwen2moe: the shared expert's FFN width (default: preset's, else --ffn)", false},
     };
     enum {
         F_OUT,
@@ -68,7 +140,11 @@ int cli_mkmodel(int argc, char **argv)
         F_THETA,
         F_TYPE,
         F_VOCAB_FROM,
-        F_SEED
+        F_SEED,
+        F_EXPERTS,
+        F_EXPERTS_USED,
+        F_EXPERT_FFN,
+        F_SHARED_FFN
     };
     int rc = cli_flags_parse(flags, (int)TD_ARRAY_LEN(flags), argc, argv, usage_line);
     if (rc == 1) return 0;
@@ -92,8 +168,12 @@ int cli_mkmodel(int argc, char **argv)
         } else if (!strcmp(arch, "qwen2")) {
             s.arch = TD_ARCH_QWEN2;
             s.rope_type = TD_ROPE_NEOX;
+        } else if (!strcmp(arch, "qwen2moe")) {
+            s.arch = TD_ARCH_QWEN2MOE;
+            s.rope_type = TD_ROPE_NEOX;
         } else {
-            fprintf(stderr, "error: mkmodel: unknown --arch '%s' (llama or qwen2)\n", arch);
+            fprintf(stderr, "error: mkmodel: unknown --arch '%s' (llama, qwen2 or qwen2moe)\n",
+                    arch);
             return 2;
         }
     }
@@ -109,7 +189,9 @@ int cli_mkmodel(int argc, char **argv)
         (rc = take_dim(&flags[F_KV], kv_heads, 1024, &s.n_head_kv)) ||
         (rc = take_dim(&flags[F_FFN], ffn, 1 << 20, &s.n_ff)) ||
         (rc = take_dim(&flags[F_VOCAB], vocab, 1 << 24, &s.n_vocab)) ||
-        (rc = take_dim(&flags[F_CTX], ctx, 1 << 24, &s.n_ctx_train)))
+        (rc = take_dim(&flags[F_CTX], ctx, 1 << 24, &s.n_ctx_train)) ||
+        (rc = take_experts(&flags[F_EXPERTS], experts, &flags[F_EXPERTS_USED], experts_used,
+                           &flags[F_EXPERT_FFN], expert_ffn, &flags[F_SHARED_FFN], shared_ffn, &s)))
         return rc;
     if (flags[F_THETA].seen) {
         if (!(rope_theta > 0 && isfinite(rope_theta))) {
@@ -159,10 +241,14 @@ int cli_mkmodel(int argc, char **argv)
     }
     struct stat st;
     long long file_bytes = stat(out, &st) == 0 ? (long long)st.st_size : -1;
-    printf("mkmodel: wrote %s: %s %.3fM params, vocab %d, %s, %lld bytes, %.1f s\n", out,
-           m->shape.arch == TD_ARCH_QWEN2 ? "qwen2" : "llama",
-           (double)td_model_n_params(&m->shape) / 1e6, m->shape.n_vocab,
-           td_type_name(m->weight_type), file_bytes, td_now_s() - t0);
+    char experts_note[96] = "";
+    if (m->shape.n_expert)
+        snprintf(experts_note, sizeof(experts_note), " (%d experts, top-%d: %.3fM active)",
+                 m->shape.n_expert, m->shape.n_expert_used,
+                 (double)td_model_n_active_params(&m->shape) / 1e6);
+    printf("mkmodel: wrote %s: %s %.3fM params%s, vocab %d, %s, %lld bytes, %.1f s\n", out,
+           td_arch_name(m->shape.arch), (double)td_model_n_params(&m->shape) / 1e6, experts_note,
+           m->shape.n_vocab, td_type_name(m->weight_type), file_bytes, td_now_s() - t0);
     td_model_free(m);
     return 0;
 }

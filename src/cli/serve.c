@@ -23,7 +23,8 @@
  * split evenly between them (a rank's compute threads are pinned inside its share, as
  * `tandem up` splits them between processes), and --threads is the total.
  */
-static int create_ranks(td_engine **engines, cpu_set_t *cpus, int n, const td_engine_config *base, td_err *err)
+static int create_ranks(td_engine **engines, cpu_set_t *cpus, int n, const td_engine_config *base,
+                        td_ep_group *ep, td_err *err)
 {
     if (n == 1) return td_engine_create(&engines[0], base, err);
     cpu_set_t all;
@@ -34,6 +35,8 @@ static int create_ranks(td_engine **engines, cpu_set_t *cpus, int n, const td_en
     int rc = 0;
     for (int r = 0; r < n && !rc; r++) {
         td_engine_config cfg = *base;
+        cfg.ep = ep;
+        cfg.ep_rank = r;
         /* rank r: CPUs [lo, hi) of the allowed set (one shared CPU when ranks outnumber them) */
         int lo = ncpu >= n ? (int)((int64_t)r * ncpu / n) : r % ncpu;
         int hi = ncpu >= n ? (int)((int64_t)(r + 1) * ncpu / n) : lo + 1;
@@ -92,8 +95,8 @@ int cli_serve(int argc, char **argv)
                            "accepted for the seed recipes: the ranks' attention is always "
                            "data-parallel (each rank attends over its own requests)");
     flags[nf++] = CLI_FLAG("enable-expert-parallel", CLI_FLAG_BOOL, &expert_parallel,
-                           "split a mixture-of-experts model's experts across the ranks (not "
-                           "available yet: an error)");
+                           "split a mixture-of-experts model's experts across the data-parallel "
+                           "ranks (a token exchange per MoE layer; the ranks step together)");
     flags[nf++] = CLI_FLAG("kv-transfer-config", CLI_FLAG_STR, &kv_json,
                            "JSON: kv_role (kv_producer|kv_consumer|kv_both, required), "
                            "kv_connector (tandem|mooncake|moriio), protocol (tcp|shm|ucx), "
@@ -133,9 +136,9 @@ int cli_serve(int argc, char **argv)
         fprintf(stderr, "error: --data-parallel-size must be in [1, %d], got %lld\n", SRV_MAX_DP, (long long)dp);
         return 2;
     }
-    if (expert_parallel) {
-        fprintf(stderr, "error: --enable-expert-parallel is not available yet: run the data-parallel "
-                        "ranks with every expert each (drop the flag)\n");
+    if (expert_parallel && dp < 2) {
+        fprintf(stderr, "error: --enable-expert-parallel splits the experts across data-parallel ranks: "
+                        "it needs --data-parallel-size 2 or more\n");
         return 2;
     }
     if (port < 0 || port > 65535) {
@@ -231,8 +234,11 @@ int cli_serve(int argc, char **argv)
     td_engine *engines[SRV_MAX_DP] = {0};
     static cpu_set_t cpus[SRV_MAX_DP];
     bool split = dp > 1 && sched_getaffinity(0, sizeof(cpus[0]), &cpus[0]) == 0;
-    if (create_ranks(engines, cpus, (int)dp, &cfg, &err)) {
+    td_ep_group *ep = NULL;
+    if ((expert_parallel && td_ep_group_create(&ep, (int)dp, &err)) ||
+        create_ranks(engines, cpus, (int)dp, &cfg, ep, &err)) {
         fprintf(stderr, "error: %s\n", err.msg);
+        td_ep_group_free(ep);
         if (have_kv) srv_kv_config_free(&kv);
         return err.code == TD_EINVAL ? 2 : 1;
     }
@@ -251,14 +257,17 @@ int cli_serve(int argc, char **argv)
     sc.kv_cache_dtype = cfg.kv_cache_dtype;
     sc.kv = have_kv ? &kv : NULL;
     sc.rank_cpus = split ? cpus : NULL;
+    sc.ep = ep;
     srv_server *s = NULL;
     if (srv_server_create(&s, engines, (int)dp, &sc, &err)) { /* it frees the engines */
         fprintf(stderr, "error: %s\n", err.msg);
+        td_ep_group_free(ep);
         if (have_kv) srv_kv_config_free(&kv);
         return 1;
     }
     rc = srv_server_run(s);
     srv_server_free(s);
+    td_ep_group_free(ep); /* after the engines, whose steps used it */
     if (have_kv) srv_kv_config_free(&kv);
     return rc ? 1 : 0;
 }

@@ -137,6 +137,15 @@ int td_engine_create(td_engine **out, const td_engine_config *cfg, td_err *err)
                         tok_n_vocab(e->tok), s->n_vocab);
         goto fail;
     }
+    /* Experts run on the CPU forward pass only; the GPU backend would otherwise look for the
+     * dense FFN matrices that an MoE model does not have. */
+    if (s->n_expert && cfg->device && !strcmp(cfg->device, "cuda")) {
+        rc = td_err_set(err, TD_EUNSUPPORTED,
+                        "--device cuda: the GPU backend does not run mixture-of-experts models "
+                        "yet (%s with %d experts); use --device cpu",
+                        td_arch_name(s->arch), s->n_expert);
+        goto fail;
+    }
 
     e->max_model_len = cfg->max_model_len > 0 ? cfg->max_model_len : s->n_ctx_train;
     if (e->max_model_len > s->n_ctx_train)
@@ -153,6 +162,22 @@ int td_engine_create(td_engine **out, const td_engine_config *cfg, td_err *err)
     rc = fwd_init(&e->fwd, e->model, &e->kv, e->pool, e->max_batched, e->max_num_seqs,
                   e->max_model_len, err);
     if (rc) goto fail;
+    if (cfg->ep) {
+        /* Expert parallelism: its exchange buffers are part of the workspace, planned here
+         * and never taken from the KV budget below (nor the KV pool from them). */
+        if (!s->n_expert) {
+            rc = td_err_set(err, TD_EINVAL,
+                            "expert parallelism needs a mixture-of-experts model (%s has no experts)",
+                            td_arch_name(s->arch));
+            goto fail;
+        }
+        if (cfg->ep_rank < 0 || cfg->ep_rank >= td_ep_size(cfg->ep)) {
+            rc = td_err_set(err, TD_EINVAL, "expert-parallel rank %d of a group of %d", cfg->ep_rank,
+                            td_ep_size(cfg->ep));
+            goto fail;
+        }
+        if ((rc = fwd_enable_ep(&e->fwd, cfg->ep, cfg->ep_rank, err))) goto fail;
+    }
 
     /* Then the KV pool from what the budget leaves. */
     td_type kv_type = td_type_parse(cfg->kv_cache_dtype);
@@ -305,6 +330,15 @@ void td_engine_describe(const td_engine *e, char *buf, size_t cap)
              (double)e->fwd.workspace_bytes / 1048576.0, e->max_batched,
              (double)e->kv.total_bytes / 1048576.0, e->kv.n_blocks, e->kv.block_size,
              td_type_name(e->kv.dtype), e->kv.n_blocks * e->kv.block_size, e->max_model_len);
+    if (e->fwd.ep) {
+        int lo, hi;
+        td_ep_experts(e->fwd.ep, e->fwd.ep_rank, e->model->shape.n_expert, &lo, &hi);
+        size_t n = strlen(buf);
+        snprintf(buf + n, cap > n ? cap - n : 0,
+                 "; expert parallelism: rank %d of %d holds experts %d..%d, exchange %.1f MiB (in the "
+                 "workspace)",
+                 e->fwd.ep_rank, td_ep_size(e->fwd.ep), lo, hi - 1, (double)e->fwd.moe.ep_bytes / 1048576.0);
+    }
 }
 
 bool td_engine_has_work(const td_engine *e)
@@ -382,6 +416,8 @@ void td_engine_get_stats(const td_engine *e, td_engine_stats *st)
     st->num_blocks_free = e->kv.n_free;
     st->num_blocks_cached = e->kv.n_cached;
     st->num_loading = e->n_loading;
+    st->moe_expert_runs = e->fwd.moe_expert_runs;
+    st->ep_exchange_bytes = e->fwd.moe.ep_bytes;
 }
 
 static char *xstrdup(const char *s)

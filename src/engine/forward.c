@@ -1,5 +1,5 @@
 /*
- * engine/forward.c - llama / qwen2 forward pass on the CPU backend.
+ * engine/forward.c - llama / qwen2 / qwen2moe forward pass on the CPU backend.
  *
  * Per layer, for the T tokens of the batch:
  *   xb  = rmsnorm(x) * attn_norm
@@ -8,7 +8,7 @@
  *   att = softmax(q k^T / sqrt(d)) v  over the cache, per head  [T][n_head*d]
  *   x  += att Wo^T
  *   xb  = rmsnorm(x) * ffn_norm
- *   x  += (silu(xb Wg^T) * (xb Wu^T)) Wd^T
+ *   x  += (silu(xb Wg^T) * (xb Wu^T)) Wd^T     (with experts: x += moe_ffn(xb), moe.c)
  * then logits = rmsnorm(x[r]) * out_norm Wout^T for the rows that need them.
  */
 #include "engine/forward.h"
@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "backend/cpu/cpu.h"
+#include "engine/ep.h"
 #include "util/crc32c.h"
 
 /* Most heads one attention work item covers (each thread keeps their scores). */
@@ -39,10 +40,17 @@ static int score_heads(const td_model *m)
     return TD_MIN(m->shape.n_head, ATT_MAX_HEADS);
 }
 
+/* Width of the dense FFN's hidden rows (hb, hb2): n_ff, or with experts the shared
+ * expert's (0 when there is none; the routed experts have their own buffers in moe.c). */
+static int dense_ff(const td_model *m)
+{
+    return m->shape.n_expert ? m->shape.n_ff_shexp : m->shape.n_ff;
+}
+
 static size_t mm_scratch_bytes(const td_model *m, int rows, int n_threads)
 {
     const td_model_shape *s = &m->shape;
-    int widest = TD_MAX(TD_MAX(s->n_embd, s->n_ff), q_dim(m));
+    int widest = TD_MAX(TD_MAX(s->n_embd, dense_ff(m)), TD_MAX(q_dim(m), s->n_ff_exp));
     size_t most = 0;
     const td_type types[] = {TD_TYPE_F32, TD_TYPE_F16, TD_TYPE_BF16, TD_TYPE_Q8_0, TD_TYPE_Q4_0};
     for (size_t i = 0; i < TD_ARRAY_LEN(types); i++)
@@ -56,11 +64,12 @@ size_t fwd_workspace_bytes(const td_model *m, int max_tokens, int max_logits, in
     const td_model_shape *s = &m->shape;
     size_t T = (size_t)max_tokens;
     size_t floats = T * (size_t)s->n_embd * 3 + T * (size_t)q_dim(m) * 2 +
-                    T * (size_t)kv_dim(m) * 2 + T * (size_t)s->n_ff * 2 +
+                    T * (size_t)kv_dim(m) * 2 + T * (size_t)dense_ff(m) * 2 +
                     (size_t)max_logits * (size_t)s->n_embd +
                     (size_t)n_threads * (size_t)score_heads(m) * (size_t)max_ctx;
     int rows = TD_MAX(max_tokens, max_logits);
-    return floats * sizeof(float) + mm_scratch_bytes(m, rows, n_threads) + 64 * 16;
+    return floats * sizeof(float) + mm_scratch_bytes(m, rows, n_threads) + 64 * 16 +
+           moe_workspace_bytes(m, max_tokens, false);
 }
 
 int fwd_init(fwd_ctx *f, const td_model *m, kv_pool *kv, td_pool *pool, int max_tokens,
@@ -79,11 +88,12 @@ int fwd_init(fwd_ctx *f, const td_model *m, kv_pool *kv, td_pool *pool, int max_
     struct { float **dst; size_t n; } bufs[] = {
         {&f->x, T * s->n_embd},   {&f->xb, T * s->n_embd},       {&f->xb2, T * s->n_embd},
         {&f->q, T * q_dim(m)},    {&f->k, T * kv_dim(m)},        {&f->v, T * kv_dim(m)},
-        {&f->att, T * q_dim(m)},  {&f->hb, T * s->n_ff},         {&f->hb2, T * s->n_ff},
+        {&f->att, T * q_dim(m)},  {&f->hb, T * dense_ff(m)},     {&f->hb2, T * dense_ff(m)},
         {&f->xo, (size_t)max_logits * s->n_embd},
         {&f->scores, (size_t)f->n_threads * score_heads(m) * max_ctx},
     };
     for (size_t i = 0; i < TD_ARRAY_LEN(bufs); i++) {
+        if (!bufs[i].n) continue; /* hb, hb2 of an MoE model without a shared expert */
         *bufs[i].dst = td_aligned_alloc(bufs[i].n * sizeof(float));
         if (!*bufs[i].dst) goto oom;
         f->workspace_bytes += bufs[i].n * sizeof(float);
@@ -92,10 +102,34 @@ int fwd_init(fwd_ctx *f, const td_model *m, kv_pool *kv, td_pool *pool, int max_
     f->mm_scratch = td_aligned_alloc(mm);
     if (!f->mm_scratch) goto oom;
     f->workspace_bytes += mm;
+    if (moe_init(&f->moe, m, max_tokens, false)) goto oom;
+    f->workspace_bytes += f->moe.bytes;
     return 0;
 oom:
     fwd_free(f);
     return td_err_set(err, TD_ENOMEM, "forward: cannot allocate the activation workspace");
+}
+
+int fwd_enable_ep(fwd_ctx *f, td_ep_group *g, int rank, td_err *err)
+{
+    f->workspace_bytes -= f->moe.bytes;
+    moe_free(&f->moe);
+    if (moe_init(&f->moe, f->model, f->max_tokens, true))
+        return td_err_set(err, TD_ENOMEM, "forward: cannot allocate the expert exchange's buffers");
+    f->workspace_bytes += f->moe.bytes;
+    f->ep = g;
+    f->ep_rank = rank;
+    ep__attach(g, rank, f->moe.xg, f->moe.start, f->moe.yg);
+    return 0;
+}
+
+/* Expert parallelism, a step with no rows: every MoE layer's exchange still runs (this
+ * rank holds experts that the other ranks' rows need). */
+static int ep_empty_step(fwd_ctx *f)
+{
+    for (int il = 0; il < f->model->shape.n_layer; il++)
+        if (moe_ffn(f, &f->model->layers[il], NULL, NULL, 0)) return -1;
+    return 0;
 }
 
 void fwd_free(fwd_ctx *f)
@@ -104,6 +138,7 @@ void fwd_free(fwd_ctx *f)
                      f->scores};
     for (size_t i = 0; i < TD_ARRAY_LEN(bufs); i++) td_aligned_free(bufs[i]);
     td_aligned_free(f->mm_scratch);
+    moe_free(&f->moe);
     memset(f, 0, sizeof(*f));
 }
 
@@ -136,7 +171,7 @@ static cpu_mm_out mm_out(float *y, const td_weight *w, int M)
                         .w_row_bytes = w->row_bytes, .N = (int)w->rows, .packed = packed};
 }
 
-static void matmul(fwd_ctx *f, float *y, const float *x, const td_weight *w, int M)
+void fwd__matmul(fwd_ctx *f, float *y, const float *x, const td_weight *w, int M)
 {
     cpu_mm_out o = mm_out(y, w, M);
     cpu_matmul_multi(f->pool, &o, 1, x, w->cols, w->type, M, (int)w->cols, f->mm_scratch);
@@ -147,14 +182,14 @@ static void matmul(fwd_ctx *f, float *y, const float *x, const td_weight *w, int
  * when the weights share a type and width, so one join (and for quantized weights one
  * quantization of x) instead of n; each output is bit-identical either way.
  */
-static void matmul_same_x(fwd_ctx *f, float *const *y, const float *x, const td_weight *const *w,
-                          int n, int M)
+void fwd__matmul_same_x(fwd_ctx *f, float *const *y, const float *x, const td_weight *const *w,
+                        int n, int M)
 {
     bool same = true;
     for (int i = 1; i < n; i++)
         same = same && w[i]->type == w[0]->type && w[i]->cols == w[0]->cols;
     if (!same) {
-        for (int i = 0; i < n; i++) matmul(f, y[i], x, w[i], M);
+        for (int i = 0; i < n; i++) fwd__matmul(f, y[i], x, w[i], M);
         return;
     }
     cpu_mm_out outs[CPU_MM_MAX_OUT];
@@ -359,11 +394,12 @@ static void compact_rows(fwd_ctx *f, const fwd_batch *b)
     }
 }
 
-void fwd_run(fwd_ctx *f, const fwd_batch *b)
+int fwd_run(fwd_ctx *f, const fwd_batch *b)
 {
     const td_model *m = f->model;
     const td_model_shape *s = &m->shape;
     int T = b->n_tokens;
+    if (T == 0 && f->ep) return ep_empty_step(f);
     TD_ASSERT(T > 0 && T <= f->max_tokens && b->n_logits <= f->max_logits);
     task tk = {.f = f, .b = b, .n_rows = T, .next_layer = &m->layers[0]};
     bool fills_block = false; /* some row writes the last slot of a block */
@@ -373,8 +409,8 @@ void fwd_run(fwd_ctx *f, const fwd_batch *b)
     for (int il = 0; il < s->n_layer; il++) {
         const td_layer *L = &m->layers[il];
         tk.il = il;
-        matmul_same_x(f, (float *const[]){f->q, f->k, f->v}, f->xb,
-                      (const td_weight *const[]){&L->wq, &L->wk, &L->wv}, 3, T);
+        fwd__matmul_same_x(f, (float *const[]){f->q, f->k, f->v}, f->xb,
+                           (const td_weight *const[]){&L->wq, &L->wk, &L->wv}, 3, T);
         tk.layer = L;
         td_pool_run(f->pool, task_rope_store, &tk);
         if (fills_block) td_pool_run(f->pool, task_block_crc, &tk);
@@ -382,26 +418,32 @@ void fwd_run(fwd_ctx *f, const fwd_batch *b)
         if (il == s->n_layer - 1 && b->n_logits < T) {
             /* The last layer's output matters only for the rows that produce logits, and
              * every row's K and V are already stored: finish just those rows. */
-            if (b->n_logits == 0) return;
+            if (b->n_logits == 0) /* with experts held elsewhere: still serve the exchange */
+                return f->ep ? moe_ffn(f, L, NULL, NULL, 0) : 0;
             compact_rows(f, b);
             tk.row_map = b->logit_rows;
             tk.n_rows = T = b->n_logits;
         }
         tk.next_item = 0;
         td_pool_run(f->pool, task_attention, &tk);
-        matmul(f, f->xb2, f->att, &L->wo, T);
+        fwd__matmul(f, f->xb2, f->att, &L->wo, T);
         tk.layer = L; /* residual, then the FFN norm of this layer */
         td_pool_run(f->pool, task_residual_norm, &tk);
-        matmul_same_x(f, (float *const[]){f->hb, f->hb2}, f->xb,
-                      (const td_weight *const[]){&L->w_gate, &L->w_up}, 2, T);
-        td_pool_run(f->pool, task_silu, &tk);
-        matmul(f, f->xb2, f->hb, &L->w_down, T);
+        if (s->n_expert) {
+            if (moe_ffn(f, L, f->xb, f->xb2, T)) return -1; /* the group broke */
+        } else {
+            fwd__matmul_same_x(f, (float *const[]){f->hb, f->hb2}, f->xb,
+                               (const td_weight *const[]){&L->w_gate, &L->w_up}, 2, T);
+            td_pool_run(f->pool, task_silu, &tk);
+            fwd__matmul(f, f->xb2, f->hb, &L->w_down, T);
+        }
         tk.layer = NULL; /* residual, then the next layer's attention norm (if any) */
         tk.next_layer = il + 1 < s->n_layer ? &m->layers[il + 1] : NULL;
         td_pool_run(f->pool, task_residual_norm, &tk);
     }
     if (b->n_logits > 0) {
         td_pool_run(f->pool, task_final_norm, &tk);
-        matmul(f, b->logits, f->xo, &m->output, b->n_logits);
+        fwd__matmul(f, b->logits, f->xo, &m->output, b->n_logits);
     }
+    return 0;
 }

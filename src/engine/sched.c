@@ -357,6 +357,24 @@ static void step_kv_stored(void *user, int layer)
     e->layer_fn(e->layer_user, layer, e->lp, e->n_lp);
 }
 
+
+/* The expert-parallel group broke during this step's forward pass: its n_sched requests
+ * end with the group's reason (the others end when the loop stops), and the step fails. */
+static int ep_failed(td_engine *e, int n_sched, td_err *err)
+{
+    char why[200];
+    td_ep_broken(e->fwd.ep, why, sizeof(why));
+    TD_ERROR("engine: %s", why);
+    for (int s = 0; s < n_sched; s++) end_request(e, e->b_reqs[s], TD_FINISH_ERROR, why);
+    int w = 0;
+    for (int i = 0; i < e->n_running; i++) {
+        if (e->running[i]->finished) req__free(e->running[i]);
+        else e->running[w++] = e->running[i];
+    }
+    e->n_running = w;
+    return td_err_set(err, TD_EIO, "%s", why);
+}
+
 int sched__step(td_engine *e, td_err *err)
 {
     (void)err;
@@ -438,7 +456,15 @@ int sched__step(td_engine *e, td_err *err)
         n_sched++;
         budget -= n;
     }
-    if (n_sched == 0) return 0;
+    if (n_sched == 0) {
+        /* Expert parallelism: every rank runs one forward pass per step, an empty one
+         * included (it runs the experts this rank holds for the others). */
+        if (e->fwd.ep) {
+            fwd_batch none = {0};
+            if (fwd_run(&e->fwd, &none)) return ep_failed(e, 0, err);
+        }
+        return 0;
+    }
 
     /* Build the flat batch. */
     int T = 0, n_logits = 0;
@@ -502,7 +528,8 @@ int sched__step(td_engine *e, td_err *err)
         }
     } else
 #endif
-        fwd_run(&e->fwd, &b);
+        if (fwd_run(&e->fwd, &b))
+            return ep_failed(e, n_sched, err);
     e->stats.steps++;
 
     /* Sample and emit, then drop finished requests from the running list. */

@@ -180,10 +180,11 @@ static uint32_t file_type(td_type t)
 
 static void add_hparams(gguf_writer *w, const td_model_shape *s, td_type wtype)
 {
-    const char *arch = s->arch == TD_ARCH_QWEN2 ? "qwen2" : "llama";
+    const char *arch = td_arch_name(s->arch);
     char key[96], name[64];
     gguf_writer_set_str(w, "general.architecture", arch);
-    snprintf(name, sizeof(name), "tandem-random-%s-d%d-l%d", arch, s->n_embd, s->n_layer);
+    int len = snprintf(name, sizeof(name), "tandem-random-%s-d%d-l%d", arch, s->n_embd, s->n_layer);
+    if (s->n_expert) snprintf(name + len, sizeof(name) - (size_t)len, "-e%d", s->n_expert);
     gguf_writer_set_str(w, "general.name", name);
     gguf_writer_set_u32(w, "general.file_type", file_type(wtype));
 #define U32(suffix, v)                                                                             \
@@ -208,6 +209,14 @@ static void add_hparams(gguf_writer *w, const td_model_shape *s, td_type wtype)
     U32("rope.dimension_count", s->head_dim);
     F32("attention.layer_norm_rms_epsilon", s->rms_eps);
     F32("rope.freq_base", s->rope_theta);
+    if (s->n_expert) {
+        U32("expert_count", s->n_expert);
+        U32("expert_used_count", s->n_expert_used);
+        if (s->arch == TD_ARCH_QWEN2MOE) { /* llama's experts are feed_forward_length wide */
+            U32("expert_feed_forward_length", s->n_ff_exp);
+            U32("expert_shared_feed_forward_length", s->n_ff_shexp);
+        }
+    }
     if (s->rope_freq_scale != 1.0f) {
         snprintf(key, sizeof(key), "%s.rope.scaling.type", arch);
         gguf_writer_set_str(w, key, "linear");
@@ -325,7 +334,7 @@ int td_mkmodel_write(const char *path, const td_model_shape *shape, td_type wtyp
     mk_state st = {.seed = seed, .n_threads = (int)TD_MIN(TD_MAX(ncpu, 1), MK_MAX_THREADS)};
     for (int i = 0; i < n && !rc; i++) {
         ctx[i] = (mk_tensor){&plan[i], &st};
-        int64_t ne[2] = {plan[i].cols, plan[i].rows};
+        int64_t ne[3] = {plan[i].cols, plan[i].rows, plan[i].n_mats}; /* 3-D: the experts */
         rc = gguf_writer_add_tensor_rows(w, plan[i].name, plan[i].type, plan[i].n_dims, ne,
                                          fill_rows, &ctx[i], err);
     }

@@ -1,6 +1,6 @@
 /*
- * model/model.c - load a llama/qwen2 model from GGUF, or build one with random
- * weights (`--load-format dummy`), and describe it.
+ * model/model.c - load a llama/qwen2/qwen2moe model from GGUF, or build one with
+ * random weights (`--load-format dummy`), and describe it.
  *
  * Loading never copies weights: each td_weight points into the GGUF mapping.
  * Every tensor is checked against the hyper-parameters (shape) and against what
@@ -30,8 +30,64 @@
 #define MAX_HEAD_DIM 1024
 #define MAX_FF (1 << 20)
 #define MAX_CTX (1 << 24)
+#define MAX_EXPERT TD_MODEL_MAX_EXPERTS
 
 /* ---- shapes ---------------------------------------------------------------- */
+
+const char *td_arch_name(td_arch a)
+{
+    switch (a) {
+    case TD_ARCH_LLAMA:
+        return "llama";
+    case TD_ARCH_QWEN2:
+        return "qwen2";
+    case TD_ARCH_QWEN2MOE:
+        return "qwen2moe";
+    }
+    return "?";
+}
+
+/* q/k/v biases: the qwen2 attention, in qwen2 and qwen2moe. */
+static bool has_qkv_bias(const td_model_shape *s)
+{
+    return s->arch == TD_ARCH_QWEN2 || s->arch == TD_ARCH_QWEN2MOE;
+}
+
+/* The experts' fields: consistent with each other and with the architecture. */
+static int validate_experts(const td_model_shape *s, td_err *err)
+{
+    const char *arch = td_arch_name(s->arch);
+    if (s->n_expert < 0 || s->n_expert > MAX_EXPERT)
+        return td_err_set(err, TD_EINVAL, "model: n_expert = %d is out of range (0..%d)",
+                          s->n_expert, MAX_EXPERT);
+    if (s->n_expert == 0) {
+        if (s->arch == TD_ARCH_QWEN2MOE)
+            return td_err_set(err, TD_EINVAL, "model: qwen2moe needs experts (n_expert >= 1)");
+        if (s->n_expert_used || s->n_ff_exp || s->n_ff_shexp)
+            return td_err_set(err, TD_EINVAL,
+                              "model: a dense model has no n_expert_used, n_ff_exp or n_ff_shexp");
+        return 0;
+    }
+    if (s->arch == TD_ARCH_QWEN2)
+        return td_err_set(err, TD_EINVAL,
+                          "model: qwen2 has no experts (its MoE architecture is qwen2moe)");
+    if (s->n_expert_used < 1 || s->n_expert_used > s->n_expert)
+        return td_err_set(err, TD_EINVAL,
+                          "model: n_expert_used = %d must be in 1..n_expert (%d experts)",
+                          s->n_expert_used, s->n_expert);
+    if (s->n_ff_exp < 1 || s->n_ff_exp > MAX_FF)
+        return td_err_set(err, TD_EINVAL, "model: n_ff_exp = %d is out of range (1..%d)",
+                          s->n_ff_exp, MAX_FF);
+    if (s->arch == TD_ARCH_LLAMA && s->n_ff_exp != s->n_ff)
+        return td_err_set(err, TD_EINVAL,
+                          "model: llama experts are n_ff wide: n_ff_exp %d differs from n_ff %d",
+                          s->n_ff_exp, s->n_ff);
+    bool shared = s->arch == TD_ARCH_QWEN2MOE;
+    if (shared ? s->n_ff_shexp < 1 || s->n_ff_shexp > MAX_FF : s->n_ff_shexp != 0)
+        return td_err_set(err, TD_EINVAL, "model: n_ff_shexp = %d: %s %s", s->n_ff_shexp, arch,
+                          shared ? "needs a shared expert (1..1048576)" : "has no shared expert");
+    return 0;
+}
 
 static int effective_head_dim(const td_model_shape *s)
 {
@@ -53,7 +109,7 @@ int td_model_shape_validate(const td_model_shape *s, td_err *err)
         if (dims[i].v < 1 || dims[i].v > dims[i].max)
             return td_err_set(err, TD_EINVAL, "model: %s = %d is out of range (1..%d)",
                               dims[i].name, dims[i].v, dims[i].max);
-    if (s->arch != TD_ARCH_LLAMA && s->arch != TD_ARCH_QWEN2)
+    if (s->arch != TD_ARCH_LLAMA && s->arch != TD_ARCH_QWEN2 && s->arch != TD_ARCH_QWEN2MOE)
         return td_err_set(err, TD_EINVAL, "model: unknown architecture id %d", (int)s->arch);
     if (s->head_dim == 0 && s->n_embd % s->n_head)
         return td_err_set(err, TD_EINVAL, "model: n_head %d does not divide n_embd %d", s->n_head,
@@ -75,42 +131,75 @@ int td_model_shape_validate(const td_model_shape *s, td_err *err)
                           s->rope_freq_scale);
     if (s->rope_type != TD_ROPE_NORM && s->rope_type != TD_ROPE_NEOX)
         return td_err_set(err, TD_EINVAL, "model: unknown rope type %d", (int)s->rope_type);
-    return 0;
+    return validate_experts(s, err);
 }
 
-int64_t td_model_n_params(const td_model_shape *s)
+/* Parameters with n_experts of each layer's experts counted (all, or the used ones). */
+static int64_t count_params(const td_model_shape *s, int64_t n_experts)
 {
     int64_t embd = s->n_embd, hd = effective_head_dim(s);
     int64_t q = s->n_head * hd, kv = s->n_head_kv * hd;
     int64_t layer = 2 * embd                   /* attn_norm, ffn_norm */
                     + embd * q + 2 * embd * kv /* wq, wk, wv */
-                    + q * embd                 /* wo */
-                    + 3 * embd * s->n_ff;      /* gate, up, down */
-    if (s->arch == TD_ARCH_QWEN2) layer += q + 2 * kv;
+                    + q * embd;                /* wo */
+    if (s->n_expert == 0)
+        layer += 3 * embd * s->n_ff; /* gate, up, down */
+    else
+        layer += embd * s->n_expert                   /* router */
+                 + n_experts * 3 * embd * s->n_ff_exp /* experts' gate, up, down */
+                 + (s->n_ff_shexp ? embd + 3 * embd * s->n_ff_shexp : 0); /* shared expert */
+    if (has_qkv_bias(s)) layer += q + 2 * kv;
     int64_t vocab = (int64_t)s->n_vocab * embd;
     return vocab * (s->tied_output ? 1 : 2) + embd + s->n_layer * layer;
+}
+
+int64_t td_model_n_params(const td_model_shape *s)
+{
+    return count_params(s, s->n_expert);
+}
+
+int64_t td_model_n_active_params(const td_model_shape *s)
+{
+    return count_params(s, s->n_expert_used);
 }
 
 int td_model_preset(const char *name, td_model_shape *out, td_err *err)
 {
     static const struct {
         const char *name;
+        td_arch arch;
         int vocab, embd, layer, head, head_kv, ff, ctx;
         float theta;
+        int expert, expert_used, ff_exp, ff_shexp;
     } presets[] = {
         /* A model small enough for unit tests, big enough for 2-way GQA and 4 layers. */
-        {"tiny", 512, 128, 4, 4, 2, 384, 512, 10000.0f},
+        {"tiny", TD_ARCH_LLAMA, 512, 128, 4, 4, 2, 384, 512, 10000.0f, 0, 0, 0, 0},
         /* llama2.c's 110M-class shape with a 32k vocab: 134,105,856 parameters. */
-        {"llama-134m", 32000, 768, 12, 12, 12, 2048, 2048, 10000.0f},
+        {"llama-134m", TD_ARCH_LLAMA, 32000, 768, 12, 12, 12, 2048, 2048, 10000.0f, 0, 0, 0, 0},
         /* TinyLlama 1.1B. */
-        {"llama-1b", 32000, 2048, 22, 32, 4, 5632, 2048, 10000.0f},
+        {"llama-1b", TD_ARCH_LLAMA, 32000, 2048, 22, 32, 4, 5632, 2048, 10000.0f, 0, 0, 0, 0},
         /* Llama 3 8B. */
-        {"llama3-8b", 128256, 4096, 32, 32, 8, 14336, 8192, 500000.0f},
+        {"llama3-8b", TD_ARCH_LLAMA, 128256, 4096, 32, 32, 8, 14336, 8192, 500000.0f, 0, 0, 0, 0},
+        /* Mixtral-style (llama with experts) for unit tests: 8 experts, top-2, 1.8M params. */
+        {"moe-tiny", TD_ARCH_LLAMA, 512, 128, 2, 4, 2, 256, 512, 10000.0f, 8, 2, 256, 0},
+        /* qwen2moe for unit tests: 8 experts of 128, top-4, a shared expert of 256. */
+        {"qwen2moe-tiny", TD_ARCH_QWEN2MOE, 512, 128, 2, 4, 2, 256, 512, 1000000.0f, 8, 4, 128,
+         256},
+        /* A mid-size Mixtral-style shape for benchmarks on one machine: 1.21B parameters,
+         * 0.38B active (8 experts of 2816, top-2). */
+        {"moe-1b", TD_ARCH_LLAMA, 32000, 1024, 16, 16, 4, 2816, 4096, 1000000.0f, 8, 2, 2816, 0},
+        /* Mixtral 8x7B: 46.7B parameters, 12.9B active. */
+        {"mixtral-8x7b", TD_ARCH_LLAMA, 32000, 4096, 32, 32, 8, 14336, 32768, 1000000.0f, 8, 2,
+         14336, 0},
+        /* Qwen1.5-MoE-A2.7B: 14.3B parameters, 2.7B active (60 experts, top-4, shared). */
+        {"qwen2moe-a2.7b", TD_ARCH_QWEN2MOE, 151936, 2048, 24, 16, 16, 5632, 8192, 1000000.0f, 60,
+         4, 1408, 5632},
     };
     for (size_t i = 0; i < TD_ARRAY_LEN(presets); i++) {
         if (strcmp(presets[i].name, name) != 0) continue;
+        bool qwen = presets[i].arch != TD_ARCH_LLAMA;
         *out = (td_model_shape){
-            .arch = TD_ARCH_LLAMA,
+            .arch = presets[i].arch,
             .n_vocab = presets[i].vocab,
             .n_embd = presets[i].embd,
             .n_layer = presets[i].layer,
@@ -122,13 +211,18 @@ int td_model_preset(const char *name, td_model_shape *out, td_err *err)
             .rms_eps = 1e-5f,
             .rope_theta = presets[i].theta,
             .rope_freq_scale = 1.0f,
-            .rope_type = TD_ROPE_NORM,
+            .rope_type = qwen ? TD_ROPE_NEOX : TD_ROPE_NORM,
             .tied_output = false,
+            .n_expert = presets[i].expert,
+            .n_expert_used = presets[i].expert_used,
+            .n_ff_exp = presets[i].ff_exp,
+            .n_ff_shexp = presets[i].ff_shexp,
         };
         return 0;
     }
     return td_err_set(err, TD_EINVAL,
-                      "model: unknown preset '%s' (known: tiny, llama-134m, llama-1b, llama3-8b)",
+                      "model: unknown preset '%s' (known: tiny, llama-134m, llama-1b, llama3-8b, "
+                      "moe-tiny, qwen2moe-tiny, moe-1b, mixtral-8x7b, qwen2moe-a2.7b)",
                       name);
 }
 
@@ -138,21 +232,24 @@ td_model__tensor *td_model__plan(const td_model_shape *s, td_type wtype, td_mode
 {
     int64_t hd = effective_head_dim(s);
     int64_t q = s->n_head * hd, kv = s->n_head_kv * hd, embd = s->n_embd;
-    bool bias = s->arch == TD_ARCH_QWEN2;
-    int per_layer = 9 + (bias ? 3 : 0);
+    bool bias = has_qkv_bias(s), moe = s->n_expert > 0, shexp = s->n_ff_shexp > 0;
+    int per_layer = 6 + (bias ? 3 : 0) + (moe ? 4 + (shexp ? 4 : 0) : 3);
     td_model__tensor *p = td_xcalloc((size_t)(3 + s->n_layer * per_layer), sizeof(*p));
     int n = 0;
-#define ADD(kind_, slot_, cols_, rows_, ...)                                                       \
+#define ADD3(kind_, slot_, cols_, rows_, mats_, ...)                                               \
     do {                                                                                           \
         td_model__tensor *t = &p[n++];                                                             \
         snprintf(t->name, sizeof(t->name), __VA_ARGS__);                                           \
         t->kind = (kind_);                                                                         \
-        t->type = (kind_) == TD_MODEL__NORM || (kind_) == TD_MODEL__BIAS ? TD_TYPE_F32 : wtype;    \
+        t->type = (kind_) == TD_MODEL__MATRIX || (kind_) == TD_MODEL__EMBD ? wtype : TD_TYPE_F32;  \
         t->cols = (cols_);                                                                         \
         t->rows = (rows_);                                                                         \
-        t->n_dims = (rows_) == 1 ? 1 : 2;                                                          \
+        t->n_mats = (mats_);                                                                       \
+        t->n_dims = (mats_) > 1 || moe_tensor ? 3 : (rows_) == 1 ? 1 : 2;                          \
         t->slot = m ? (slot_) : NULL;                                                              \
     } while (0)
+    bool moe_tensor = false;
+#define ADD(kind_, slot_, cols_, rows_, ...) ADD3(kind_, slot_, cols_, rows_, 1, __VA_ARGS__)
     ADD(TD_MODEL__EMBD, &m->tok_embd, embd, s->n_vocab, "token_embd.weight");
     ADD(TD_MODEL__NORM, &m->output_norm, embd, 1, "output_norm.weight");
     if (!s->tied_output) ADD(TD_MODEL__MATRIX, &m->output, embd, s->n_vocab, "output.weight");
@@ -169,11 +266,28 @@ td_model__tensor *td_model__plan(const td_model_shape *s, td_type wtype, td_mode
         }
         ADD(TD_MODEL__MATRIX, &L->wo, q, embd, "blk.%d.attn_output.weight", l);
         ADD(TD_MODEL__NORM, &L->ffn_norm, embd, 1, "blk.%d.ffn_norm.weight", l);
-        ADD(TD_MODEL__MATRIX, &L->w_gate, embd, s->n_ff, "blk.%d.ffn_gate.weight", l);
-        ADD(TD_MODEL__MATRIX, &L->w_up, embd, s->n_ff, "blk.%d.ffn_up.weight", l);
-        ADD(TD_MODEL__MATRIX, &L->w_down, s->n_ff, embd, "blk.%d.ffn_down.weight", l);
+        if (!moe) {
+            ADD(TD_MODEL__MATRIX, &L->w_gate, embd, s->n_ff, "blk.%d.ffn_gate.weight", l);
+            ADD(TD_MODEL__MATRIX, &L->w_up, embd, s->n_ff, "blk.%d.ffn_up.weight", l);
+            ADD(TD_MODEL__MATRIX, &L->w_down, s->n_ff, embd, "blk.%d.ffn_down.weight", l);
+            continue;
+        }
+        int64_t ne = s->n_expert, fe = s->n_ff_exp, fs = s->n_ff_shexp;
+        ADD(TD_MODEL__ROUTER, &L->router, embd, ne, "blk.%d.ffn_gate_inp.weight", l);
+        moe_tensor = true; /* 3-D even with one expert */
+        ADD3(TD_MODEL__MATRIX, &L->w_gate_exps, embd, fe, ne, "blk.%d.ffn_gate_exps.weight", l);
+        ADD3(TD_MODEL__MATRIX, &L->w_up_exps, embd, fe, ne, "blk.%d.ffn_up_exps.weight", l);
+        ADD3(TD_MODEL__MATRIX, &L->w_down_exps, fe, embd, ne, "blk.%d.ffn_down_exps.weight", l);
+        moe_tensor = false;
+        if (shexp) {
+            ADD(TD_MODEL__GATE, &L->shexp_gate, embd, 1, "blk.%d.ffn_gate_inp_shexp.weight", l);
+            ADD(TD_MODEL__MATRIX, &L->w_gate_shexp, embd, fs, "blk.%d.ffn_gate_shexp.weight", l);
+            ADD(TD_MODEL__MATRIX, &L->w_up_shexp, embd, fs, "blk.%d.ffn_up_shexp.weight", l);
+            ADD(TD_MODEL__MATRIX, &L->w_down_shexp, fs, embd, "blk.%d.ffn_down_shexp.weight", l);
+        }
     }
 #undef ADD
+#undef ADD3
     *n_out = n;
     return p;
 }
@@ -256,6 +370,17 @@ static uint64_t hash_weight(uint64_t h, const td_weight *w)
     return h;
 }
 
+/* Every weight slot of a layer, in a fixed order (absent ones included). */
+// clang-format off
+#define LAYER_WEIGHTS(L)                                                                           \
+    {&(L)->attn_norm,  &(L)->wq,           &(L)->wk,         &(L)->wv,                             \
+     &(L)->bq,         &(L)->bk,           &(L)->bv,         &(L)->wo,                             \
+     &(L)->ffn_norm,   &(L)->w_gate,       &(L)->w_up,       &(L)->w_down,                         \
+     &(L)->router,     &(L)->w_gate_exps,  &(L)->w_up_exps,  &(L)->w_down_exps,                    \
+     &(L)->shexp_gate, &(L)->w_gate_shexp, &(L)->w_up_shexp, &(L)->w_down_shexp}
+// clang-format on
+#define LAYER_N_DENSE 12 /* LAYER_WEIGHTS before the MoE slots */
+
 static void finish_model(td_model *m)
 {
     const td_model_shape *s = &m->shape;
@@ -267,6 +392,9 @@ static void finish_model(td_model *m)
                          s->n_head_kv, s->n_ff,    s->n_ctx_train, s->head_dim,   eps,
                          theta,        scale,      s->rope_type,   s->tied_output};
     uint64_t h = td_hash64(fields, sizeof(fields), 0x746d6f64656cull);
+    /* Only MoE shapes hash their expert fields, so dense fingerprints stay as they were. */
+    uint64_t moe[] = {s->n_expert, s->n_expert_used, s->n_ff_exp, s->n_ff_shexp};
+    if (s->n_expert) h = td_hash64(moe, sizeof(moe), h);
     h = hash_weight(h, &m->tok_embd);
     h = hash_weight(h, &m->output_norm);
     h = hash_weight(h, &m->output);
@@ -278,11 +406,10 @@ static void finish_model(td_model *m)
     by_type[m->tok_embd.type] += m->tok_embd.row_bytes * (size_t)m->tok_embd.rows;
     if (!s->tied_output) by_type[m->output.type] += m->output.row_bytes * (size_t)m->output.rows;
     for (int l = 0; l < s->n_layer; l++) {
-        td_weight *ws[] = {&m->layers[l].attn_norm, &m->layers[l].wq,   &m->layers[l].wk,
-                           &m->layers[l].wv,        &m->layers[l].bq,   &m->layers[l].bk,
-                           &m->layers[l].bv,        &m->layers[l].wo,   &m->layers[l].ffn_norm,
-                           &m->layers[l].w_gate,    &m->layers[l].w_up, &m->layers[l].w_down};
+        td_weight *ws[] = LAYER_WEIGHTS(&m->layers[l]);
         for (size_t i = 0; i < TD_ARRAY_LEN(ws); i++) {
+            /* Absent MoE slots are not hashed, which keeps dense fingerprints unchanged. */
+            if (i >= LAYER_N_DENSE && !ws[i]->data && !ws[i]->gen.on) continue;
             h = hash_weight(h, ws[i]);
             if (!ws[i]->data && !ws[i]->gen.on) continue;
             size_t b = ws[i]->row_bytes * (size_t)ws[i]->rows;
@@ -359,11 +486,20 @@ static void *pack_worker(void *arg)
 static int packable(td_model *m, td_weight **ws)
 {
     int n = 0;
+    /* An expert's slice of a packed tensor is itself a packed matrix only when the expert's
+     * rows fill whole 32-row panels; otherwise the experts stay unpacked. */
+    const td_model_shape *s = &m->shape;
+    bool exps_ff = s->n_ff_exp % 32 == 0, exps_embd = s->n_embd % 32 == 0;
     for (int l = 0; l < m->shape.n_layer; l++) {
         td_layer *L = &m->layers[l];
-        td_weight *c[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
+        td_weight *gate_exps = exps_ff ? &L->w_gate_exps : NULL;
+        td_weight *up_exps = exps_ff ? &L->w_up_exps : NULL;
+        td_weight *down_exps = exps_embd ? &L->w_down_exps : NULL;
+        td_weight *c[] = {&L->wq,    &L->wk,           &L->wv,         &L->wo,          &L->w_gate,
+                          &L->w_up,  &L->w_down,       &L->router,     gate_exps,       up_exps,
+                          down_exps, &L->w_gate_shexp, &L->w_up_shexp, &L->w_down_shexp};
         for (size_t i = 0; i < TD_ARRAY_LEN(c); i++)
-            if (c[i]->data && c[i]->rows > 1 && cpu_pack_supported(c[i]->type)) {
+            if (c[i] && c[i]->data && c[i]->rows > 1 && cpu_pack_supported(c[i]->type)) {
                 if (ws) ws[n] = c[i];
                 n++;
             }
@@ -429,11 +565,26 @@ void td_model_describe(const td_model *m, char *buf, size_t cap)
         snprintf(packed, sizeof(packed), " (+%.1f MiB packed for the CPU kernels)",
                  (double)m->packed_bytes / (1024.0 * 1024.0));
     double pv = params >= 1e9 ? params / 1e9 : params >= 1e6 ? params / 1e6 : params / 1e3;
+    char ffn[128];
+    if (s->n_expert) {
+        double active = (double)td_model_n_active_params(s);
+        int n = snprintf(ffn, sizeof(ffn), "%d experts (top-%d, ffn %d", s->n_expert,
+                         s->n_expert_used, s->n_ff_exp);
+        if (s->n_ff_shexp)
+            n += snprintf(ffn + n, sizeof(ffn) - (size_t)n, ", shared %d", s->n_ff_shexp);
+        snprintf(ffn + n, sizeof(ffn) - (size_t)n, "; %.1f%s active)",
+                 params >= 1e9   ? active / 1e9
+                 : params >= 1e6 ? active / 1e6
+                                 : active / 1e3,
+                 unit);
+    } else {
+        snprintf(ffn, sizeof(ffn), "ffn %d", s->n_ff);
+    }
     snprintf(buf, cap,
-             "%s (%s): %.1f%s params, dim %d, %d layers, %d heads (%d kv, head_dim %d), ffn %d, "
+             "%s (%s): %.1f%s params, dim %d, %d layers, %d heads (%d kv, head_dim %d), %s, "
              "vocab %d, ctx %d, %s, %.1f MiB%s, rope %s theta %g%s",
-             m->name, s->arch == TD_ARCH_QWEN2 ? "qwen2" : "llama", pv, unit, s->n_embd, s->n_layer,
-             s->n_head, s->n_head_kv, s->head_dim, s->n_ff, s->n_vocab, s->n_ctx_train,
+             m->name, td_arch_name(s->arch), pv, unit, s->n_embd, s->n_layer, s->n_head,
+             s->n_head_kv, s->head_dim, ffn, s->n_vocab, s->n_ctx_train,
              td_type_name(m->weight_type), (double)m->weight_bytes / (1024.0 * 1024.0), packed,
              s->rope_type == TD_ROPE_NEOX ? "neox" : "norm", (double)s->rope_theta,
              s->tied_output ? ", tied output" : "");
@@ -479,6 +630,61 @@ static int fparam(const gguf_file *f, const char *arch, const char *suffix, floa
     return 0;
 }
 
+/*
+ * The experts: `<arch>.expert_count` (absent or 0: a dense FFN), `<arch>.expert_used_count`,
+ * and for qwen2moe the experts' and the shared expert's widths (llama.cpp's defaults when
+ * absent: n_ff / n_expert_used and n_ff). Llama experts are n_ff wide.
+ */
+static int read_experts(const gguf_file *f, const char *arch, td_model_shape *s, td_err *err)
+{
+    char key[128], used_key[128];
+    snprintf(key, sizeof(key), "%s.expert_count", arch);
+    snprintf(used_key, sizeof(used_key), "%s.expert_used_count", arch);
+    int64_t v = 0;
+    int rc = gguf_get_i64(f, key, &v, err);
+    if (rc && rc != TD_ENOTFOUND) return rc;
+    bool qwen2moe = s->arch == TD_ARCH_QWEN2MOE;
+    if (rc == TD_ENOTFOUND && qwen2moe)
+        return td_err_set(err, TD_EFORMAT, "model: missing key '%s'", key);
+    if (v < (qwen2moe ? 1 : 0) || v > MAX_EXPERT)
+        return td_err_set(err, TD_EFORMAT, "model: key '%s' = %lld is out of range (%d..%d)", key,
+                          (long long)v, qwen2moe ? 1 : 0, MAX_EXPERT);
+    if (v == 0) {
+        /* Experts without a count would otherwise surface as a missing dense FFN tensor. */
+        if (gguf_find_tensor(f, "blk.0.ffn_gate_exps.weight"))
+            return td_err_set(err, TD_EFORMAT,
+                              "model: the file has expert tensors (blk.0.ffn_gate_exps.weight) "
+                              "but no '%s'",
+                              key);
+        return 0;
+    }
+    if (s->arch == TD_ARCH_QWEN2)
+        return td_err_set(err, TD_EUNSUPPORTED,
+                          "model: '%s' = %lld: qwen2 has no experts (its MoE architecture is "
+                          "qwen2moe)",
+                          key, (long long)v);
+    s->n_expert = (int)v;
+    if ((rc = hparam(f, arch, "expert_used_count", -1, MAX_EXPERT, &s->n_expert_used, err)))
+        return rc;
+    if (s->n_expert_used > s->n_expert)
+        return td_err_set(err, TD_EFORMAT, "model: key '%s' = %d exceeds '%s' = %d", used_key,
+                          s->n_expert_used, key, s->n_expert);
+    s->n_ff_exp = s->n_ff;
+    if (qwen2moe && ((rc = hparam(f, arch, "expert_feed_forward_length", s->n_ff / s->n_expert_used,
+                                  MAX_FF, &s->n_ff_exp, err)) ||
+                     (rc = hparam(f, arch, "expert_shared_feed_forward_length", s->n_ff, MAX_FF,
+                                  &s->n_ff_shexp, err))))
+        return rc;
+    /* Old Mixtral conversions stored each expert as its own 2-D tensor. */
+    if (!gguf_find_tensor(f, "blk.0.ffn_gate_exps.weight") &&
+        gguf_find_tensor(f, "blk.0.ffn_gate.0.weight"))
+        return td_err_set(err, TD_EUNSUPPORTED,
+                          "model: per-expert tensors (blk.0.ffn_gate.0.weight, the old Mixtral "
+                          "layout) are not supported; convert the model again to get 3-D "
+                          "ffn_gate_exps/ffn_up_exps/ffn_down_exps tensors");
+    return 0;
+}
+
 static int read_shape(const gguf_file *f, td_model_shape *s, td_err *err)
 {
     gguf_str a;
@@ -493,9 +699,13 @@ static int read_shape(const gguf_file *f, td_model_shape *s, td_err *err)
     } else if (a.len == 5 && !memcmp(a.ptr, "qwen2", 5)) {
         s->arch = TD_ARCH_QWEN2;
         s->rope_type = TD_ROPE_NEOX;
+    } else if (a.len == 8 && !memcmp(a.ptr, "qwen2moe", 8)) {
+        s->arch = TD_ARCH_QWEN2MOE;
+        s->rope_type = TD_ROPE_NEOX;
     } else {
         return td_err_set(err, TD_EUNSUPPORTED,
-                          "model: unsupported architecture '%.*s' (supported: llama, qwen2)",
+                          "model: unsupported architecture '%.*s' (supported: llama, qwen2, "
+                          "qwen2moe)",
                           a.len > 40 ? 40 : (int)a.len, a.ptr);
     }
     memcpy(arch, a.ptr, a.len);
@@ -507,7 +717,8 @@ static int read_shape(const gguf_file *f, td_model_shape *s, td_err *err)
         (rc =
              hparam(f, arch, "attention.head_count_kv", s->n_head, MAX_HEAD, &s->n_head_kv, err)) ||
         (rc = hparam(f, arch, "feed_forward_length", -1, MAX_FF, &s->n_ff, err)) ||
-        (rc = hparam(f, arch, "context_length", -1, MAX_CTX, &s->n_ctx_train, err)))
+        (rc = hparam(f, arch, "context_length", -1, MAX_CTX, &s->n_ctx_train, err)) ||
+        (rc = read_experts(f, arch, s, err)))
         return rc;
     int hd_default = s->n_embd % s->n_head ? 0 : s->n_embd / s->n_head;
     if ((rc = hparam(f, arch, "attention.key_length", hd_default ? hd_default : -1, MAX_HEAD_DIM,
@@ -577,7 +788,10 @@ static int read_shape(const gguf_file *f, td_model_shape *s, td_err *err)
 
 static const char *kind_what(td_model__kind k)
 {
-    return k == TD_MODEL__NORM ? "norms" : k == TD_MODEL__BIAS ? "biases" : "matrices";
+    return k == TD_MODEL__NORM   ? "norms"
+           : k == TD_MODEL__BIAS ? "biases"
+           : k == TD_MODEL__GATE ? "gate vectors"
+                                 : "matrices";
 }
 
 /* Point a planned tensor's slot at the file's tensor after checking shape and type. */
@@ -585,13 +799,22 @@ static int bind_tensor(const gguf_file *f, const td_model__tensor *p, td_err *er
 {
     const gguf_tensor *t = gguf_find_tensor(f, p->name);
     if (!t) return td_err_set(err, TD_EFORMAT, "model: missing tensor '%s'", p->name);
-    if (t->ne[0] != p->cols || t->ne[1] != p->rows || t->ne[2] != 1 || t->ne[3] != 1)
+    bool three = p->n_dims == 3;
+    if (t->ne[0] != p->cols || t->ne[1] != p->rows || t->ne[2] != p->n_mats || t->ne[3] != 1) {
+        char want[96];
+        if (three)
+            snprintf(want, sizeof(want), "[%lld, %lld, %lld] (one [%lld, %lld] matrix per expert)",
+                     (long long)p->cols, (long long)p->rows, (long long)p->n_mats,
+                     (long long)p->cols, (long long)p->rows);
+        else
+            snprintf(want, sizeof(want), "[%lld, %lld]", (long long)p->cols, (long long)p->rows);
         return td_err_set(err, TD_EFORMAT,
-                          "model: tensor '%s' has shape [%lld, %lld, %lld, %lld], expected [%lld, "
-                          "%lld]",
+                          "model: tensor '%s' has shape [%lld, %lld, %lld, %lld], expected %s",
                           p->name, (long long)t->ne[0], (long long)t->ne[1], (long long)t->ne[2],
-                          (long long)t->ne[3], (long long)p->cols, (long long)p->rows);
-    bool want_f32 = p->kind == TD_MODEL__NORM || p->kind == TD_MODEL__BIAS;
+                          (long long)t->ne[3], want);
+    }
+    bool want_f32 =
+        p->kind == TD_MODEL__NORM || p->kind == TD_MODEL__BIAS || p->kind == TD_MODEL__GATE;
     if (want_f32 ? t->type != TD_TYPE_F32 : !td_row_bytes(t->type, t->ne[0]))
         return td_err_set(
             err, TD_EUNSUPPORTED, "model: tensor '%s' has type %s, which is not supported for %s%s",
@@ -599,7 +822,7 @@ static int bind_tensor(const gguf_file *f, const td_model__tensor *p, td_err *er
     *p->slot = (td_weight){
         .type = t->type,
         .cols = t->ne[0],
-        .rows = t->ne[1],
+        .rows = t->ne[1] * t->ne[2],
         .row_bytes = td_row_bytes(t->type, t->ne[0]),
         .data = t->data,
     };
@@ -691,6 +914,13 @@ int td_model__check_wtype(const td_model_shape *s, td_type wtype, td_err *err)
                           "a multiple of %d",
                           td_type_name(wtype), s->n_embd, s->n_ff, s->n_head * hd,
                           td_type_block_elems(wtype));
+    if ((s->n_ff_exp && !td_row_bytes(wtype, s->n_ff_exp)) ||
+        (s->n_ff_shexp && !td_row_bytes(wtype, s->n_ff_shexp)))
+        return td_err_set(err, TD_EINVAL,
+                          "model: %s needs the experts' widths (n_ff_exp %d, n_ff_shexp %d) to be "
+                          "multiples of %d",
+                          td_type_name(wtype), s->n_ff_exp, s->n_ff_shexp,
+                          td_type_block_elems(wtype));
     return 0;
 }
 
@@ -753,10 +983,11 @@ static int load_dummy(td_model **out, const td_model_shape *shape, td_type weigh
     for (int i = 0; i < n; i++) {
         if (DEFERRED(plan[i])) continue;
         size_t rb = td_row_bytes(plan[i].type, plan[i].cols);
-        total = TD_ALIGN_UP(total, 64) + rb * (size_t)plan[i].rows;
+        int64_t rows = plan[i].rows * plan[i].n_mats; /* every expert's rows */
+        total = TD_ALIGN_UP(total, 64) + rb * (size_t)rows;
         max_cols = TD_MAX(max_cols, plan[i].cols);
         int64_t rows_per = TD_MAX(1, (int64_t)((4u << 20) / rb));
-        n_chunks += (plan[i].rows + rows_per - 1) / rows_per;
+        n_chunks += (rows + rows_per - 1) / rows_per;
     }
     void *base = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (base == MAP_FAILED) {
@@ -774,18 +1005,19 @@ static int load_dummy(td_model **out, const td_model_shape *shape, td_type weigh
     int64_t c = 0;
     for (int i = 0; i < n; i++) {
         size_t rb = td_row_bytes(plan[i].type, plan[i].cols);
+        int64_t rows = plan[i].rows * plan[i].n_mats;
         if (DEFERRED(plan[i])) {
-            *plan[i].slot = (td_weight){plan[i].type, plan[i].cols, plan[i].rows, rb, NULL, NULL,
-                                        gen_params(&plan[i], seed)};
+            *plan[i].slot = (td_weight){
+                plan[i].type, plan[i].cols, rows, rb, NULL, NULL, gen_params(&plan[i], seed)};
             continue;
         }
         off = TD_ALIGN_UP(off, 64);
         *plan[i].slot =
-            (td_weight){plan[i].type, plan[i].cols, plan[i].rows, rb, (uint8_t *)base + off, NULL, {0}};
-        off += rb * (size_t)plan[i].rows;
+            (td_weight){plan[i].type, plan[i].cols, rows, rb, (uint8_t *)base + off, NULL, {0}};
+        off += rb * (size_t)rows;
         int64_t rows_per = TD_MAX(1, (int64_t)((4u << 20) / rb));
-        for (int64_t r = 0; r < plan[i].rows; r += rows_per)
-            chunks[c++] = (fill_chunk){i, r, TD_MIN(rows_per, plan[i].rows - r)};
+        for (int64_t r = 0; r < rows; r += rows_per)
+            chunks[c++] = (fill_chunk){i, r, TD_MIN(rows_per, rows - r)};
     }
 
     /* Fill in parallel: rows are seeded independently, so the result is the same for

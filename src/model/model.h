@@ -7,7 +7,8 @@
  * y[r] = dot(row r, x) over `cols` elements.
  *
  * Supported architectures: `llama` (Llama 2/3, TinyLlama, Mistral; adjacent-pair
- * RoPE) and `qwen2` (llama with q/k/v biases; NeoX RoPE over halves).
+ * RoPE; with experts, Mixtral), `qwen2` (llama with q/k/v biases; NeoX RoPE over
+ * halves) and `qwen2moe` (qwen2 attention, routed experts plus a gated shared expert).
  */
 #ifndef TD_MODEL_MODEL_H
 #define TD_MODEL_MODEL_H
@@ -16,7 +17,10 @@
 #include "model/types.h"
 #include "util/td.h"
 
-typedef enum td_arch { TD_ARCH_LLAMA = 0, TD_ARCH_QWEN2 = 1 } td_arch;
+typedef enum td_arch { TD_ARCH_LLAMA = 0, TD_ARCH_QWEN2 = 1, TD_ARCH_QWEN2MOE = 2 } td_arch;
+
+/** The GGUF name of an architecture ("llama", "qwen2", "qwen2moe"). */
+const char *td_arch_name(td_arch a);
 
 /** RoPE layouts: NORM rotates adjacent pairs (2i, 2i+1); NEOX rotates (i, i + d/2). */
 typedef enum td_rope_type { TD_ROPE_NORM = 0, TD_ROPE_NEOX = 2 } td_rope_type;
@@ -58,9 +62,24 @@ typedef struct td_layer {
     td_weight bq, bk, bv;/* f32 biases (qwen2), else data == NULL */
     td_weight wo;        /* [n_embd][n_head*head_dim] */
     td_weight ffn_norm;  /* f32 [n_embd] */
-    td_weight w_gate;    /* [n_ff][n_embd] */
-    td_weight w_up;      /* [n_ff][n_embd] */
-    td_weight w_down;    /* [n_embd][n_ff] */
+    td_weight w_gate;    /* [n_ff][n_embd]; absent (data NULL) in MoE models */
+    td_weight w_up;      /* [n_ff][n_embd]; absent in MoE models */
+    td_weight w_down;    /* [n_embd][n_ff]; absent in MoE models */
+    /*
+     * Mixture of experts (shape.n_expert > 0). The GGUF's 3-D expert tensors
+     * (ne0 = cols, ne1 = rows of one expert, ne2 = n_expert) are viewed as one matrix of
+     * n_expert * ne1 rows: expert e's matrix is the contiguous rows [e * ne1, (e + 1) * ne1),
+     * so the ordinary matmul kernels run on it as on any matrix.
+     */
+    td_weight router;       /* ffn_gate_inp: [n_expert][n_embd], one logit per expert */
+    td_weight w_gate_exps;  /* [n_expert * n_ff_exp][n_embd] */
+    td_weight w_up_exps;    /* [n_expert * n_ff_exp][n_embd] */
+    td_weight w_down_exps;  /* [n_expert * n_embd][n_ff_exp] */
+    td_weight shexp_gate;   /* qwen2moe ffn_gate_inp_shexp: f32 [n_embd], the shared expert's
+                               scalar gate sigmoid(shexp_gate . x) */
+    td_weight w_gate_shexp; /* qwen2moe shared expert: [n_ff_shexp][n_embd] */
+    td_weight w_up_shexp;   /* [n_ff_shexp][n_embd] */
+    td_weight w_down_shexp; /* [n_embd][n_ff_shexp] */
 } td_layer;
 
 typedef struct td_model_shape {
@@ -72,7 +91,28 @@ typedef struct td_model_shape {
     float rope_freq_scale; /* 1.0 = no scaling */
     td_rope_type rope_type;
     bool tied_output;      /* output reuses tok_embd */
+    /* Mixture of experts: every layer's FFN is n_expert experts of which each token uses
+     * the n_expert_used best by the router (0 experts: a dense FFN of n_ff). llama takes
+     * its experts' width from n_ff (n_ff_exp == n_ff); qwen2moe has its own, and a shared
+     * expert of n_ff_shexp (> 0) that every token uses. */
+    int n_expert, n_expert_used;
+    int n_ff_exp;   /* one expert's FFN width */
+    int n_ff_shexp; /* the shared expert's FFN width (qwen2moe), else 0 */
 } td_model_shape;
+
+/** Most experts a layer may have (llama.cpp's LLAMA_MAX_EXPERTS). */
+#define TD_MODEL_MAX_EXPERTS 512
+
+/**
+ * How an MoE architecture turns the router's logits into the weights of the selected
+ * experts. true (llama/Mixtral): softmax over the top-k logits only, so the k weights sum
+ * to 1. false (qwen2moe, norm_topk_prob false): softmax over all experts, then the top-k
+ * probabilities as they are.
+ */
+static inline bool td_moe_norm_topk(const td_model_shape *s)
+{
+    return s->arch != TD_ARCH_QWEN2MOE;
+}
 
 typedef struct td_model {
     td_model_shape shape;
@@ -125,18 +165,25 @@ void td_model_gen_row(const td_weight *w, int64_t r, float *out);
 
 void td_model_free(td_model *m);
 
-/** Fill a shape from a preset name: tiny, llama-134m, llama-1b, llama3-8b. */
+/**
+ * Fill a shape from a preset name: tiny, llama-134m, llama-1b, llama3-8b, and the MoE
+ * shapes moe-tiny, qwen2moe-tiny, moe-1b, mixtral-8x7b, qwen2moe-a2.7b.
+ */
 int td_model_preset(const char *name, td_model_shape *out, td_err *err);
 
 /**
  * Check that a shape is usable: dims positive and within sane bounds, heads divide
  * the embedding, kv heads divide heads, head_dim even, rope values finite and
- * positive. Fills err with the first problem (TD_EINVAL).
+ * positive, expert counts consistent with the architecture (used <= experts, a shared
+ * expert only and always for qwen2moe). Fills err with the first problem (TD_EINVAL).
  */
 int td_model_shape_validate(const td_model_shape *s, td_err *err);
 
 /** Number of parameters (all elements of all tensors, norms and biases included). */
 int64_t td_model_n_params(const td_model_shape *s);
+
+/** Parameters one token uses: td_model_n_params less the experts it is not routed to. */
+int64_t td_model_n_active_params(const td_model_shape *s);
 
 /** Human-readable one-line description (arch, dims, type, size). */
 void td_model_describe(const td_model *m, char *buf, size_t cap);

@@ -323,6 +323,33 @@ static cJSON *body_json(struct evhttp_request *req)
     return j;
 }
 
+/* A data-parallel rank's own transfer agent, where the engine lists them (`dp_ranks`, one
+ * agent per rank): the push (write) mode's decode leg must name the agent of the rank
+ * that runs the prefill. Engines that list none keep the top-level agent. */
+static const cJSON *rank_entry(const cJSON *j, int rank)
+{
+    const cJSON *ranks = cJSON_GetObjectItemCaseSensitive(j, "dp_ranks"), *a;
+    cJSON_ArrayForEach(a, ranks)
+    {
+        const cJSON *k = cJSON_GetObjectItemCaseSensitive(a, "rank");
+        if (cJSON_IsNumber(k) && (int)k->valuedouble == rank) return a;
+    }
+    return NULL;
+}
+
+static void rank_agent(rt_worker *w, const cJSON *j)
+{
+    const cJSON *a = rank_entry(j, w->dp_rank);
+    if (a) {
+        const cJSON *port = cJSON_GetObjectItemCaseSensitive(a, "handshake_port");
+        const cJSON *host = cJSON_GetObjectItemCaseSensitive(a, "kv_host");
+        const cJSON *eid = cJSON_GetObjectItemCaseSensitive(a, "engine_id");
+        if (cJSON_IsNumber(port)) w->kv_port = (int)port->valuedouble;
+        if (cJSON_IsString(host)) snprintf(w->kv_host, sizeof(w->kv_host), "%s", host->valuestring);
+        if (cJSON_IsString(eid)) snprintf(w->engine_id, sizeof(w->engine_id), "%s", eid->valuestring);
+    }
+}
+
 static void info_apply(rt_router *r, rt_worker *w, const cJSON *j)
 {
     const cJSON *role = cJSON_GetObjectItemCaseSensitive(j, "kv_role");
@@ -348,6 +375,8 @@ static void info_apply(rt_router *r, rt_worker *w, const cJSON *j)
         return;
     }
     char new_id[40] = "";
+    const cJSON *mine = w->dp_rank > 0 ? rank_entry(j, w->dp_rank) : NULL; /* a rank's own agent */
+    if (mine) eid = cJSON_GetObjectItemCaseSensitive(mine, "engine_id");
     if (cJSON_IsString(eid)) snprintf(new_id, sizeof(new_id), "%s", eid->valuestring);
     if (w->info_ok && w->engine_id[0] && strcmp(w->engine_id, new_id))
         TD_INFO("router: %s %s restarted (engine %s, was %s)", rt_role_name(w->role), w->url,
@@ -358,6 +387,7 @@ static void info_apply(rt_router *r, rt_worker *w, const cJSON *j)
              cJSON_IsString(host) ? host->valuestring : w->host);
     w->kv_port = cJSON_IsNumber(port) ? (int)port->valuedouble : 0;
     w->write_mode = cJSON_IsString(mode) && !strcmp(mode->valuestring, "write");
+    if (w->dp_rank > 0) rank_agent(w, j);
     if (!w->info_ok)
         TD_INFO("router: %s %s ready (%s, engine %s%s)", rt_role_name(w->role), w->url, kr,
                 w->engine_id[0] ? w->engine_id : "-", w->write_mode ? ", write mode" : "");
@@ -384,6 +414,7 @@ static void info_apply(rt_router *r, rt_worker *w, const cJSON *j)
             memcpy(s->model, w->model, sizeof(s->model));
             s->kv_port = w->kv_port;
             s->write_mode = w->write_mode;
+            rank_agent(s, j);
         }
     }
 }

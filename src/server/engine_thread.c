@@ -369,6 +369,54 @@ static void publish(srv__engine *x, batch *b)
     (void)w; /* EAGAIN means the counter is already non-zero: the loop will wake anyway */
 }
 
+/* Expert parallelism: another rank asks for a round this rank must join, or the group broke. */
+static bool ep_asked(srv__engine *x)
+{
+    return x->ep && (td_ep_requested(x->ep) || td_ep_broken(x->ep, NULL, 0));
+}
+
+/* The group's wake-up: another rank asked for a round (or the group broke). */
+static void ep_wake(void *user)
+{
+    srv__engine *x = user;
+    pthread_mutex_lock(&x->mu);
+    pthread_cond_signal(&x->cv);
+    pthread_mutex_unlock(&x->mu);
+}
+
+/*
+ * One engine step. With expert parallelism every rank of the group steps together (each
+ * MoE layer exchanges rows with every rank): a rank with work asks for a round, every rank
+ * joins it, and each runs one step (empty where it has nothing: it still runs its experts
+ * for the others). A broken group stops this loop with the group's reason.
+ */
+static int step(srv__engine *x)
+{
+    td_err err = {0};
+    bool mine = td_engine_has_work(x->engine);
+    int did = 0;
+    if (!x->ep) {
+        if (mine) did = td_engine_step(x->engine, &err);
+    } else {
+        char why[sizeof(x->stop_reason)];
+        if (td_ep_broken(x->ep, why, sizeof(why))) { /* another rank stopped: so does this one */
+            srv__engine_request_stop(x, why);
+            return 0;
+        }
+        if (mine) td_ep_request(x->ep, x->ep_rank);
+        if (!mine && !td_ep_requested(x->ep)) return 0;
+        int j = td_ep_join(x->ep, x->ep_rank, mine);
+        if (j < 0) {
+            td_ep_broken(x->ep, why, sizeof(why));
+            srv__engine_request_stop(x, why);
+            return 0;
+        }
+        if (j > 0) did = td_engine_step(x->engine, &err);
+    }
+    if (did < 0) TD_ERROR("engine step failed: %s", err.msg);
+    return did;
+}
+
 static void *engine_main(void *arg)
 {
     srv__engine *x = arg;
@@ -379,9 +427,10 @@ static void *engine_main(void *arg)
         /* Requests in flight but nothing to step (their KV is being copied in): wait with
          * a timeout below, so that the loop still shows progress to /health. */
         while (!x->inbox_head && !x->stop_requested && !td_engine_has_work(x->engine) &&
-               x->n_active == 0)
+               x->n_active == 0 && !ep_asked(x))
             pthread_cond_wait(&x->cv, &x->mu);
-        if ((blocked || !td_engine_has_work(x->engine)) && !x->inbox_head && !x->stop_requested) {
+        if ((blocked || !td_engine_has_work(x->engine)) && !x->inbox_head && !x->stop_requested &&
+            !ep_asked(x)) {
             /* Waiting requests that cannot get blocks yet (held for consumers, or being
              * loaded): what frees them arrives as a command. Wait for one, waking now and
              * then so that /health sees a live loop. */
@@ -409,6 +458,8 @@ static void *engine_main(void *arg)
             cmd_free(c);
         }
         if (stop) {
+            /* The other ranks cannot step without this rank's experts: they stop too. */
+            if (x->ep) td_ep_break(x->ep, x->ep_rank, x->stop_reason);
             /* Finish every request so that each gets its final output and frees its KV. */
             for (int i = 0; i < x->n_active; i++)
                 td_engine_abort(x->engine, x->active[i].engine_id);
@@ -416,12 +467,7 @@ static void *engine_main(void *arg)
             publish(x, &b);
             break;
         }
-        int did = 0;
-        if (td_engine_has_work(x->engine)) {
-            td_err err = {0};
-            did = td_engine_step(x->engine, &err);
-            if (did < 0) TD_ERROR("engine step failed: %s", err.msg);
-        }
+        int did = step(x);
         int before = b.n;
         drain_outputs(x, &b);
         blocked = did == 0 && b.n == before && td_engine_has_work(x->engine);
@@ -438,10 +484,12 @@ static void *engine_main(void *arg)
 }
 
 int srv__engine_start(srv__engine *x, td_engine *e, int step_delay_ms, pd_connector *pd,
-                      bool kv_recompute, td_err *err)
+                      bool kv_recompute, td_ep_group *ep, int ep_rank, td_err *err)
 {
     memset(x, 0, sizeof(*x));
     x->engine = e;
+    x->ep = ep;
+    x->ep_rank = ep_rank;
     x->pd = pd;
     x->kv_recompute = kv_recompute;
     x->step_delay_ms = step_delay_ms;
@@ -456,6 +504,7 @@ int srv__engine_start(srv__engine *x, td_engine *e, int step_delay_ms, pd_connec
     x->snap.num_running = 0;
     td_engine_get_stats(e, &x->snap.stats);
     pthread_mutex_unlock(&x->mu);
+    if (ep) td_ep_set_wake(ep, ep_rank, ep_wake, x);
     if (pthread_create(&x->thread, NULL, engine_main, x) != 0) {
         close(x->wake_fd);
         return td_err_set(err, TD_EIO, "cannot start the engine thread");

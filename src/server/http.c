@@ -225,6 +225,8 @@ void srv__snapshot_sum(const srv_server *s, srv__snapshot *out)
         o->kv_load_failures += i->kv_load_failures;
         o->kv_tokens_loaded += i->kv_tokens_loaded;
         o->kv_tokens_skipped += i->kv_tokens_skipped;
+        o->moe_expert_runs += i->moe_expert_runs;
+        o->ep_exchange_bytes += i->ep_exchange_bytes;
     }
 }
 
@@ -623,7 +625,8 @@ int srv_server_create(srv_server **out, td_engine *const *engines, int n_ranks, 
         cpu_set_t saved;
         bool pinned = cfg->rank_cpus && pthread_getaffinity_np(pthread_self(), sizeof(saved), &saved) == 0 &&
                       pthread_setaffinity_np(pthread_self(), sizeof(cfg->rank_cpus[r]), &cfg->rank_cpus[r]) == 0;
-        rc = srv__engine_start(&k->eng, engines[r], cfg->debug_step_delay_ms, k->pd, s->kv_recompute, err);
+        rc = srv__engine_start(&k->eng, engines[r], cfg->debug_step_delay_ms, k->pd, s->kv_recompute, cfg->ep, r,
+                               err);
         if (pinned) pthread_setaffinity_np(pthread_self(), sizeof(saved), &saved); /* its thread inherited it */
         if (rc) {
             k->eng.engine = NULL; /* no thread: freed below with the ranks not started */

@@ -113,6 +113,9 @@ char *srv__metrics_render(const srv__metrics *m, const srv__snapshot *s, const c
                                     : 0.0);
     gauge(&o, "tandem_num_preemptions_total", "counter", "Preempted requests.", model,
           (double)st->num_preemptions);
+    gauge(&o, "tandem_ep_exchange_bytes", "gauge",
+          "Expert parallelism: the expert exchange's buffers, apart from the KV pool.", model,
+          (double)st->ep_exchange_bytes);
     gauge(&o, "tandem_prompt_tokens_total", "counter", "Prompt tokens of finished requests.", model,
           (double)m->prompt_tokens);
     gauge(&o, "tandem_generation_tokens_total", "counter", "Generated tokens.", model,

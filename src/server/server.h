@@ -24,6 +24,7 @@
 
 #include "kvx/rails.h"
 #include "tandem/engine.h"
+#include "tandem/ep.h"
 
 /* ---- request parsing (request.c) ---- */
 
@@ -254,6 +255,9 @@ typedef struct srv_config {
     /* Data-parallel ranks: the CPUs each rank's engine thread may run on ([n_ranks]), or
      * NULL to inherit the caller's. */
     const cpu_set_t *rank_cpus;
+    /* Expert parallelism: the group the ranks' engines were created in (the caller's; it
+     * outlives the server), or NULL. */
+    td_ep_group *ep;
 } srv_config;
 
 void srv_config_default(srv_config *c);

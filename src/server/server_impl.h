@@ -9,6 +9,7 @@
 #include <stdatomic.h>
 
 #include "pd/pd.h"
+#include "tandem/ep.h"
 #include "server/server.h"
 
 /* ---- engine thread (engine_thread.c) ---- */
@@ -76,12 +77,14 @@ typedef struct srv__engine {
     int n_active, cap_active;
     pd_connector *pd;     /* NULL without --kv-transfer-config */
     bool kv_recompute;    /* kv_load_failure_policy */
+    td_ep_group *ep;      /* expert parallelism: the group this rank steps with, or NULL */
+    int ep_rank;
 } srv__engine;
 
 /** pd: the transfer connector (NULL without a KV role), created with this srv__engine as
  *  the user of its callbacks. */
 int srv__engine_start(srv__engine *x, td_engine *e, int step_delay_ms, pd_connector *pd,
-                      bool kv_recompute, td_err *err);
+                      bool kv_recompute, td_ep_group *ep, int ep_rank, td_err *err);
 /** pd callbacks (user = the srv__engine): they post to the engine thread's inbox. */
 void srv__engine_on_release(void *user, uint64_t req_id);
 void srv__engine_on_loaded(void *user, uint64_t req_id, int status, const char *msg,

@@ -16,7 +16,8 @@ expect_flag_error() {
 }
 expect_flag_error "--data-parallel-size must be in [1, 64], got 0" --data-parallel-size 0
 expect_flag_error "--data-parallel-size must be in [1, 64], got 65" --dp 65
-expect_flag_error "--enable-expert-parallel is not available yet" --dp 2 --enable-expert-parallel
+expect_flag_error "needs --data-parallel-size 2 or more" --enable-expert-parallel
+expect_flag_error "expert parallelism needs a mixture-of-experts model (llama has no experts)" --dp 2 --enable-expert-parallel
 
 TD_BIN=$TD_BIN TD_MODEL=$MODEL node --test --test-reporter=spec "$TESTS_DIR/node/dp.test.mjs" ||
     fail "node/dp.test.mjs failed"

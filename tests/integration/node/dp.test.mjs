@@ -195,6 +195,33 @@ test('through the router with --dp-aware: every rank is a worker; none and idx2i
   await idle(CONS.url, 'consumer');
 });
 
+test('push (write) mode through the router: the decode leg names the agent of the prefill rank', async () => {
+  // Both legs are sent at once; the decode reads from the agent the router names, which
+  // must be the one of the rank the prefill went to (each rank has its own).
+  const [P, D] = await Promise.all([
+    serve(['--dp', '2', '--kv-transfer-config', '{"kv_role":"kv_producer","kv_connector":"mooncake"}']),
+    serve(['--dp', '2', '--kv-transfer-config', '{"kv_role":"kv_consumer","kv_connector":"mooncake","transfer_timeout_ms":5000}']),
+  ]);
+  const r = await router(['--pd-disaggregation', '--prefill', P.url, '--decode', D.url, '--dp-aware',
+    '--policy', 'round_robin']);
+  await until(async () => (await (await fetch(r.url + '/workers')).json()).workers.length === 4, 'a worker per rank');
+  await until(async () => (await fetch(r.url + '/health')).status === 200, 'router healthy');
+  const agents = (await (await fetch(P.url + '/kv_transfer_info')).json()).dp_ranks;
+  const ws = (await (await fetch(r.url + '/workers')).json()).workers.filter((w) => w.role === 'prefill');
+  for (const w of ws) assert.equal(w.engine_id, agents[w.dp_rank].engine_id, `prefill rank ${w.dp_rank}'s agent`);
+  for (const p of prompts(8)) {
+    const res = await post(r.url, { prompt: p, ...GEN });
+    assert.equal(res.status, 200, res.text);
+    assert.equal(res.json.choices[0].text, await expected(p));
+    assert.equal(res.json.kv_transfer_params.kv_load, 'transferred', JSON.stringify(res.json.kv_transfer_params));
+  }
+  const pm = await metrics(P.url);
+  r.proc.kill('SIGTERM');
+  await idle(P.url, 'push producer');
+  await idle(D.url, 'push consumer');
+  for (const x of [P, D]) x.proc.kill('SIGTERM');
+});
+
 test('one rank stopped: /health is 503 naming it, requests for it are 503, the other rank still serves', async () => {
   const s = await serve(['--dp', '2', '--enable-debug-endpoints']);
   assert.equal((await post(s.url, { prompt: [1, 5], max_tokens: 2, data_parallel_rank: 1 })).status, 200);

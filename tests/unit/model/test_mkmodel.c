@@ -1,7 +1,8 @@
 /*
  * Unit tests for model/mkmodel.c: files written with a generated vocabulary and
  * with one copied (and padded) from a vocabulary GGUF load back with the right
- * shape and tokenizer keys, and hold the same weights as td_model_load_dummy.
+ * shape and tokenizer keys, and hold the same weights as td_model_load_dummy; models
+ * with experts get their metadata keys and 3-D expert tensors.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -240,6 +241,65 @@ static void test_threaded_dummy_matches_file(void **state)
     unlink(path);
 }
 
+/* MoE presets: the experts' keys and 3-D tensors in ggml order, the same weights as
+ * --load-format dummy (every td_layer slot, the experts' included), in each weight type. */
+static void test_moe_files(void **state)
+{
+    (void)state;
+    char path[512];
+    tmp_path(path, sizeof(path), "moe.gguf");
+    td_err err;
+    static const struct {
+        const char *preset;
+        td_type type;
+    } cases[] = {{"moe-tiny", TD_TYPE_F16},
+                 {"moe-tiny", TD_TYPE_Q8_0},
+                 {"qwen2moe-tiny", TD_TYPE_BF16},
+                 {"qwen2moe-tiny", TD_TYPE_F32}};
+    for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
+        td_model_shape s;
+        assert_int_equal(td_model_preset(cases[c].preset, &s, &err), 0);
+        if (td_mkmodel_write(path, &s, cases[c].type, NULL, 9, &err)) fail_msg("%s", err.msg);
+        td_model *m, *d;
+        if (td_model_load(&m, path, &err)) fail_msg("%s", err.msg);
+        const gguf_file *f = m->gguf;
+        bool qwen = s.arch == TD_ARCH_QWEN2MOE;
+        const char *arch = qwen ? "qwen2moe" : "llama";
+        char key[96];
+        uint32_t u;
+        gguf_str str;
+        assert_int_equal(gguf_get_str(f, "general.architecture", &str, &err), 0);
+        assert_true(str_eq(str, arch));
+        snprintf(key, sizeof(key), "%s.expert_count", arch);
+        assert_int_equal(gguf_get_u32(f, key, &u, &err), 0);
+        assert_int_equal(u, 8);
+        snprintf(key, sizeof(key), "%s.expert_used_count", arch);
+        assert_int_equal(gguf_get_u32(f, key, &u, &err), 0);
+        assert_int_equal(u, (uint32_t)s.n_expert_used);
+        snprintf(key, sizeof(key), "%s.expert_shared_feed_forward_length", arch);
+        assert_int_equal(gguf_get_u32(f, key, &u, NULL), qwen ? 0 : TD_ENOTFOUND);
+        if (qwen) assert_int_equal(u, 256);
+        const gguf_tensor *t = gguf_find_tensor(f, "blk.1.ffn_down_exps.weight");
+        assert_non_null(t);
+        assert_int_equal(t->n_dims, 3);
+        assert_int_equal(t->ne[0], s.n_ff_exp);
+        assert_int_equal(t->ne[1], 128);
+        assert_int_equal(t->ne[2], 8);
+        assert_int_equal(t->type, cases[c].type);
+        t = gguf_find_tensor(f, "blk.0.ffn_gate_inp.weight");
+        assert_int_equal(t->n_dims, 2);
+        assert_int_equal(t->type, TD_TYPE_F32);
+        assert_null(gguf_find_tensor(f, "blk.0.ffn_gate.weight"));
+        assert_true((gguf_find_tensor(f, "blk.0.ffn_gate_inp_shexp.weight") != NULL) == qwen);
+        assert_int_equal(m->weight_type, cases[c].type);
+        if (td_model_load_dummy(&d, &s, cases[c].type, 9, &err)) fail_msg("%s", err.msg);
+        assert_same_weights(m, d);
+        td_model_free(d);
+        td_model_free(m);
+    }
+    unlink(path);
+}
+
 static void test_byte_vocab_api(void **state)
 {
     (void)state;
@@ -261,6 +321,7 @@ int main(void)
         cmocka_unit_test(test_vocab_from),
         cmocka_unit_test(test_threaded_dummy_matches_file),
         cmocka_unit_test(test_byte_vocab_api),
+        cmocka_unit_test(test_moe_files),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

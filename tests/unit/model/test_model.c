@@ -1,7 +1,8 @@
 /*
  * Unit tests for model/model.c: loading the shared models, shape and type checks
  * (each bad file asserts the code and the message), presets, parameter counts
- * and dummy weights.
+ * and dummy weights; models with experts (llama/Mixtral and qwen2moe): their 3-D
+ * tensors and metadata, and one clear error for each kind of malformed MoE file.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -117,14 +118,19 @@ static void test_tiny_random(void **state)
 /* ---- malformed models ------------------------------------------------------- */
 
 /*
- * Rewrite a model file with one change: keys edited by `edit`, a tensor dropped,
- * a tensor's shape transposed or its type changed to f16 (data zeroed).
+ * Rewrite a model file with one change: keys edited by `edit`, a key dropped, a tensor
+ * dropped, renamed, its shape transposed or replaced (`reshape`, with `ne`: as many dims as
+ * ne has non-zero entries), or its type changed to f16 (data zeroed).
  */
 typedef struct rewrite_opts {
     void (*edit)(gguf_writer *w);
     const char *drop;
     const char *transpose;
     const char *to_f16;
+    const char *drop_key;
+    const char *rename_from, *rename_to;
+    const char *reshape;
+    int64_t ne[4];
 } rewrite_opts;
 
 static int copy_fill(void *ctx, const gguf_tensor *t, void *dst, td_err *err)
@@ -142,20 +148,40 @@ static void rewrite(const char *src_path, const char *dst_path, const rewrite_op
     td_err err;
     if (gguf_open(&src, src_path, &err)) fail_msg("%s", err.msg);
     gguf_writer *w = gguf_writer_new();
-    assert_int_equal(gguf_writer_copy_kv(w, src, "", &err), 0);
+    if (o->drop_key) {
+        /* Copy the keys one by one (a key's full name as the prefix), all but one. */
+        for (int64_t i = 0; i < gguf_n_kv(src); i++) {
+            gguf_str k = gguf_key_name(src, i);
+            char key[256];
+            snprintf(key, sizeof(key), "%.*s", (int)k.len, k.ptr);
+            if (strcmp(key, o->drop_key))
+                assert_int_equal(gguf_writer_copy_kv(w, src, key, &err), 0);
+        }
+    } else {
+        assert_int_equal(gguf_writer_copy_kv(w, src, "", &err), 0);
+    }
     if (o->edit) o->edit(w);
     for (int64_t i = 0; i < gguf_n_tensors(src); i++) {
         const gguf_tensor *t = gguf_tensor_at(src, i);
         if (o->drop && !strcmp(t->name, o->drop)) continue;
         int64_t ne[4] = {t->ne[0], t->ne[1], t->ne[2], t->ne[3]};
+        int n_dims = t->n_dims;
         if (o->transpose && !strcmp(t->name, o->transpose)) {
             ne[0] = t->ne[1];
             ne[1] = t->ne[0];
+            n_dims = 2;
+        }
+        if (o->reshape && !strcmp(t->name, o->reshape)) {
+            for (n_dims = 0; n_dims < 4 && o->ne[n_dims]; n_dims++)
+                ne[n_dims] = o->ne[n_dims];
+            for (int d = n_dims; d < 4; d++)
+                ne[d] = 1;
         }
         td_type type = o->to_f16 && !strcmp(t->name, o->to_f16) ? TD_TYPE_F16 : t->type;
-        int n_dims = o->transpose && !strcmp(t->name, o->transpose) ? 2 : t->n_dims;
+        const char *name =
+            o->rename_from && !strcmp(t->name, o->rename_from) ? o->rename_to : t->name;
         assert_int_equal(
-            gguf_writer_add_tensor(w, t->name, type, n_dims, ne, copy_fill, (void *)t, &err), 0);
+            gguf_writer_add_tensor(w, name, type, n_dims, ne, copy_fill, (void *)t, &err), 0);
     }
     if (gguf_writer_write(w, dst_path, &err)) fail_msg("%s", err.msg);
     gguf_writer_free(w);
@@ -219,7 +245,7 @@ static void test_bad_models(void **state)
     } cases[] = {
         {{.edit = edit_arch_gpt2},
          TD_EUNSUPPORTED,
-         "model: unsupported architecture 'gpt2' (supported: llama, qwen2)"},
+         "model: unsupported architecture 'gpt2' (supported: llama, qwen2, qwen2moe)"},
         {{.drop = "blk.3.ffn_up.weight"},
          TD_EFORMAT,
          "model: missing tensor 'blk.3.ffn_up.weight'"},
@@ -443,12 +469,332 @@ static void test_dummy(void **state)
                "fp8_e4m3");
 }
 
+/* ---- mixture of experts ------------------------------------------------------ */
+
+/* A preset written by mkmodel into a temporary file (path out). */
+static void write_preset(const char *preset, td_type t, const char *name, char *path, size_t cap)
+{
+    tmp_path(path, cap, name);
+    td_model_shape s;
+    td_err err;
+    assert_int_equal(td_model_preset(preset, &s, &err), 0);
+    if (td_mkmodel_write(path, &s, t, NULL, 3, &err)) fail_msg("%s", err.msg);
+}
+
+/* Every tensor of the file is bound: the weight bytes are the file's tensor bytes. */
+static size_t file_tensor_bytes(const td_model *m)
+{
+    size_t sum = 0;
+    for (int64_t i = 0; i < gguf_n_tensors(m->gguf); i++)
+        sum += gguf_tensor_at(m->gguf, i)->nbytes;
+    return sum;
+}
+
+static void test_moe_load(void **state)
+{
+    (void)state;
+    char path[512];
+    td_err err;
+    td_model *m;
+
+    /* llama with experts (Mixtral style) */
+    write_preset("moe-tiny", TD_TYPE_F32, "moe.gguf", path, sizeof(path));
+    if (td_model_load(&m, path, &err)) fail_msg("%s", err.msg);
+    const td_model_shape *s = &m->shape;
+    assert_int_equal(s->arch, TD_ARCH_LLAMA);
+    assert_int_equal(s->n_expert, 8);
+    assert_int_equal(s->n_expert_used, 2);
+    assert_int_equal(s->n_ff_exp, 256);
+    assert_int_equal(s->n_ff_shexp, 0);
+    assert_true(td_moe_norm_topk(s));
+    const td_layer *L = &m->layers[1];
+    assert_null(L->w_gate.data);
+    assert_null(L->shexp_gate.data);
+    assert_int_equal(L->router.cols, 128);
+    assert_int_equal(L->router.rows, 8);
+    assert_int_equal(L->w_gate_exps.cols, 128);
+    assert_int_equal(L->w_gate_exps.rows, 8 * 256);
+    assert_int_equal(L->w_down_exps.cols, 256);
+    assert_int_equal(L->w_down_exps.rows, 8 * 128);
+    /* the 3-D tensor is viewed in place: expert e is the contiguous rows [256e, 256e + 256) */
+    const gguf_tensor *t = gguf_find_tensor(m->gguf, "blk.1.ffn_up_exps.weight");
+    assert_non_null(t);
+    assert_int_equal(t->n_dims, 3);
+    assert_int_equal(t->ne[2], 8);
+    assert_ptr_equal(L->w_up_exps.data, t->data);
+    assert_int_equal(L->w_up_exps.row_bytes * (size_t)L->w_up_exps.rows, t->nbytes);
+    assert_int_equal(m->weight_bytes, file_tensor_bytes(m));
+    assert_int_equal(td_model_n_params(s), (int64_t)(file_tensor_bytes(m) / 4));
+    char desc[512];
+    td_model_describe(m, desc, sizeof(desc));
+    assert_non_null(strstr(desc, "(llama)"));
+    assert_non_null(strstr(desc, "8 experts (top-2, ffn 256;"));
+    td_model_free(m);
+
+    /* qwen2moe: qwen2 attention (biases, NeoX), experts and a gated shared expert */
+    write_preset("qwen2moe-tiny", TD_TYPE_F32, "q2moe.gguf", path, sizeof(path));
+    if (td_model_load(&m, path, &err)) fail_msg("%s", err.msg);
+    s = &m->shape;
+    assert_int_equal(s->arch, TD_ARCH_QWEN2MOE);
+    assert_int_equal(s->rope_type, TD_ROPE_NEOX);
+    assert_int_equal(s->n_expert, 8);
+    assert_int_equal(s->n_expert_used, 4);
+    assert_int_equal(s->n_ff_exp, 128);
+    assert_int_equal(s->n_ff_shexp, 256);
+    assert_false(td_moe_norm_topk(s));
+    L = &m->layers[0];
+    assert_non_null(L->bq.data);
+    assert_int_equal(L->w_gate_exps.rows, 8 * 128);
+    assert_int_equal(L->shexp_gate.type, TD_TYPE_F32);
+    assert_int_equal(L->shexp_gate.cols, 128);
+    assert_int_equal(L->shexp_gate.rows, 1);
+    assert_int_equal(L->w_up_shexp.rows, 256);
+    assert_int_equal(L->w_down_shexp.cols, 256);
+    assert_int_equal(m->weight_bytes, file_tensor_bytes(m));
+    assert_int_equal(td_model_n_params(s), (int64_t)(file_tensor_bytes(m) / 4));
+    td_model_describe(m, desc, sizeof(desc));
+    assert_non_null(strstr(desc, "(qwen2moe)"));
+    assert_non_null(strstr(desc, "shared 256"));
+    td_model_free(m);
+    unlink(path);
+
+    /* q8_0 experts are packed for the CPU kernels, an expert per whole panels */
+    write_preset("moe-tiny", TD_TYPE_Q8_0, "moe8.gguf", path, sizeof(path));
+    if (td_model_load(&m, path, &err)) fail_msg("%s", err.msg);
+    assert_non_null(m->layers[0].w_gate_exps.packed);
+    assert_non_null(m->layers[0].w_down_exps.packed);
+    assert_int_equal(m->layers[0].router.type, TD_TYPE_F32); /* the router stays f32 */
+    td_model_free(m);
+    unlink(path);
+}
+
+static void test_moe_presets(void **state)
+{
+    (void)state;
+    td_model_shape s;
+    td_err err;
+    /* the published totals: Mixtral-8x7B 46.7B (12.9B active), Qwen1.5-MoE-A2.7B 14.3B (2.7B) */
+    assert_int_equal(td_model_preset("mixtral-8x7b", &s, &err), 0);
+    assert_int_equal(td_model_n_params(&s), 46702792704ll);
+    assert_int_equal(td_model_n_active_params(&s), 12879925248ll);
+    assert_int_equal(td_model_preset("qwen2moe-a2.7b", &s, &err), 0);
+    assert_int_equal(td_model_n_params(&s), 14315784192ll);
+    assert_int_equal(td_model_n_active_params(&s), 2689173504ll);
+    assert_int_equal(td_model_preset("moe-1b", &s, &err), 0);
+    assert_int_equal(td_model_n_params(&s), 1214940160ll);
+    assert_int_equal(td_model_n_active_params(&s), 384467968ll);
+    assert_int_equal(td_model_shape_validate(&s, &err), 0);
+    assert_int_equal(td_model_preset("tiny", &s, &err), 0);
+    assert_int_equal(td_model_n_active_params(&s), td_model_n_params(&s));
+
+    /* shape validation of the experts */
+    td_model_shape m0;
+    assert_int_equal(td_model_preset("moe-tiny", &m0, &err), 0);
+    td_model_shape b = m0;
+    b.n_expert_used = 9;
+    assert_err(td_model_shape_validate(&b, &err), err, TD_EINVAL,
+               "n_expert_used = 9 must be in 1..n_expert (8 experts)");
+    b = m0;
+    b.n_expert = 513;
+    assert_err(td_model_shape_validate(&b, &err), err, TD_EINVAL, "n_expert = 513 is out of range");
+    b = m0;
+    b.n_ff_exp = 128;
+    assert_err(td_model_shape_validate(&b, &err), err, TD_EINVAL,
+               "llama experts are n_ff wide: n_ff_exp 128 differs from n_ff 256");
+    b = m0;
+    b.n_ff_shexp = 64;
+    assert_err(td_model_shape_validate(&b, &err), err, TD_EINVAL, "llama has no shared expert");
+    b = m0;
+    b.arch = TD_ARCH_QWEN2;
+    assert_err(td_model_shape_validate(&b, &err), err, TD_EINVAL, "qwen2 has no experts");
+    assert_int_equal(td_model_preset("qwen2moe-tiny", &b, &err), 0);
+    b.n_ff_shexp = 0;
+    assert_err(td_model_shape_validate(&b, &err), err, TD_EINVAL, "qwen2moe needs a shared expert");
+    assert_int_equal(td_model_preset("qwen2moe-tiny", &b, &err), 0);
+    b.n_expert = b.n_expert_used = b.n_ff_exp = b.n_ff_shexp = 0;
+    assert_err(td_model_shape_validate(&b, &err), err, TD_EINVAL, "qwen2moe needs experts");
+    assert_int_equal(td_model_preset("tiny", &b, &err), 0);
+    b.n_expert_used = 2;
+    assert_err(td_model_shape_validate(&b, &err), err, TD_EINVAL,
+               "a dense model has no n_expert_used");
+    /* q8_0 rows of the experts */
+    assert_int_equal(td_model_preset("qwen2moe-tiny", &b, &err), 0);
+    b.n_ff_exp = 100;
+    td_model *m;
+    assert_err(td_model_load_dummy(&m, &b, TD_TYPE_Q8_0, 1, &err), err, TD_EINVAL,
+               "experts' widths (n_ff_exp 100, n_ff_shexp 256) to be multiples of 32");
+}
+
+static void edit_used_9(gguf_writer *w)
+{
+    gguf_writer_set_u32(w, "llama.expert_used_count", 9);
+}
+static void edit_experts_0(gguf_writer *w)
+{
+    gguf_writer_set_u32(w, "llama.expert_count", 0);
+}
+static void edit_experts_4(gguf_writer *w)
+{
+    gguf_writer_set_u32(w, "llama.expert_count", 4);
+}
+static void edit_experts_huge(gguf_writer *w)
+{
+    gguf_writer_set_u32(w, "llama.expert_count", 1000);
+}
+static void edit_used_str(gguf_writer *w)
+{
+    gguf_writer_set_str(w, "llama.expert_used_count", "2");
+}
+static void edit_moe_as_qwen2(gguf_writer *w)
+{
+    gguf_writer_set_str(w, "general.architecture", "qwen2");
+    gguf_writer_set_u32(w, "qwen2.embedding_length", 128);
+    gguf_writer_set_u32(w, "qwen2.block_count", 2);
+    gguf_writer_set_u32(w, "qwen2.attention.head_count", 4);
+    gguf_writer_set_u32(w, "qwen2.feed_forward_length", 256);
+    gguf_writer_set_u32(w, "qwen2.context_length", 512);
+    gguf_writer_set_u32(w, "qwen2.expert_count", 8);
+}
+static void edit_shared_512(gguf_writer *w)
+{
+    gguf_writer_set_u32(w, "qwen2moe.expert_shared_feed_forward_length", 512);
+}
+
+static void test_bad_moe_models(void **state)
+{
+    (void)state;
+    char llama[512], qwen[512], dst[512];
+    write_preset("moe-tiny", TD_TYPE_F32, "src_moe.gguf", llama, sizeof(llama));
+    write_preset("qwen2moe-tiny", TD_TYPE_F32, "src_q2moe.gguf", qwen, sizeof(qwen));
+    tmp_path(dst, sizeof(dst), "bad_moe.gguf");
+    td_model *m = NULL;
+    td_err err;
+    static const struct {
+        bool qwen;
+        rewrite_opts o;
+        int code;
+        const char *msg;
+    } cases[] = {
+        {false,
+         {.edit = edit_used_9},
+         TD_EFORMAT,
+         "model: key 'llama.expert_used_count' = 9 exceeds 'llama.expert_count' = 8"},
+        {false,
+         {.drop_key = "llama.expert_used_count"},
+         TD_EFORMAT,
+         "model: missing key 'llama.expert_used_count'"},
+        {false, {.edit = edit_used_str}, TD_EFORMAT, "'llama.expert_used_count' has type string"},
+        {false,
+         {.edit = edit_experts_0},
+         TD_EFORMAT,
+         "model: the file has expert tensors (blk.0.ffn_gate_exps.weight) but no "
+         "'llama.expert_count'"},
+        {false,
+         {.drop_key = "llama.expert_count"},
+         TD_EFORMAT,
+         "expert tensors (blk.0.ffn_gate_exps.weight) but no 'llama.expert_count'"},
+        {false,
+         {.edit = edit_experts_huge},
+         TD_EFORMAT,
+         "model: key 'llama.expert_count' = 1000 is out of range (0..512)"},
+        /* the count disagrees with the tensors: the router is the first to say so */
+        {false,
+         {.edit = edit_experts_4},
+         TD_EFORMAT,
+         "model: tensor 'blk.0.ffn_gate_inp.weight' has shape [128, 8, 1, 1], expected [128, 4]"},
+        {false,
+         {.drop = "blk.1.ffn_down_exps.weight"},
+         TD_EFORMAT,
+         "model: missing tensor 'blk.1.ffn_down_exps.weight'"},
+        {false,
+         {.drop = "blk.0.ffn_gate_inp.weight"},
+         TD_EFORMAT,
+         "model: missing tensor 'blk.0.ffn_gate_inp.weight'"},
+        /* 2-D where the experts' 3-D tensor belongs */
+        {false,
+         {.reshape = "blk.1.ffn_up_exps.weight", .ne = {128, 2048}},
+         TD_EFORMAT,
+         "model: tensor 'blk.1.ffn_up_exps.weight' has shape [128, 2048, 1, 1], expected [128, "
+         "256, 8] (one [128, 256] matrix per expert)"},
+        /* the experts' matrices transposed (ggml order is ne0 = n_embd, ne1 = ff) */
+        {false,
+         {.reshape = "blk.0.ffn_gate_exps.weight", .ne = {256, 128, 8}},
+         TD_EFORMAT,
+         "'blk.0.ffn_gate_exps.weight' has shape [256, 128, 8, 1], expected [128, 256, 8]"},
+        /* 3-D where a 2-D matrix belongs */
+        {false,
+         {.reshape = "blk.0.ffn_gate_inp.weight", .ne = {128, 4, 2}},
+         TD_EFORMAT,
+         "model: tensor 'blk.0.ffn_gate_inp.weight' has shape [128, 4, 2, 1], expected [128, 8]"},
+        {false,
+         {.reshape = "blk.1.attn_q.weight", .ne = {128, 64, 2}},
+         TD_EFORMAT,
+         "'blk.1.attn_q.weight' has shape [128, 64, 2, 1], expected [128, 128]"},
+        /* the old layout: one 2-D tensor per expert */
+        {false,
+         {.rename_from = "blk.0.ffn_gate_exps.weight", .rename_to = "blk.0.ffn_gate.0.weight"},
+         TD_EUNSUPPORTED,
+         "per-expert tensors (blk.0.ffn_gate.0.weight, the old Mixtral layout) are not supported"},
+        {false,
+         {.edit = edit_moe_as_qwen2},
+         TD_EUNSUPPORTED,
+         "model: 'qwen2.expert_count' = 8: qwen2 has no experts (its MoE architecture is "
+         "qwen2moe)"},
+        {true,
+         {.drop_key = "qwen2moe.expert_count"},
+         TD_EFORMAT,
+         "model: missing key 'qwen2moe.expert_count'"},
+        {true,
+         {.drop = "blk.1.ffn_gate_inp_shexp.weight"},
+         TD_EFORMAT,
+         "model: missing tensor 'blk.1.ffn_gate_inp_shexp.weight'"},
+        {true,
+         {.drop = "blk.0.ffn_up_shexp.weight"},
+         TD_EFORMAT,
+         "model: missing tensor 'blk.0.ffn_up_shexp.weight'"},
+        {true,
+         {.to_f16 = "blk.0.ffn_gate_inp_shexp.weight"},
+         TD_EUNSUPPORTED,
+         "tensor 'blk.0.ffn_gate_inp_shexp.weight' has type f16, which is not supported for "
+         "gate vectors (must be f32)"},
+        {true,
+         {.edit = edit_shared_512},
+         TD_EFORMAT,
+         "tensor 'blk.0.ffn_gate_shexp.weight' has shape [128, 256, 1, 1], expected [128, 512]"},
+        /* without its width the experts default to n_ff / n_expert_used = 64 (llama.cpp's) */
+        {true,
+         {.drop_key = "qwen2moe.expert_feed_forward_length"},
+         TD_EFORMAT,
+         "'blk.0.ffn_gate_exps.weight' has shape [128, 128, 8, 1], expected [128, 64, 8]"},
+        {true, {.drop = "blk.0.attn_k.bias"}, TD_EFORMAT, "missing tensor 'blk.0.attn_k.bias'"},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        rewrite(cases[i].qwen ? qwen : llama, dst, &cases[i].o);
+        td_err_clear(&err);
+        int rc = td_model_load(&m, dst, &err);
+        if (rc != cases[i].code || !strstr(err.msg, cases[i].msg))
+            fail_msg("case %zu: expected %d '%s', got %d '%s'", i, cases[i].code, cases[i].msg, rc,
+                     err.msg);
+        assert_null(m);
+    }
+    /* an unchanged rewrite loads: the cases above fail for their change alone */
+    rewrite_opts same = {0};
+    rewrite(qwen, dst, &same);
+    if (td_model_load(&m, dst, &err)) fail_msg("%s", err.msg);
+    td_model_free(m);
+    unlink(dst);
+    unlink(llama);
+    unlink(qwen);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_stories260k), cmocka_unit_test(test_tiny_random),
-        cmocka_unit_test(test_bad_models),  cmocka_unit_test(test_presets),
-        cmocka_unit_test(test_dummy),      cmocka_unit_test(test_dummy_deferred),
+        cmocka_unit_test(test_stories260k),    cmocka_unit_test(test_tiny_random),
+        cmocka_unit_test(test_bad_models),     cmocka_unit_test(test_presets),
+        cmocka_unit_test(test_dummy),          cmocka_unit_test(test_dummy_deferred),
+        cmocka_unit_test(test_moe_load),       cmocka_unit_test(test_moe_presets),
+        cmocka_unit_test(test_bad_moe_models),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
