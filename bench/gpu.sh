@@ -2,7 +2,7 @@
 # On the GPU machine, in one run: unpack the kit (scripts/gpu_kit.sh made it on the CPU
 # machine), build with -DTANDEM_CUDA=ON, run the GPU tests, then the benchmarks whose
 # figures BENCHMARKS.md records (each with the floor measured in the same run).
-#   bench/gpu.sh [all | a comma list of test,bench,xfer,pd,pdtcp,dec,profile]   (default all; logs
+#   bench/gpu.sh [all | a comma list of test,bench,xfer,pd,pdtcp,dec,gpus,profile]   (default all; logs
 #   also go to $OUT if set)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -105,6 +105,26 @@ if want dec; then # small-batch decode alone (quick A/B of decode kernels)
     "${b8[@]}" --prompt-len 128 --context 1024 --gen-len 64 --batch 1,2,8 --max-num-batched-tokens 2048 2>&1 | log
     echo "== whole steps on the GPU (TD_CUDA_PROFILE=2)" | log
     TD_CUDA_PROFILE=2 "${b8[@]}" --prompt-len 128 --gen-len 64 --batch 1 --context 1024 --reps 1 --no-floor 2>&1 | log
+fi
+if want gpus; then # tandem up --gpus: each engine on the GPU it is given (--device cuda:N)
+    echo "== tandem up --gpus $(nvidia-smi -L | awk -F: '{print substr($1, 5)}' | paste -sd,) --protocol cuda_ipc (llama-1b)" | log
+    rm -rf "$out/gpus-work"
+    gl=$(nvidia-smi -L | awk -F: '{print substr($1, 5)}' | paste -sd,)
+    build-gpu/tandem up --model llama-1b --gpus "$gl" --protocol cuda_ipc --port 8310 --workdir "$out/gpus-work" \
+        -- --load-format dummy --dtype bf16 --kv-cache-dtype bf16 --max-model-len 2048 --kv-cache-memory 8G \
+        >"$out/gpus-up.log" 2>&1 &
+    up_pid=$!
+    if wait_ok http://127.0.0.1:8310; then
+        grep -E "prefill|decode" "$out/gpus-up.log" | log
+        for i in 1 2 3; do
+            curl -s http://127.0.0.1:8310/v1/completions -H 'Content-Type: application/json' \
+                -d '{"prompt":[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17],"max_tokens":8,"temperature":0,"ignore_eos":true}' |
+                python3 -c 'import json,sys; d=json.load(sys.stdin); k=d.get("kv_transfer_params",{}); print(d["usage"]["completion_tokens"], k.get("kv_load"), k.get("kv_load_error",""))' | log
+        done
+    else
+        echo "tandem up --gpus did not come up" | log; tail -20 "$out/gpus-up.log" | log; tail -20 "$out"/gpus-work/*.log | log
+    fi
+    kill $up_pid; wait $up_pid || true
 fi
 if want profile; then
     echo "== where a step's time goes (TD_CUDA_PROFILE=1: every launch timed, no graphs)" | log

@@ -46,7 +46,7 @@ typedef struct td_engine_config {
                                     copies into fresh blocks then pay no page faults) */
     bool kv_checksums;           /* keep a CRC32C of every full block as it is written
                                     (td_kv_info.block_crc), for a KV producer's transfers */
-    const char *device;          /* "cpu" (default) or "cuda": where the forward pass, the
+    const char *device;          /* "cpu" (default), "cuda" or "cuda:N": where the forward pass, the
                                     weights and the KV pool live (cuda: built with
                                     -DTANDEM_CUDA=ON, and a GPU present) */
     struct td_ep_group *ep;      /* expert parallelism (tandem/ep.h): the group this engine is
@@ -56,6 +56,12 @@ typedef struct td_engine_config {
 
 /** Fill defaults. */
 void td_engine_config_default(td_engine_config *cfg);
+
+/**
+ * The GPU a --device string names: "cuda" is GPU 0, "cuda:N" GPU N (0..63); -1 for "cpu"
+ * (or NULL), -2 for anything else.
+ */
+int td_device_gpu(const char *device);
 
 /** Load the model, plan memory (weights, workspace, KV pool) and start threads. */
 int td_engine_create(td_engine **out, const td_engine_config *cfg, td_err *err);

@@ -269,7 +269,7 @@ int cli_bench_engine(int argc, char **argv)
         printf("experts: %d per layer, top-%d; one expert is %.2f MB per layer; everything else "
                "a step reads is %.1f MB\n",
                ms->n_expert, ms->n_expert_used, expert_bytes / 1e6, base_bytes / 1e6);
-    bool gpu = cfg.device && !strcmp(cfg.device, "cuda");
+    bool gpu = td_device_gpu(cfg.device) >= 0;
 #ifdef TD_HAVE_CUDA
     if (!no_floor && gpu) {
         double copy = 0, tflops = 0;

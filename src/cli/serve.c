@@ -205,7 +205,7 @@ int cli_serve(int argc, char **argv)
     }
     /* A GPU engine's KV moves by cuda_ipc (same host) or by tcp through pinned host
      * staging, in read mode; cuda_ipc moves only GPU memory. */
-    bool on_gpu = cfg.device && !strcmp(cfg.device, "cuda");
+    bool on_gpu = td_device_gpu(cfg.device) >= 0;
     const char *why = NULL;
     if (have_kv && on_gpu && kv.protocol != SRV_KV_CUDA_IPC && kv.protocol != SRV_KV_TCP)
         why = "with --device cuda the KV pool is in GPU memory: use protocol cuda_ipc (same "

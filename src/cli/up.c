@@ -43,6 +43,7 @@ typedef struct inst {
     char addr[64];    /* where it listens */
     int port, hport;  /* HTTP port; KV handshake port (PD engines) */
     int cpu0, n_cpus; /* engines: CPUs [cpu0, cpu0 + n_cpus) of the allowed set; n 0 = all */
+    int gpu;          /* engines with --gpus: the GPU they run on (--device cuda:N), else -1 */
     pid_t pid;
     int restarts;
     double backoff_s, started_at, restart_at;
@@ -398,6 +399,27 @@ static int load_config(const char *path, const char *me, up_plan *p, cJSON **kee
     return 0;
 }
 
+/* --gpus "0,1,...": GPU numbers 0..63, at most 64 of them. */
+static int parse_gpus(const char *arg, int *gpus, int *n)
+{
+    *n = 0;
+    for (const char *p = arg; *p;) {
+        char *end = NULL;
+        long g = strtol(p, &end, 10);
+        if (end == p || g < 0 || g > 63 || *n >= 64 || (*end && *end != ',') || (*end == ',' && !end[1])) {
+            fprintf(stderr, "error: --gpus must be a comma-separated list of GPU numbers (0..63), got '%s'\n", arg);
+            return 2;
+        }
+        gpus[(*n)++] = (int)g;
+        p = *end ? end + 1 : end;
+    }
+    if (!*n) {
+        fprintf(stderr, "error: --gpus must name at least one GPU\n");
+        return 2;
+    }
+    return 0;
+}
+
 int cli_up(int argc, char **argv)
 {
     /* Everything after "--" goes to every engine. */
@@ -412,7 +434,7 @@ int cli_up(int argc, char **argv)
             break;
         }
     const char *model = NULL, *protocol = "tcp", *mode = "read", *host = "127.0.0.1",
-               *workdir = ".tandem", *level = "warn", *config = NULL, *this_host = NULL;
+               *workdir = ".tandem", *level = "warn", *config = NULL, *this_host = NULL, *gpus_arg = NULL;
     int64_t n_prefill = 1, n_decode = 1, n_agg = 0, port = 8000, threads = 0;
     bool want_status = false;
     cli_flag f[] = {
@@ -435,11 +457,21 @@ int cli_up(int argc, char **argv)
         CLI_FLAG("config", CLI_FLAG_STR, &config,
                  "a JSON file describing a cluster over several hosts (see README)"),
         CLI_FLAG("this-host", CLI_FLAG_STR, &this_host, "with --config: which host this is"),
+        CLI_FLAG("gpus", CLI_FLAG_STR, &gpus_arg,
+                 "GPUs for the engines, e.g. 0,1: prefill instances first, then decode, one GPU "
+                 "each in turn (each engine gets --device cuda:N)"),
     };
     int rc = cli_flags_parse(f, (int)TD_ARRAY_LEN(f), n_up, argv,
                              "tandem up [--prefill N --decode M | --aggregated K] [options] "
                              "[-- ENGINE FLAGS...]");
     if (rc) return rc == 1 ? 0 : 2;
+    int gpus[64], n_gpus = 0;
+    if (gpus_arg && parse_gpus(gpus_arg, gpus, &n_gpus)) return 2;
+    if (gpus_arg && config) {
+        fprintf(stderr, "error: --gpus is for a cluster on this host; with --config, give each host's "
+                        "engines their --device in engine_flags\n");
+        return 2;
+    }
     curl_global_init(CURL_GLOBAL_DEFAULT);
     if (want_status) {
         rc = status(workdir);
@@ -597,6 +629,11 @@ int cli_up(int argc, char **argv)
         }
         for (int k = 0; k < n_pass; k++)
             inst_arg(e, "%s", pass[k]);
+        e->gpu = n_gpus ? gpus[i % n_gpus] : -1;
+        if (e->gpu >= 0) { /* after the pass-through flags: the last --device wins */
+            inst_arg(e, "--device");
+            inst_arg(e, "cuda:%d", e->gpu);
+        }
     }
     for (int i = 0; i < n; i++) {
         snprintf(v[i].log, sizeof(v[i].log), "%s/%s.log", workdir, v[i].name);
@@ -657,6 +694,10 @@ int cli_up(int argc, char **argv)
             snprintf(cpus, sizeof(cpus), "cpus %d-%d", v[i].cpu0, v[i].cpu0 + v[i].n_cpus - 1);
         char url[96];
         snprintf(url, sizeof(url), "http://%s:%d", v[i].addr, v[i].port);
+        if (v[i].gpu >= 0 && strcmp(v[i].role, "router")) {
+            size_t l = strlen(cpus);
+            snprintf(cpus + l, sizeof(cpus) - l, ", gpu %d", v[i].gpu);
+        }
         printf("  %-10s %-24s pid %-7d %-10s log %s\n", v[i].name, url, (int)v[i].pid,
                !strcmp(v[i].role, "router") ? "" : cpus, v[i].log);
     }

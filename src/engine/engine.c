@@ -43,6 +43,20 @@ void td_engine_config_default(td_engine_config *c)
     c->device = "cpu";
 }
 
+int td_device_gpu(const char *device)
+{
+    if (!device || !strcmp(device, "cpu")) return -1;
+    if (!strcmp(device, "cuda")) return 0;
+    if (strncmp(device, "cuda:", 5) || !device[5]) return -2;
+    int n = 0;
+    for (const char *p = device + 5; *p; p++) {
+        if (*p < '0' || *p > '9' || (p > device + 5 && device[5] == '0')) return -2;
+        n = n * 10 + (*p - '0');
+        if (n > 63) return -2;
+    }
+    return n;
+}
+
 void td_sampling_default(td_sampling *sp)
 {
     memset(sp, 0, sizeof(*sp));
@@ -92,9 +106,9 @@ static int check_config(const td_engine_config *c, td_err *err)
                           "--kv-cache-dtype must be f32, f16, bf16 or fp8 (fp8_e4m3), got '%s'",
                           c->kv_cache_dtype ? c->kv_cache_dtype : "");
     const char *dev = c->device ? c->device : "cpu";
-    if (strcmp(dev, "cpu") && strcmp(dev, "cuda"))
-        return td_err_set(err, TD_EINVAL, "--device must be cpu or cuda, got '%s'", dev);
-    if (!strcmp(dev, "cuda")) {
+    if (td_device_gpu(dev) == -2)
+        return td_err_set(err, TD_EINVAL, "--device must be cpu, cuda or cuda:N (GPU N, 0..63), got '%s'", dev);
+    if (td_device_gpu(dev) >= 0) {
 #ifndef TD_HAVE_CUDA
         return td_err_set(err, TD_EUNSUPPORTED,
                           "--device cuda: this build has no CUDA backend (configure with "
@@ -139,7 +153,7 @@ int td_engine_create(td_engine **out, const td_engine_config *cfg, td_err *err)
     }
     /* Experts run on the CPU forward pass only; the GPU backend would otherwise look for the
      * dense FFN matrices that an MoE model does not have. */
-    if (s->n_expert && cfg->device && !strcmp(cfg->device, "cuda")) {
+    if (s->n_expert && td_device_gpu(cfg->device) >= 0) {
         rc = td_err_set(err, TD_EUNSUPPORTED,
                         "--device cuda: the GPU backend does not run mixture-of-experts models "
                         "yet (%s with %d experts); use --device cpu",
@@ -213,9 +227,9 @@ int td_engine_create(td_engine **out, const td_engine_config *cfg, td_err *err)
 #ifdef TD_HAVE_CUDA
     /* The GPU holds the weights and the KV bytes; the pool above keeps only the block
      * bookkeeping (its host mapping is never touched, so it costs no memory). */
-    if (cfg->device && !strcmp(cfg->device, "cuda") &&
-        (rc = td_cuda_fwd_create(&e->cuda, e->model, kv_type, cfg->block_size, (int)n_blocks,
-                                 e->max_batched, e->max_num_seqs, e->max_model_len, err)))
+    if (td_device_gpu(cfg->device) >= 0 &&
+        (rc = td_cuda_fwd_create(&e->cuda, e->model, td_device_gpu(cfg->device), kv_type, cfg->block_size,
+                                 (int)n_blocks, e->max_batched, e->max_num_seqs, e->max_model_len, err)))
         goto fail;
     /* What a cuda_ipc transfer peer needs to open the pool (td_engine_kv_info). */
     if (e->cuda && (rc = td_cuda_fwd_kv_export(e->cuda, &e->kv_dev.base, e->kv_dev.ipc_handle,

@@ -94,7 +94,7 @@ int td__engine_load_model(const td_engine_config *c, td_model **model, td_tokeni
     }
     /* On the GPU, f32 and bf16 matrices are made in device memory (an 8B shape in
      * moments); the host makes only the norms and biases. */
-    bool on_device = c->device && !strcmp(c->device, "cuda") &&
+    bool on_device = td_device_gpu(c->device) >= 0 &&
                      (wtype == TD_TYPE_F32 || wtype == TD_TYPE_BF16);
     rc = on_device ? td_model_load_dummy_deferred(model, &shape, wtype, c->seed, err)
                    : td_model_load_dummy(model, &shape, wtype, c->seed, err);

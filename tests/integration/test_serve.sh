@@ -31,6 +31,8 @@ expect_flag_error "with --device cuda transfers read" --device cuda --kv-transfe
 expect_flag_error "'kv_buffer_device' cuda goes with protocol cuda_ipc or tcp" --kv-transfer-config '{"kv_role":"kv_both","kv_buffer_device":"cuda","protocol":"shm"}'
 expect_flag_error "'transfer_mode' write is not served from GPU memory" --kv-transfer-config '{"kv_role":"kv_both","protocol":"cuda_ipc","transfer_mode":"write"}'
 expect_flag_error "--chat-template must be chatml" --chat-template jinja
+expect_flag_error "--device must be cpu, cuda or cuda:N (GPU N, 0..63), got 'cuda:64'" --device cuda:64
+expect_flag_error "--device must be cpu, cuda or cuda:N (GPU N, 0..63), got 'gpu'" --device gpu
 expect_flag_error "--kv-cache-dtype" --kv_cache_dtype q3
 
 # --- the main server (underscore aliases and -tp 1 accepted) and a slow one for

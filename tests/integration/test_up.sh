@@ -14,6 +14,12 @@ rc=0
 "$TD_BIN" up --protocol rdma >"$tmp/out" 2>"$tmp/err" || rc=$?
 [ "$rc" -eq 2 ] || fail "--protocol rdma exited $rc"
 rc=0
+"$TD_BIN" up --gpus 0,,1 >"$tmp/out" 2>"$tmp/err" || rc=$?
+[ "$rc" -eq 2 ] && grep -q "comma-separated list of GPU numbers" "$tmp/err" || fail "--gpus 0,,1: $(cat "$tmp/err")"
+rc=0
+"$TD_BIN" up --gpus 64 >"$tmp/out" 2>"$tmp/err" || rc=$?
+[ "$rc" -eq 2 ] || fail "--gpus 64 exited $rc"
+rc=0
 "$TD_BIN" up --status --workdir "$tmp/none" >"$tmp/out" 2>"$tmp/err" || rc=$?
 [ "$rc" -eq 1 ] && grep -q "no cluster" "$tmp/err" || fail "--status without a cluster: $(cat "$tmp/err")"
 

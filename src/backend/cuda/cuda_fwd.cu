@@ -1230,6 +1230,7 @@ static void prof_report(const td_cuda_fwd *f)
 
 void td_cuda_fwd_free(td_cuda_fwd *f)
 {
+    if (f) cudaSetDevice(f->dev); /* the calling thread's current device may be another */
     if (!f) return;
     if (f->prof) prof_report(f);
     if (f->layers)
@@ -1328,12 +1329,19 @@ static size_t split_smem(const td_cuda_fwd *f)
     return (size_t)(group * f->hd + group * SPLIT_SUB + 3 * group + 1 + (group & 1)) * 4 + SPLIT_SUB * sizeof(void *);
 }
 
-int td_cuda_fwd_create(td_cuda_fwd **out, const td_model *m, td_type kv_dtype, int block_size,
+int td_cuda_fwd_create(td_cuda_fwd **out, const td_model *m, int gpu, td_type kv_dtype, int block_size,
                        int n_blocks, int max_tokens, int max_logits, int max_ctx, td_err *err)
 {
     *out = nullptr;
     char why[256];
     if (!td_cuda_available(why, sizeof(why))) return td_err_set(err, TD_EUNSUPPORTED, "%s", why);
+    int n_gpus = 0;
+    cudaGetDeviceCount(&n_gpus);
+    if (gpu < 0 || gpu >= n_gpus)
+        return td_err_set(err, TD_EINVAL, "--device cuda:%d: this process sees %d GPU%s (cuda:0..cuda:%d)", gpu,
+                          n_gpus, n_gpus == 1 ? "" : "s", n_gpus - 1);
+    if (cudaSetDevice(gpu) != cudaSuccess)
+        return td_err_set(err, TD_EIO, "cuda: cannot use GPU %d: %s", gpu, cudaGetErrorString(cudaGetLastError()));
     int kv_type = kv_dtype == TD_TYPE_F32    ? 0
                   : kv_dtype == TD_TYPE_F16  ? 1
                   : kv_dtype == TD_TYPE_BF16 ? 2
@@ -1635,6 +1643,7 @@ int td_cuda_fwd_run(td_cuda_fwd *f, int n_tokens, const int32_t *tokens, const i
                     const int32_t *logit_rows, float *logits, const uint8_t *need_logits,
                     int32_t *argmax, td_err *err)
 {
+    CK(cudaSetDevice(f->dev)); /* the engine's thread need not be the one that made it */
     int T = n_tokens, mb = f->max_blocks;
     if (T < 1 || T > f->max_tokens || n_logits > f->max_logits || n_seqs > f->max_logits ||
         n_seqs > 1024)

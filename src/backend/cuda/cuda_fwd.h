@@ -32,11 +32,12 @@ typedef struct td_cuda_fwd td_cuda_fwd;
 bool td_cuda_available(char *why, size_t cap);
 
 /**
- * Upload the model's weights and allocate the device KV pool (n_layers x n_blocks blocks
+ * On GPU `gpu` (of those this process sees; every later call makes it the calling
+ * thread's current device, so the engine may run on any thread): upload the model's weights and allocate the device KV pool (n_layers x n_blocks blocks
  * of block_size tokens in kv_dtype: f32, f16, bf16 or fp8_e4m3) and the workspace for max_tokens
  * tokens, max_logits logit rows and max_ctx positions per sequence.
  */
-int td_cuda_fwd_create(td_cuda_fwd **out, const td_model *m, td_type kv_dtype, int block_size,
+int td_cuda_fwd_create(td_cuda_fwd **out, const td_model *m, int gpu, td_type kv_dtype, int block_size,
                        int n_blocks, int max_tokens, int max_logits, int max_ctx, td_err *err);
 void td_cuda_fwd_free(td_cuda_fwd *f);
 

@@ -24,6 +24,9 @@
 #ifdef TD_HAVE_CUDA
 #include <math.h>
 
+#include <cuda_runtime_api.h>
+#include <pthread.h>
+
 #include "backend/cuda/cuda_fwd.h"
 #include "engine/forward.h"
 #include "engine/sampler.h"
@@ -59,7 +62,7 @@ static void compare_logits(const td_model_shape *shape, const char *kv_name, dou
     fwd_ctx cf;
     if (fwd_init(&cf, cm, &kv, pool, max_tokens, max_logits, max_ctx, &err)) fail_msg("%s", err.msg);
     td_cuda_fwd *gf = NULL;
-    if (td_cuda_fwd_create(&gf, gm, kvt, bs, n_blocks, max_tokens, max_logits, max_ctx, &err))
+    if (td_cuda_fwd_create(&gf, gm, 0, kvt, bs, n_blocks, max_tokens, max_logits, max_ctx, &err))
         fail_msg("%s", err.msg);
     int32_t t0[16], t1[16]; /* sequence 1's blocks in reverse: tables need not be in order */
     for (int i = 0; i < n_blocks / 2; i++) t0[i] = i, t1[i] = n_blocks - 1 - i;
@@ -224,6 +227,41 @@ static void test_golden_kv_types(void **state)
         assert_memory_equal(alone[i], batched[i], sizeof(alone[i]));
     td_engine_free(e);
 }
+/* --device cuda:N: GPU 0 by number, used from another thread than the one that made the
+ * engine (as the server's engine thread does); a GPU this process does not see is a clear
+ * error. */
+static void *golden_on_thread(void *arg)
+{
+    for (int i = 0; i < g_n_cases; i++) check_golden(arg, &i, 1);
+    return NULL;
+}
+
+static void test_device_choice(void **state)
+{
+    (void)state;
+    load_golden();
+    const char *saved = g_device;
+    g_device = "cuda:0";
+    td_engine *e = make_engine(1, 512, 0, "f32", false);
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, golden_on_thread, e), 0);
+    pthread_join(th, NULL);
+    td_engine_free(e);
+    int n = 0;
+    cudaGetDeviceCount(&n);
+    char dev[32], want[64];
+    snprintf(dev, sizeof(dev), "cuda:%d", n);
+    snprintf(want, sizeof(want), "this process sees %d GPU", n);
+    td_engine_config c;
+    td_engine_config_default(&c);
+    c.model_path = td_test_shared_path("models/stories260K.gguf");
+    c.device = dev;
+    c.n_threads = 1;
+    td_err err = {0};
+    assert_int_not_equal(td_engine_create(&e, &c, &err), 0);
+    assert_non_null(strstr(err.msg, want));
+    g_device = saved;
+}
 #endif
 
 int main(void)
@@ -245,6 +283,7 @@ int main(void)
         cmocka_unit_test(test_logits_hd128),
         cmocka_unit_test(test_logits_llama1b),
         cmocka_unit_test(test_logits_groups),
+        cmocka_unit_test(test_device_choice),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 #endif
