@@ -528,7 +528,12 @@ cJSON *rt_workers_json(rt_router *r)
         cJSON_AddNumberToObject(o, "id", (double)w->id);
         cJSON_AddStringToObject(o, "url", w->url);
         cJSON_AddStringToObject(o, "role", rt_role_name(w->role));
-        if (w->dp_rank >= 0) cJSON_AddNumberToObject(o, "dp_rank", w->dp_rank);
+        if (w->dp_rank >= 0) { /* a data-parallel rank of its engine: routable as url@rank */
+            char name[sizeof(w->url) + 16];
+            snprintf(name, sizeof(name), "%s@%d", w->url, w->dp_rank);
+            cJSON_AddStringToObject(o, "name", name);
+            cJSON_AddNumberToObject(o, "dp_rank", w->dp_rank);
+        }
         cJSON_AddBoolToObject(o, "healthy", w->healthy);
         cJSON_AddStringToObject(o, "circuit_breaker",
                                 r->cfg.circuit_breaker ? rt_cb_name(breaker(r, w)) : "disabled");

@@ -526,6 +526,9 @@ void srv__engine_stop(srv__engine *x, const char *reason)
 {
     if (!x->thread_started) return;
     srv__engine_request_stop(x, reason);
+    /* A loop waiting in its group (for a rank that will not come) must not hold up the join:
+     * the group ends here, as it would when the loop saw the request. */
+    if (x->ep) td_ep_break(x->ep, x->ep_rank, reason);
     pthread_join(x->thread, NULL);
     x->thread_started = false;
 }

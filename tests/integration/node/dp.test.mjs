@@ -175,6 +175,7 @@ test('through the router with --dp-aware: every rank is a worker; none and idx2i
     const ws = await until(async () => (await (await fetch(r.url + '/workers')).json()).workers.length === 4, 'a worker per rank')
       .then(async () => (await (await fetch(r.url + '/workers')).json()).workers);
     assert.deepEqual(ws.map((w) => `${w.role}@${w.dp_rank}`).sort(), ['decode@0', 'decode@1', 'prefill@0', 'prefill@1']);
+    assert.deepEqual(ws.filter((w) => w.role === 'prefill').map((w) => w.name).sort(), [`${PROD.url}@0`, `${PROD.url}@1`]);
     const before = await metrics(CONS.url);
     const ps = prompts(8);
     await Promise.all(ps.map(async (p) => {
