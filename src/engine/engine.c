@@ -191,6 +191,10 @@ int td_engine_create(td_engine **out, const td_engine_config *cfg, td_err *err)
             goto fail;
         }
         if ((rc = fwd_enable_ep(&e->fwd, cfg->ep, cfg->ep_rank, err))) goto fail;
+        /* The experts the other ranks hold are never read here: their pages go back. */
+        int lo, hi;
+        td_ep_experts(cfg->ep, cfg->ep_rank, s->n_expert, &lo, &hi);
+        e->ep_dropped = td_model_drop_experts(e->model, lo, hi);
     }
 
     /* Then the KV pool from what the budget leaves. */
@@ -349,9 +353,10 @@ void td_engine_describe(const td_engine *e, char *buf, size_t cap)
         td_ep_experts(e->fwd.ep, e->fwd.ep_rank, e->model->shape.n_expert, &lo, &hi);
         size_t n = strlen(buf);
         snprintf(buf + n, cap > n ? cap - n : 0,
-                 "; expert parallelism: rank %d of %d holds experts %d..%d, exchange %.1f MiB (in the "
-                 "workspace)",
-                 e->fwd.ep_rank, td_ep_size(e->fwd.ep), lo, hi - 1, (double)e->fwd.moe.ep_bytes / 1048576.0);
+                 "; expert parallelism: rank %d of %d holds experts %d..%d (the others' %.1f MiB given "
+                 "back), exchange %.1f MiB (in the workspace)",
+                 e->fwd.ep_rank, td_ep_size(e->fwd.ep), lo, hi - 1, (double)e->ep_dropped / 1048576.0,
+                 (double)e->fwd.moe.ep_bytes / 1048576.0);
     }
 }
 

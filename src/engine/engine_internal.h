@@ -82,6 +82,7 @@ struct td_engine {
     td_tokenizer *tok;
     td_pool *pool;
     kv_pool kv;
+    size_t ep_dropped; /* expert parallelism: bytes of the other ranks' experts given back */
     fwd_ctx fwd;
     struct td_cuda_fwd *cuda; /* --device cuda: the forward pass on the GPU, else NULL */
     struct { /* with cuda: the device pool's export for KV transfers (td_engine_kv_info) */

@@ -555,6 +555,40 @@ static void pack_weights(td_model *m)
     m->packed_bytes = total;
 }
 
+/* Give back the whole pages inside [p, p + n) (they are never read again). */
+static size_t drop_pages(const void *p, size_t n)
+{
+    if (!p || !n) return 0;
+    const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    uintptr_t a = TD_ALIGN_UP((uintptr_t)p, page), b = ((uintptr_t)p + n) / page * page;
+    if (b <= a) return 0;
+    return madvise((void *)a, b - a, MADV_DONTNEED) == 0 ? b - a : 0;
+}
+
+size_t td_model_drop_experts(td_model *m, int lo, int hi)
+{
+    const td_model_shape *s = &m->shape;
+    size_t dropped = 0;
+    for (int l = 0; l < s->n_layer; l++) {
+        td_layer *L = &m->layers[l];
+        const td_weight *ws[] = {&L->w_gate_exps, &L->w_up_exps, &L->w_down_exps};
+        for (size_t i = 0; i < TD_ARRAY_LEN(ws); i++) {
+            const td_weight *w = ws[i];
+            if (!w->data || w->rows % s->n_expert) continue;
+            /* expert e is rows [e * per, (e + 1) * per), in the original and in the packed copy */
+            size_t per = (size_t)(w->rows / s->n_expert) * w->row_bytes;
+            size_t first = (size_t)lo * per, last = (size_t)hi * per, all = (size_t)s->n_expert * per;
+            const uint8_t *bases[] = {w->data, w->packed};
+            for (size_t k = 0; k < 2; k++) {
+                if (!bases[k]) continue;
+                dropped += drop_pages(bases[k], first);            /* the experts before ours */
+                dropped += drop_pages(bases[k] + last, all - last); /* and after */
+            }
+        }
+    }
+    return dropped;
+}
+
 void td_model_describe(const td_model *m, char *buf, size_t cap)
 {
     const td_model_shape *s = &m->shape;

@@ -166,6 +166,13 @@ void td_model_gen_row(const td_weight *w, int64_t r, float *out);
 void td_model_free(td_model *m);
 
 /**
+ * Expert parallelism: this process runs only experts [lo, hi) of every layer. The pages
+ * of the other experts' matrices (the mapped or made originals and their packed copies)
+ * are given back to the system; they must not be read again. Returns the bytes released.
+ */
+size_t td_model_drop_experts(td_model *m, int lo, int hi);
+
+/**
  * Fill a shape from a preset name: tiny, llama-134m, llama-1b, llama3-8b, and the MoE
  * shapes moe-tiny, qwen2moe-tiny, moe-1b, mixtral-8x7b, qwen2moe-a2.7b.
  */
