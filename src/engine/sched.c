@@ -357,7 +357,6 @@ static void step_kv_stored(void *user, int layer)
     e->layer_fn(e->layer_user, layer, e->lp, e->n_lp);
 }
 
-
 /* The expert-parallel group broke during this step's forward pass: its n_sched requests
  * end with the group's reason (the others end when the loop stops), and the step fails. */
 static int ep_failed(td_engine *e, int n_sched, td_err *err)

@@ -141,6 +141,22 @@ for (const model of MODELS) {
   });
 }
 
+test('an expert with more rows than a step holds runs them in several passes, with the same output', async () => {
+  // Two experts, both used by every row, and steps of 16 tokens: with both ranks prefilling
+  // at once, each expert gets up to 32 rows a layer, twice what its exchange buffers hold.
+  const model = process.env.TD_MOE_ALL_EXPERTS;
+  const flags = ['--max-num-batched-tokens', '16'];
+  const [ref, srv] = await Promise.all([serve(model, flags), serve(model, [...EP, ...flags])]);
+  const ps = prompts(8).map((p) => p.concat(Array(60).fill(11)).slice(0, 60));
+  const res = await Promise.all(ps.map((p, i) => post(srv.url, { prompt: p, ...GEN, data_parallel_rank: i % 2 })));
+  for (let i = 0; i < ps.length; i++) {
+    assert.equal(res[i].status, 200, res[i].text);
+    const w = await post(ref.url, { prompt: ps[i], ...GEN });
+    assert.equal(res[i].json.choices[0].text, w.json.choices[0].text, `request ${i}`);
+  }
+  for (const x of [ref, srv]) x.proc.kill('SIGTERM');
+});
+
 test('a full KV pool does not stop the exchange, and the exchange does not take KV blocks', async () => {
   // A small KV pool per rank (about 24 blocks of 16 tokens): ten 102-token requests on rank
   // 0 need 70 blocks, so they wait and get preempted, while rank 1's requests and the
