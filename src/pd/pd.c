@@ -247,9 +247,9 @@ int pd_hold(pd_connector *pd, uint64_t req_id, const int32_t *blocks, int n_bloc
     return rc;
 }
 
-void pd_cancel(pd_connector *pd, const char *transfer_id)
+int pd_cancel(pd_connector *pd, const char *transfer_id)
 {
-    if (pd->agent) (void)kvx_agent_cancel(pd->agent, transfer_id);
+    return pd->agent ? kvx_agent_cancel(pd->agent, transfer_id) : TD_ENOTFOUND;
 }
 
 /* ---- producer: push ---- */

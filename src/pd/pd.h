@@ -82,8 +82,9 @@ void pd_destroy(pd_connector *pd);
 /* ---- producer ---- */
 int pd_hold(pd_connector *pd, uint64_t req_id, const int32_t *blocks, int n_blocks,
             char transfer_id[KVX_ID_HEX], td_err *err);
-/** End a lease now (release_cb runs). */
-void pd_cancel(pd_connector *pd, const char *transfer_id);
+/** End a lease now (release_cb runs): 0, or TD_ENOTFOUND when none has this id.
+ *  Thread-safe. */
+int pd_cancel(pd_connector *pd, const char *transfer_id);
 
 /*
  * Push (transfer_mode write), producer side. pd_push_open before the request's prefill can

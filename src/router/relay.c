@@ -72,6 +72,10 @@ struct rt_req {
     struct event *retry_ev;   /* a retry waiting for its backoff */
     rt_leg *retry_leg;
     uint64_t paired_decode; /* --atom-pd-rank-mapping-policy idx2idx: the prefill's twin (id) */
+    /* The KV a prefill holds for this request, and where: given back at the end unless a
+     * decode answered in full (it then released it itself). */
+    char held_tid[65], held_url[256];
+    bool dec_ok;
     bool queued, admitted;
     double t_start;
     rt_req *next_queued;
@@ -337,6 +341,9 @@ static void prefill_done(rt_req *q, rt_leg *leg)
         TD_INFO("router %s: the prefill returned no KV; the decode computes the prompt", q->rid);
         kv = NULL;
     }
+    const cJSON *tid = cJSON_GetObjectItemCaseSensitive(kv, "transfer_id");
+    if (cJSON_IsString(tid) && q->held_url[0])
+        snprintf(q->held_tid, sizeof(q->held_tid), "%s", tid->valuestring);
     cJSON *kv2 = kv ? cJSON_Duplicate(kv, 1) : NULL;
     if (kv2 && stream_first_token(q, j)) cJSON_AddTrueToObject(kv2, "first_token_streamed");
     start_decode_with(q, kv2);
@@ -360,6 +367,9 @@ static void on_leg_done(struct evhttp_request *req, void *arg)
     if (w) rt_worker_result(q->r, w, ok, ok ? secs : -1);
     leg->failed_on = ok ? NULL : w;
     leg->status = status;
+    if (ok && status == 200 && w && leg == &q->pre && !q->write_mode)
+        snprintf(q->held_url, sizeof(q->held_url), "%s", w->url); /* its transfer_id: prefill_done */
+    if (ok && status == 200 && leg == &q->dec) q->dec_ok = true;
     leg_release(q, leg);
     if (q->finished) {
         req_maybe_free(q);
@@ -663,6 +673,9 @@ static void admit_next(rt_router *r)
 static void req_free(rt_req *q)
 {
     rt_router *r = q->r;
+    /* A prefill's KV that no decode read in full (every decode failed, the client left,
+     * the request timed out): give it back now rather than when its lease expires. */
+    if (q->held_tid[0] && !q->dec_ok && !r->shutting_down) rt_worker_release_kv(r, q->held_url, q->held_tid);
     if (q->admitted) {
         r->active--;
         q->admitted = false;
@@ -743,6 +756,8 @@ static void begin(rt_req *q)
         q->write_mode = true;
         char tid[33];
         random_hex(r, tid);
+        snprintf(q->held_tid, sizeof(q->held_tid), "%s", tid);
+        snprintf(q->held_url, sizeof(q->held_url), "%s", p->url);
         leg_init(q, &q->pre, RT_ROLE_PREFILL, false, prefill_body(q, tid));
         q->pre.tries = r->cfg.retry_max_retries + 1; /* no retry elsewhere */
         cJSON *kv = cJSON_CreateObject();
@@ -956,6 +971,7 @@ void rt_relay_start(rt_router *r, struct evhttp_request *req, int endpoint)
 
 void rt_relay_shutdown(rt_router *r)
 {
+    r->shutting_down = true; /* no KV releases from here: the leases expire */
     while (r->reqs) {
         rt_req *q = r->reqs;
         if (q->queued) {

@@ -215,12 +215,14 @@ static void handle_metrics(rt_router *r, struct evhttp_request *req)
         "# TYPE tandem_router_queue_depth gauge\ntandem_router_queue_depth %d\n"
         "# HELP tandem_router_worker_evictions_total Registered workers evicted (no heartbeat).\n"
         "# TYPE tandem_router_worker_evictions_total counter\n"
-        "tandem_router_worker_evictions_total %llu\n",
+        "tandem_router_worker_evictions_total %llu\n"
+        "# HELP tandem_router_kv_releases_total Prefill KV given back at once because no decode read it.\n"
+        "# TYPE tandem_router_kv_releases_total counter\ntandem_router_kv_releases_total %llu\n",
         (unsigned long long)r->retries, (unsigned long long)r->breaker_transitions,
         (unsigned long long)r->timeouts_504, (unsigned long long)r->bad_gateway_502,
         (unsigned long long)r->rejected_429, (unsigned long long)r->timed_out_408,
         (unsigned long long)r->client_disconnects, r->active, r->queued,
-        (unsigned long long)r->evictions);
+        (unsigned long long)r->evictions, (unsigned long long)r->kv_releases);
     rt_workers_metrics(r, b);
     evhttp_add_header(evhttp_request_get_output_headers(req), "Content-Type",
                       "text/plain; version=0.0.4");

@@ -82,11 +82,12 @@ typedef struct rt_router {
     int queued;
     rt_req *reqs; /* every live request (for shutdown) */
     struct rt_check *checks; /* health checks and info reads in flight (for shutdown) */
+    bool shutting_down;
     uint64_t next_req;
     /* metrics */
     uint64_t requests_total, responses_by_class[6], retries, breaker_transitions, rejected_429,
         timed_out_408, timeouts_504, bad_gateway_502, client_disconnects, evictions,
-        registrations;
+        registrations, kv_releases;
 } rt_router;
 
 /* ---- workers.c ---- */
@@ -96,6 +97,9 @@ int rt_url_check(const char *url, td_err *err);
 int rt_worker_add(rt_router *r, const char *url, rt_role role, bool dynamic, rt_worker **out,
                   td_err *err);
 rt_worker *rt_worker_find_url(rt_router *r, const char *url);
+/** Ask the prefill instance at url to give back the KV it holds for transfer_id (a
+ *  request whose decode failed for good); fire and forget. */
+void rt_worker_release_kv(rt_router *r, const char *url, const char *transfer_id);
 rt_worker *rt_worker_find_id(rt_router *r, uint64_t id);
 /** Take a worker out of the registry (its requests in flight finish). */
 void rt_worker_remove(rt_router *r, rt_worker *w);

@@ -19,7 +19,8 @@ typedef struct rt_check {
     rt_router *r;
     rt_worker *w;
     struct evhttp_connection *conn;
-    bool info; /* a /kv_transfer_info read, not a health check */
+    bool info;    /* a /kv_transfer_info read, not a health check */
+    bool release; /* a POST /kv_release (rt_worker_release_kv) */
     struct rt_check *next, *prev;
 } check;
 
@@ -425,8 +426,14 @@ static void on_check_done(struct evhttp_request *req, void *arg)
     rt_router *r = c->r;
     rt_worker *w = c->w;
     int code = req ? evhttp_request_get_response_code(req) : 0;
-    w->check_in_flight = false;
-    if (!w->removed) {
+    if (c->release) {
+        /* 404: the consumer had released it already, or the lease had expired */
+        if (code == 200) r->kv_releases++;
+        TD_INFO("router: POST %s/kv_release answered %d", w->url, code);
+    } else {
+        w->check_in_flight = false;
+    }
+    if (!w->removed && !c->release) {
         if (c->info) {
             cJSON *j = code == 200 ? body_json(req) : NULL;
             if (j) info_apply(r, w, j);
@@ -468,6 +475,42 @@ static void get(rt_router *r, rt_worker *w, const char *path, bool info, double 
     if (!info) w->check_in_flight = true;
     if (evhttp_make_request(c->conn, req, EVHTTP_REQ_GET, path)) {
         if (!info) w->check_in_flight = false;
+        rt_conn_put(w, c->conn);
+        rt_worker_unref(r, w);
+        free(c);
+        return;
+    }
+    c->next = r->checks;
+    if (r->checks) r->checks->prev = c;
+    r->checks = c;
+}
+
+void rt_worker_release_kv(rt_router *r, const char *url, const char *transfer_id)
+{
+    rt_worker *w = NULL;
+    for (rt_worker *x = r->workers; x && !w; x = x->next)
+        if (x->role == RT_ROLE_PREFILL && !strcmp(x->url, url)) w = x;
+    if (!w) return; /* gone: its lease expires by itself */
+    check *c = calloc(1, sizeof(*c));
+    if (!c) return;
+    c->r = r;
+    c->w = w;
+    c->release = true;
+    c->conn = rt_conn_get(r, w, r->cfg.health_timeout_s);
+    char body[128];
+    snprintf(body, sizeof(body), "{\"transfer_id\":\"%.64s\"}", transfer_id);
+    struct evhttp_request *req = c->conn ? evhttp_request_new(on_check_done, c) : NULL;
+    if (!req) {
+        if (c->conn) rt_conn_put(w, c->conn);
+        free(c);
+        return;
+    }
+    struct evkeyvalq *h = evhttp_request_get_output_headers(req);
+    evhttp_add_header(h, "Host", w->host);
+    evhttp_add_header(h, "Content-Type", "application/json");
+    evbuffer_add(evhttp_request_get_output_buffer(req), body, strlen(body));
+    rt_worker_ref(w);
+    if (evhttp_make_request(c->conn, req, EVHTTP_REQ_POST, "/kv_release")) {
         rt_conn_put(w, c->conn);
         rt_worker_unref(r, w);
         free(c);

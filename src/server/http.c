@@ -353,6 +353,42 @@ static void handle_server_info(srv_server *s, struct evhttp_request *req)
     send_cjson(s, req, 200, root);
 }
 
+/*
+ * POST /kv_release {"transfer_id"}: a producer gives back the blocks it holds for a
+ * transfer that no consumer will read (a router whose decode leg failed for good). The
+ * transfer id, a random 128-bit name only the request's router learnt, is the capability.
+ */
+static void handle_kv_release(srv_server *s, struct evhttp_request *req)
+{
+    srv_error e;
+    struct evbuffer *in = evhttp_request_get_input_buffer(req);
+    size_t n = evbuffer_get_length(in);
+    cJSON *j = n && n < 4096 ? cJSON_ParseWithLength((const char *)evbuffer_pullup(in, -1), n) : NULL;
+    const cJSON *tid = cJSON_GetObjectItemCaseSensitive(j, "transfer_id");
+    if (!cJSON_IsString(tid)) {
+        cJSON_Delete(j);
+        srv_error_set(&e, 400, "invalid_request_error", "transfer_id",
+                      "POST /kv_release takes {\"transfer_id\": \"...\"}");
+        srv__send_error(s, req, &e);
+        return;
+    }
+    bool released = false;
+    for (int r = 0; r < s->n_ranks && !released; r++) /* ids are unique across ranks */
+        released = s->ranks[r].pd && pd_cancel(s->ranks[r].pd, tid->valuestring) == 0;
+    if (!released) {
+        srv_error_set(&e, 404, "not_found_error", "transfer_id", "no KV is held here for transfer %.64s",
+                      tid->valuestring);
+        cJSON_Delete(j);
+        srv__send_error(s, req, &e);
+        return;
+    }
+    TD_INFO("kv: transfer %.64s released by POST /kv_release", tid->valuestring);
+    cJSON_Delete(j);
+    cJSON *root = cJSON_CreateObject();
+    cJSON_AddBoolToObject(root, "released", true);
+    send_cjson(s, req, 200, root);
+}
+
 /* ---- routing ---- */
 
 static void not_found(srv_server *s, struct evhttp_request *req, const char *path)
@@ -384,7 +420,8 @@ static void dispatch(struct evhttp_request *req, void *arg)
     } routes[] = {{"/v1/completions", false},  {"/v1/chat/completions", false},
                   {"/v1/models", true},        {"/health", true},
                   {"/metrics", true},          {"/server_info", true},
-                  {"/kv_transfer_info", true}, {"/debug/stop_engine", false}};
+                  {"/kv_transfer_info", true}, {"/debug/stop_engine", false},
+                  {"/kv_release", false}};
     int r = -1;
     for (int i = 0; i < (int)TD_ARRAY_LEN(routes); i++)
         if (!strcmp(path, routes[i].path)) r = i;
@@ -418,6 +455,9 @@ static void dispatch(struct evhttp_request *req, void *arg)
         break;
     case 6:
         send_cjson(s, req, 200, discovery(s));
+        break;
+    case 8:
+        handle_kv_release(s, req);
         break;
     case 7: {
         /* ?rank=N stops one data-parallel rank; without it, every rank */

@@ -632,6 +632,28 @@ test('mismatched layouts are refused at the handshake, on both sides', async () 
   }
 });
 
+test('POST /kv_release gives a held transfer back at once; unknown ids are 404, bad bodies 400', async () => {
+  const kv = await prefill(PROD.url, prompts()[7]);
+  const before = await metrics(PROD.url);
+  assert.ok(before.tandem_kv_blocks_used > 0, 'the prefill holds its KV');
+  const rel = (body) => fetch(PROD.url + '/kv_release', { method: 'POST', headers: { 'content-type': 'application/json' },
+    body: typeof body === 'string' ? body : JSON.stringify(body) });
+  let r = await rel({ transfer_id: kv.transfer_id });
+  assert.equal(r.status, 200, await r.text());
+  await noLeaks(PROD.url, 'released producer');
+  r = await rel({ transfer_id: kv.transfer_id });
+  assert.equal(r.status, 404);
+  assert.equal((await r.json()).error.param, 'transfer_id');
+  for (const bad of ['{', '[]', { transfer_id: 7 }, {}]) assert.equal((await rel(bad)).status, 400);
+  // the consumer that comes later recomputes: the request still ends with the right text
+  const d = await decode(CONS.url, prompts()[7], kv);
+  assert.equal(d.status, 200, d.text);
+  assert.equal(d.json.choices[0].text, await expected(prompts()[7]));
+  assert.equal(d.json.kv_transfer_params.kv_load, 'recomputed');
+  // a server without a KV role holds nothing
+  assert.equal((await fetch(AGG.url + '/kv_release', { method: 'POST', body: JSON.stringify({ transfer_id: kv.transfer_id }) })).status, 404);
+});
+
 test('every server is idle and healthy at the end, and shuts down cleanly', async () => {
   for (const s of [PROD, CONS, CONS_FAIL]) {
     await noLeaks(s.url, 'final');

@@ -368,16 +368,19 @@ test('a prefill killed: the other one takes over; the dead one leaves the pairin
   r.proc.kill('SIGTERM');
 });
 
-test('the only decode killed: a clear 5xx, not a hang', async () => {
-  const [p, d] = await Promise.all([serve({ kv_role: 'kv_producer', lease_ms: 1000 }), serve({ kv_role: 'kv_consumer' })]);
+test('the only decode killed: a clear 5xx, not a hang, and the prefill\'s KV comes back at once', async () => {
+  // A lease far longer than the test: only the router's POST /kv_release can free it in time.
+  const [p, d] = await Promise.all([serve({ kv_role: 'kv_producer', lease_ms: 600000 }), serve({ kv_role: 'kv_consumer' })]);
   const r = await router(['--pd-disaggregation', '--prefill', p.url, '--decode', d.url, '--retry-max-retries', '1']);
   await until(async () => (await fetch(r.url + '/health')).status === 200, 'router healthy');
   d.proc.kill('SIGKILL');
   const res = await post(r.url, '/v1/completions', { prompt: prompts()[4], ...GEN });
   assert.ok(res.status === 502 || res.status === 503, res.text);
   assert.match(res.json.error.message, /decode/);
-  // The prefill's KV, which no decode read, comes back when its lease expires.
+  // The prefill's KV, which no decode read, comes back when the router gives it up.
   await idle(p.url, 'the prefill whose KV nobody read');
+  const rm = await metrics(r.url);
+  assert.equal(rm.tandem_router_kv_releases_total, 1);
   for (const x of [r, p]) x.proc.kill('SIGKILL');
 });
 
