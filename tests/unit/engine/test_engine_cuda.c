@@ -262,6 +262,23 @@ static void test_device_choice(void **state)
     assert_non_null(strstr(err.msg, want));
     g_device = saved;
 }
+
+/* A mixture-of-experts model is refused on the GPU at start-up, with a clear error. */
+static void test_moe_refused(void **state)
+{
+    (void)state;
+    td_engine_config c;
+    td_engine_config_default(&c);
+    c.load_format = "dummy";
+    c.dummy_preset = "moe-tiny";
+    c.device = "cuda";
+    c.n_threads = 1;
+    td_engine *e = NULL;
+    td_err err = {0};
+    assert_int_equal(td_engine_create(&e, &c, &err), TD_EUNSUPPORTED);
+    assert_null(e);
+    assert_non_null(strstr(err.msg, "the GPU backend does not run mixture-of-experts models"));
+}
 #endif
 
 int main(void)
@@ -284,6 +301,7 @@ int main(void)
         cmocka_unit_test(test_logits_llama1b),
         cmocka_unit_test(test_logits_groups),
         cmocka_unit_test(test_device_choice),
+        cmocka_unit_test(test_moe_refused),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 #endif
