@@ -41,3 +41,14 @@ wait_listening() {
     printf -v "${name}_URL" 'http://%s:%s' "$host" "$port"
     printf -v "${name}_PID" '%s' "$pid"
 }
+
+# expect_flag_error "substring of stderr" serve-args...: `tandem serve` refuses to start (exit 2)
+# with that message.
+expect_flag_error() {
+    local want=$1
+    shift
+    local rc=0
+    "$TD_BIN" serve --model "$MODEL" --threads 1 --server-port 0 "$@" >"$tmp/out" 2>"$tmp/err" || rc=$?
+    [ "$rc" -eq 2 ] || fail "serve $* exited $rc, expected 2: $(cat "$tmp/err")"
+    grep -qF -- "$want" "$tmp/err" || fail "serve $*: stderr lacks '$want': $(cat "$tmp/err")"
+}

@@ -6,14 +6,6 @@ set -euo pipefail
 source "$(dirname "$0")/serve_lib.sh"
 command -v node >/dev/null || fail "node is required for the server tests (apt-get install nodejs)"
 
-expect_flag_error() {
-    local want=$1
-    shift
-    local rc=0
-    "$TD_BIN" serve --model "$MODEL" --threads 1 --server-port 0 "$@" >"$tmp/out" 2>"$tmp/err" || rc=$?
-    [ "$rc" -eq 2 ] || fail "serve $* exited $rc, expected 2: $(cat "$tmp/err")"
-    grep -qF -- "$want" "$tmp/err" || fail "serve $*: stderr lacks '$want': $(cat "$tmp/err")"
-}
 expect_flag_error "--data-parallel-size must be in [1, 64], got 0" --data-parallel-size 0
 expect_flag_error "--data-parallel-size must be in [1, 64], got 65" --dp 65
 expect_flag_error "needs --data-parallel-size 2 or more" --enable-expert-parallel

@@ -7,14 +7,6 @@ source "$(dirname "$0")/serve_lib.sh"
 command -v node >/dev/null || fail "node is required for the server tests (apt-get install nodejs)"
 
 # --- flags: strict, with clear errors
-expect_flag_error() {
-    local want=$1
-    shift
-    local rc=0
-    "$TD_BIN" serve --model "$MODEL" --threads 1 --server-port 0 "$@" >"$tmp/out" 2>"$tmp/err" || rc=$?
-    [ "$rc" -eq 2 ] || fail "serve $* exited $rc, expected 2: $(cat "$tmp/err")"
-    grep -qF -- "$want" "$tmp/err" || fail "serve $*: stderr lacks '$want': $(cat "$tmp/err")"
-}
 expect_flag_error "unknown option '--no-such-flag'" --no-such-flag
 expect_flag_error "--tensor-parallel-size 2 is not supported yet" -tp 2
 expect_flag_error "--tensor-parallel-size 4 is not supported yet" --tensor-parallel-size 4

@@ -7,9 +7,8 @@
 // freely or index to index. Started by tests/integration/test_dp.sh.
 // No test asserts on timing: deadlines only bound waits for state that must arrive.
 import { test, after } from 'node:test';
-import { metrics, until } from './lib.mjs';
+import { metrics, until, startTandem, postJson } from './lib.mjs';
 import assert from 'node:assert/strict';
-import { spawn } from 'node:child_process';
 
 const BIN = process.env.TD_BIN;
 const MODEL = process.env.TD_MODEL;
@@ -18,38 +17,14 @@ assert.ok(BIN && MODEL, 'TD_BIN and TD_MODEL must be set');
 const procs = new Set();
 after(() => { for (const p of procs) p.kill('SIGKILL'); });
 
-// Start a tandem process; resolves to {url, proc, stderr()} once it prints its port.
-function start(args) {
-  return new Promise((resolve, reject) => {
-    const p = spawn(BIN, args, { stdio: ['ignore', 'ignore', 'pipe'] });
-    procs.add(p);
-    let err = '';
-    p.stderr.on('data', (d) => {
-      err += d;
-      const m = err.match(/listening on [^\n]*:(\d+)\n/);
-      if (m && !p.started) {
-        p.started = true;
-        resolve({ url: `http://127.0.0.1:${m[1]}`, proc: p, stderr: () => err });
-      }
-    });
-    p.on('exit', (code) => { procs.delete(p); if (!p.started) reject(new Error(`exited ${code}: ${err}`)); });
-  });
-}
+const start = (args) => startTandem(BIN, args, procs);
 
 const serve = (extra) => start(['serve', '--model', MODEL, '--threads', '2', '--host', '127.0.0.1',
   '--server-port', '0', '--log-level', 'warn', ...extra]);
 const router = (args) => start(['router', '--host', '127.0.0.1', '--port', '0', '--log-level', 'warn',
   '--health-check-interval-secs', '0.2', '--health-check-timeout-secs', '1', ...args]);
 
-async function post(base, body) {
-  const res = await fetch(base + '/v1/completions', {
-    method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body),
-  });
-  const text = await res.text();
-  let json = null;
-  try { json = JSON.parse(text); } catch { /* not JSON */ }
-  return { status: res.status, json, text };
-}
+const post = (base, body) => postJson(base, '/v1/completions', body);
 
 async function idle(base, what) {
   await until(async () => {

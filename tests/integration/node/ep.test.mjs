@@ -8,7 +8,7 @@
 // not stop the exchange), and a stopped rank stops the group with a clear reason.
 // Started by tests/integration/test_ep.sh with TD_BIN and TD_MOE_MODELS (comma list).
 import { test, after } from 'node:test';
-import { metrics, until } from './lib.mjs';
+import { metrics, until, startTandem, postJson } from './lib.mjs';
 import assert from 'node:assert/strict';
 import { spawn } from 'node:child_process';
 
@@ -19,36 +19,13 @@ assert.ok(BIN && MODELS.length, 'TD_BIN and TD_MOE_MODELS must be set');
 const procs = new Set();
 after(() => { for (const p of procs) p.kill('SIGKILL'); });
 
-function start(args) {
-  return new Promise((resolve, reject) => {
-    const p = spawn(BIN, args, { stdio: ['ignore', 'ignore', 'pipe'] });
-    procs.add(p);
-    let err = '';
-    p.stderr.on('data', (d) => {
-      err += d;
-      const m = err.match(/listening on [^\n]*:(\d+)\n/);
-      if (m && !p.started) {
-        p.started = true;
-        resolve({ url: `http://127.0.0.1:${m[1]}`, proc: p, stderr: () => err });
-      }
-    });
-    p.on('exit', (code) => { procs.delete(p); if (!p.started) reject(new Error(`exited ${code}: ${err}`)); });
-  });
-}
+const start = (args) => startTandem(BIN, args, procs);
 
 const serve = (model, extra) => start(['serve', '--model', model, '--threads', '2', '--host', '127.0.0.1',
   '--server-port', '0', '--log-level', 'warn', ...extra]);
 const EP = ['--dp', '2', '--enable-dp-attention', '--enable-expert-parallel'];
 
-async function post(base, body) {
-  const res = await fetch(base + '/v1/completions', {
-    method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body),
-  });
-  const text = await res.text();
-  let json = null;
-  try { json = JSON.parse(text); } catch { /* not JSON */ }
-  return { status: res.status, json, text };
-}
+const post = (base, body) => postJson(base, '/v1/completions', body);
 
 async function idle(base, what) {
   await until(async () => {

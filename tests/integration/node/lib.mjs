@@ -1,5 +1,6 @@
 // Helpers shared by the integration tests that drive tandem processes over HTTP.
 import assert from 'node:assert/strict';
+import { spawn } from 'node:child_process';
 
 // A server's Prometheus metrics as {name{labels}: value}, without the model_name label.
 export async function metrics(base) {
@@ -20,4 +21,36 @@ export async function until(f, what, ms = 20000) {
     if (Date.now() > end) assert.fail(`timed out waiting for ${what}`);
     await new Promise((r) => setTimeout(r, 25));
   }
+}
+
+// Start `bin args...`; resolves to {url, port, proc, stderr()} once it prints its port
+// ("listening on HOST:PORT"), rejects if it exits first. The process is added to procs
+// (and removed when it exits), so that the caller can kill what is left at the end.
+export function startTandem(bin, args, procs) {
+  return new Promise((resolve, reject) => {
+    const p = spawn(bin, args, { stdio: ['ignore', 'ignore', 'pipe'] });
+    procs.add(p);
+    let err = '';
+    p.stderr.on('data', (d) => {
+      err += d;
+      const m = err.match(/listening on [^\n]*:(\d+)\n/);
+      if (m && !p.started) {
+        p.started = true;
+        resolve({ url: `http://127.0.0.1:${m[1]}`, port: Number(m[1]), proc: p, stderr: () => err });
+      }
+    });
+    p.on('exit', (code) => { procs.delete(p); if (!p.started) reject(new Error(`exited ${code}: ${err}`)); });
+  });
+}
+
+// POST a JSON body (or a string as it is); resolves to {status, json (null if not JSON), text}.
+export async function postJson(base, path, body) {
+  const res = await fetch(base + path, {
+    method: 'POST', headers: { 'content-type': 'application/json' },
+    body: typeof body === 'string' ? body : JSON.stringify(body),
+  });
+  const text = await res.text();
+  let json = null;
+  try { json = JSON.parse(text); } catch { /* not JSON */ }
+  return { status: res.status, json, text };
 }
