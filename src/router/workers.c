@@ -15,12 +15,14 @@
 static const double LAT_BUCKETS[RT_LAT_BUCKETS] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
                                                    0.1,   0.25,   0.5,   1.0,  2.5,   10.0};
 
+/* What a request of the router's own to a worker is. */
+enum { CHECK_HEALTH, CHECK_INFO /* GET /kv_transfer_info */, CHECK_RELEASE /* POST /kv_release */ };
+
 typedef struct rt_check {
     rt_router *r;
     rt_worker *w;
     struct evhttp_connection *conn;
-    bool info;    /* a /kv_transfer_info read, not a health check */
-    bool release; /* a POST /kv_release (rt_worker_release_kv) */
+    int kind; /* CHECK_* */
     struct rt_check *next, *prev;
 } check;
 
@@ -426,15 +428,15 @@ static void on_check_done(struct evhttp_request *req, void *arg)
     rt_router *r = c->r;
     rt_worker *w = c->w;
     int code = req ? evhttp_request_get_response_code(req) : 0;
-    if (c->release) {
+    if (c->kind == CHECK_RELEASE) {
         /* 404: the consumer had released it already, or the lease had expired */
         if (code == 200) r->kv_releases++;
         TD_INFO("router: POST %s/kv_release answered %d", w->url, code);
-    } else {
+    } else if (c->kind == CHECK_HEALTH) {
         w->check_in_flight = false;
     }
-    if (!w->removed && !c->release) {
-        if (c->info) {
+    if (!w->removed && c->kind != CHECK_RELEASE) {
+        if (c->kind == CHECK_INFO) {
             cJSON *j = code == 200 ? body_json(req) : NULL;
             if (j) info_apply(r, w, j);
             cJSON_Delete(j);
@@ -457,24 +459,31 @@ static void on_check_done(struct evhttp_request *req, void *arg)
     free(c);
 }
 
-static void get(rt_router *r, rt_worker *w, const char *path, bool info, double timeout_s)
+/* One request of the router's own to w (a health check, an info read, a KV release): a
+ * GET, or a POST of a JSON body; its answer goes to on_check_done. */
+static void send_check(rt_router *r, rt_worker *w, int kind, const char *path, const char *body)
 {
     check *c = calloc(1, sizeof(*c));
     if (!c) return;
     c->r = r;
     c->w = w;
-    c->info = info;
-    c->conn = rt_conn_get(r, w, timeout_s);
+    c->kind = kind;
+    c->conn = rt_conn_get(r, w, r->cfg.health_timeout_s);
     if (!c->conn) {
         free(c);
         return;
     }
     struct evhttp_request *req = evhttp_request_new(on_check_done, c);
-    evhttp_add_header(evhttp_request_get_output_headers(req), "Host", w->host);
+    struct evkeyvalq *h = evhttp_request_get_output_headers(req);
+    evhttp_add_header(h, "Host", w->host);
+    if (body) {
+        evhttp_add_header(h, "Content-Type", "application/json");
+        evbuffer_add(evhttp_request_get_output_buffer(req), body, strlen(body));
+    }
     rt_worker_ref(w);
-    if (!info) w->check_in_flight = true;
-    if (evhttp_make_request(c->conn, req, EVHTTP_REQ_GET, path)) {
-        if (!info) w->check_in_flight = false;
+    if (kind == CHECK_HEALTH) w->check_in_flight = true;
+    if (evhttp_make_request(c->conn, req, body ? EVHTTP_REQ_POST : EVHTTP_REQ_GET, path)) {
+        if (kind == CHECK_HEALTH) w->check_in_flight = false;
         rt_conn_put(w, c->conn);
         rt_worker_unref(r, w);
         free(c);
@@ -487,43 +496,16 @@ static void get(rt_router *r, rt_worker *w, const char *path, bool info, double 
 
 void rt_worker_release_kv(rt_router *r, const char *url, const char *transfer_id)
 {
-    rt_worker *w = NULL;
-    for (rt_worker *x = r->workers; x && !w; x = x->next)
-        if (x->role == RT_ROLE_PREFILL && !strcmp(x->url, url)) w = x;
+    rt_worker *w = rt_worker_find_url(r, url);
     if (!w) return; /* gone: its lease expires by itself */
-    check *c = calloc(1, sizeof(*c));
-    if (!c) return;
-    c->r = r;
-    c->w = w;
-    c->release = true;
-    c->conn = rt_conn_get(r, w, r->cfg.health_timeout_s);
     char body[128];
     snprintf(body, sizeof(body), "{\"transfer_id\":\"%.64s\"}", transfer_id);
-    struct evhttp_request *req = c->conn ? evhttp_request_new(on_check_done, c) : NULL;
-    if (!req) {
-        if (c->conn) rt_conn_put(w, c->conn);
-        free(c);
-        return;
-    }
-    struct evkeyvalq *h = evhttp_request_get_output_headers(req);
-    evhttp_add_header(h, "Host", w->host);
-    evhttp_add_header(h, "Content-Type", "application/json");
-    evbuffer_add(evhttp_request_get_output_buffer(req), body, strlen(body));
-    rt_worker_ref(w);
-    if (evhttp_make_request(c->conn, req, EVHTTP_REQ_POST, "/kv_release")) {
-        rt_conn_put(w, c->conn);
-        rt_worker_unref(r, w);
-        free(c);
-        return;
-    }
-    c->next = r->checks;
-    if (r->checks) r->checks->prev = c;
-    r->checks = c;
+    send_check(r, w, CHECK_RELEASE, "/kv_release", body);
 }
 
 void rt_worker_probe(rt_router *r, rt_worker *w)
 {
-    get(r, w, "/kv_transfer_info", true, r->cfg.health_timeout_s);
+    send_check(r, w, CHECK_INFO, "/kv_transfer_info", NULL);
 }
 
 static void on_health_timer(evutil_socket_t fd, short what, void *arg)
@@ -542,7 +524,7 @@ static void on_health_timer(evutil_socket_t fd, short what, void *arg)
             continue;
         }
         if (r->cfg.health_checks && !w->check_in_flight)
-            get(r, w, r->cfg.health_endpoint, false, r->cfg.health_timeout_s);
+            send_check(r, w, CHECK_HEALTH, r->cfg.health_endpoint, NULL);
         else if (!r->cfg.health_checks && !w->info_ok)
             rt_worker_probe(r, w);
     }

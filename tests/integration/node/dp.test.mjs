@@ -7,7 +7,7 @@
 // freely or index to index. Started by tests/integration/test_dp.sh.
 // No test asserts on timing: deadlines only bound waits for state that must arrive.
 import { test, after } from 'node:test';
-import { metrics, until, startTandem, postJson } from './lib.mjs';
+import { metrics, until, startTandem, postJson, tokenPrompts } from './lib.mjs';
 import assert from 'node:assert/strict';
 
 const BIN = process.env.TD_BIN;
@@ -37,17 +37,7 @@ async function idle(base, what) {
 const GEN = { max_tokens: 10, temperature: 0, ignore_eos: true };
 
 // Prompts as token ids (BOS first), 1 to 70 tokens (stories260K's context is 128).
-function prompts(n) {
-  const lens = [1, 5, 16, 17, 33, 70];
-  const out = [];
-  for (let i = 0; i < n; i++) {
-    const ids = [1];
-    let s = 77 + i * 104729;
-    for (let k = 1; k < lens[i % lens.length]; k++) { s = (s * 1103515245 + 12345) % 2147483648; ids.push(3 + (s % 500)); }
-    out.push(ids);
-  }
-  return out;
-}
+const prompts = (n) => tokenPrompts(n, [1, 5, 16, 17, 33, 70], 77);
 
 let ONE, DP, PROD, CONS;
 const want = new Map();

@@ -8,7 +8,7 @@
 // not stop the exchange), and a stopped rank stops the group with a clear reason.
 // Started by tests/integration/test_ep.sh with TD_BIN and TD_MOE_MODELS (comma list).
 import { test, after } from 'node:test';
-import { metrics, until, startTandem, postJson } from './lib.mjs';
+import { metrics, until, startTandem, postJson, tokenPrompts } from './lib.mjs';
 import assert from 'node:assert/strict';
 import { spawn } from 'node:child_process';
 
@@ -36,17 +36,7 @@ async function idle(base, what) {
 
 const GEN = { max_tokens: 12, temperature: 0, ignore_eos: true };
 
-function prompts(n) {
-  const lens = [1, 4, 16, 17, 40, 90];
-  const out = [];
-  for (let i = 0; i < n; i++) {
-    const ids = [1];
-    let s = 31 + i * 7919;
-    for (let k = 1; k < lens[i % lens.length]; k++) { s = (s * 1103515245 + 12345) % 2147483648; ids.push(3 + (s % 500)); }
-    out.push(ids);
-  }
-  return out;
-}
+const prompts = (n) => tokenPrompts(n, [1, 4, 16, 17, 40, 90], 31);
 
 for (const model of MODELS) {
   const name = model.split('/').at(-1);

@@ -26,9 +26,9 @@ export async function until(f, what, ms = 20000) {
 // Start `bin args...`; resolves to {url, port, proc, stderr()} once it prints its port
 // ("listening on HOST:PORT"), rejects if it exits first. The process is added to procs
 // (and removed when it exits), so that the caller can kill what is left at the end.
-export function startTandem(bin, args, procs) {
+export function startTandem(bin, args, procs, env = {}) {
   return new Promise((resolve, reject) => {
-    const p = spawn(bin, args, { stdio: ['ignore', 'ignore', 'pipe'] });
+    const p = spawn(bin, args, { env: { ...process.env, ...env }, stdio: ['ignore', 'ignore', 'pipe'] });
     procs.add(p);
     let err = '';
     p.stderr.on('data', (d) => {
@@ -53,4 +53,17 @@ export async function postJson(base, path, body) {
   let json = null;
   try { json = JSON.parse(text); } catch { /* not JSON */ }
   return { status: res.status, json, text };
+}
+
+// n prompts as token ids: BOS, then pseudo-random ids in 3..502 (a vocabulary of 512), the
+// i-th of length lens[i % lens.length], from the seed.
+export function tokenPrompts(n, lens, seed) {
+  const out = [];
+  for (let i = 0; i < n; i++) {
+    const ids = [1];
+    let s = seed + i * 104729;
+    for (let k = 1; k < lens[i % lens.length]; k++) { s = (s * 1103515245 + 12345) % 2147483648; ids.push(3 + (s % 500)); }
+    out.push(ids);
+  }
+  return out;
 }

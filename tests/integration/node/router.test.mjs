@@ -8,9 +8,8 @@
 // workers added, removed and restarted at run time. Started by test_router.sh.
 // No test asserts on timing: deadlines only bound waits for state that must arrive.
 import { test, after } from 'node:test';
-import { metrics, until } from './lib.mjs';
+import { metrics, until, startTandem } from './lib.mjs';
 import assert from 'node:assert/strict';
-import { spawn } from 'node:child_process';
 import http from 'node:http';
 import OpenAI from 'openai';
 
@@ -21,23 +20,7 @@ assert.ok(BIN && MODEL, 'TD_BIN and TD_MODEL must be set');
 const procs = new Set();
 after(() => { for (const p of procs) p.kill('SIGKILL'); });
 
-// Start a tandem process; resolves to {url, proc, stderr()} once it prints its port.
-function start(args, env = {}) {
-  return new Promise((resolve, reject) => {
-    const p = spawn(BIN, args, { env: { ...process.env, ...env }, stdio: ['ignore', 'ignore', 'pipe'] });
-    procs.add(p);
-    let err = '';
-    p.stderr.on('data', (d) => {
-      err += d;
-      const m = err.match(/listening on [^\n]*:(\d+)\n/);
-      if (m && !p.started) {
-        p.started = true;
-        resolve({ url: `http://127.0.0.1:${m[1]}`, port: Number(m[1]), proc: p, stderr: () => err });
-      }
-    });
-    p.on('exit', (code) => { procs.delete(p); if (!p.started) reject(new Error(`exited ${code}: ${err}`)); });
-  });
-}
+const start = (args, env = {}) => startTandem(BIN, args, procs, env);
 
 const serve = (kv, extra = []) => start(['serve', '--model', MODEL, '--threads', '1', '--host', '127.0.0.1',
   '--server-port', '0', '--log-level', 'warn', ...(kv ? ['--kv-transfer-config', JSON.stringify(kv)] : []), ...extra]);
