@@ -15,6 +15,7 @@
 #ifndef TANDEM_ENGINE_H
 #define TANDEM_ENGINE_H
 
+#include <sched.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -69,6 +70,12 @@ void td_engine_free(td_engine *e);
 
 const td_model *td_engine_model(const td_engine *e);
 const td_tokenizer *td_engine_tokenizer(const td_engine *e);
+/**
+ * The CPUs the engine's compute threads are pinned to (the thread that steps the engine
+ * takes the first when it first steps); returns their count, 0 when it does not pin.
+ * Other threads of the process (HTTP I/O, transfers) are best kept off them.
+ */
+int td_engine_cpus(const td_engine *e, cpu_set_t *set);
 int td_engine_max_model_len(const td_engine *e);
 /** A one-paragraph description of the memory plan (for logs and /v1/models). */
 void td_engine_describe(const td_engine *e, char *buf, size_t cap);

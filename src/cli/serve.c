@@ -8,6 +8,7 @@
  * Engine flags are engine_opts'; the rest are the server's. Flag names follow the
  * seed systems' recipes (vLLM spellings, underscore aliases, -tp).
  */
+#include <pthread.h>
 #include <sched.h>
 #include <stdio.h>
 #include <string.h>
@@ -235,8 +236,15 @@ int cli_serve(int argc, char **argv)
     static cpu_set_t cpus[SRV_MAX_DP];
     bool split = dp > 1 && sched_getaffinity(0, sizeof(cpus[0]), &cpus[0]) == 0;
     td_ep_group *ep = NULL;
-    if ((expert_parallel && td_ep_group_create(&ep, (int)dp, &err)) ||
-        create_ranks(engines, cpus, (int)dp, &cfg, ep, &err)) {
+    /* Loading may run an engine's thread pool here, which pins this thread to the pool's
+     * first CPU; this thread becomes the HTTP I/O thread and starts the transfer agents'
+     * threads, none of which should share that CPU with the engine thread. */
+    cpu_set_t io_cpus;
+    bool io_saved = pthread_getaffinity_np(pthread_self(), sizeof(io_cpus), &io_cpus) == 0;
+    int created = (expert_parallel && td_ep_group_create(&ep, (int)dp, &err)) ||
+                  create_ranks(engines, cpus, (int)dp, &cfg, ep, &err);
+    if (io_saved) pthread_setaffinity_np(pthread_self(), sizeof(io_cpus), &io_cpus);
+    if (created) {
         fprintf(stderr, "error: %s\n", err.msg);
         td_ep_group_free(ep);
         if (have_kv) srv_kv_config_free(&kv);

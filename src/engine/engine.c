@@ -326,6 +326,11 @@ const td_model *td_engine_model(const td_engine *e)
     return e->model;
 }
 
+int td_engine_cpus(const td_engine *e, cpu_set_t *set)
+{
+    return td_pool_cpus(e->pool, set);
+}
+
 const td_tokenizer *td_engine_tokenizer(const td_engine *e)
 {
     return e->tok;

@@ -5,6 +5,7 @@
  * Generation requests live in completion.c.
  */
 #include <errno.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -582,6 +583,25 @@ static int start_pd(srv_server *s, srv__rank *k, td_engine *e, const srv_kv_conf
     return 0;
 }
 
+/*
+ * This thread runs the HTTP loop and starts the transfer agents' threads, which inherit its
+ * CPUs: keep them all off the CPUs the engines compute on while other CPUs are left. A
+ * woken thread is otherwise often placed on its waker's CPU, and the engine thread wakes
+ * this one every step.
+ */
+static void keep_off_engine_cpus(td_engine *const *engines, int n_ranks)
+{
+    cpu_set_t io, busy;
+    if (pthread_getaffinity_np(pthread_self(), sizeof(io), &io) != 0) return;
+    for (int r = 0; r < n_ranks; r++) {
+        if (td_engine_cpus(engines[r], &busy) == 0) continue;
+        for (int c = 0; c < CPU_SETSIZE; c++)
+            if (CPU_ISSET(c, &busy)) CPU_CLR(c, &io);
+    }
+    if (CPU_COUNT(&io) == 0) return; /* the engines use every CPU: share them */
+    pthread_setaffinity_np(pthread_self(), sizeof(io), &io);
+}
+
 int srv_server_create(srv_server **out, td_engine *const *engines, int n_ranks, const srv_config *cfg,
                       td_err *err)
 {
@@ -597,6 +617,7 @@ int srv_server_create(srv_server **out, td_engine *const *engines, int n_ranks, 
     }
     s->ranks = ranks;
     s->n_ranks = n_ranks;
+    keep_off_engine_cpus(engines, n_ranks);
     for (int r = 0; r < n_ranks; r++) {
         ranks[r].s = s;
         ranks[r].index = r;

@@ -64,8 +64,12 @@ struct td_pool {
 
     _Alignas(64) int n_threads;
     bool oversubscribed; /* more threads than allowed CPUs: yield instead of pausing */
-    bool caller_pinned;
-    cpu_set_t caller_affinity; /* restored in td_pool_free */
+    bool pin;                  /* pin thread i to CPU i of `allowed` */
+    cpu_set_t allowed;         /* the creating thread's allowed CPUs */
+    bool caller_pinned;        /* `runner` is pinned; its old affinity is kept below */
+    pthread_t runner;          /* the pinned thread that ran the pool last (thread 0) */
+    pthread_t first_runner;    /* the first one, whose old affinity td_pool_free restores */
+    cpu_set_t caller_affinity; /* first_runner's affinity before pinning */
     pool_worker *workers;      /* n_threads - 1 of them; thread 0 is the caller */
 };
 
@@ -162,11 +166,8 @@ int td_pool_create(td_pool **out, int n_threads, bool pin, td_err *err)
     } else {
         pool->oversubscribed = n_threads > CPU_COUNT(&allowed);
     }
-    if (pin && pthread_getaffinity_np(pthread_self(), sizeof(pool->caller_affinity),
-                                      &pool->caller_affinity) == 0) {
-        pool->caller_pinned = true;
-        pin_self(&allowed, 0);
-    }
+    pool->pin = pin;
+    pool->allowed = allowed;
 
     pool->workers = n_threads > 1 ? td_xcalloc((size_t)n_threads - 1, sizeof(pool_worker)) : NULL;
     for (int i = 1; i < n_threads; i++) {
@@ -198,7 +199,7 @@ void td_pool_free(td_pool *pool)
     futex(&pool->gen, FUTEX_WAKE_PRIVATE, INT_MAX);
     for (int i = 1; i < pool->n_threads; i++)
         if (pool->workers[i - 1].started) pthread_join(pool->workers[i - 1].thread, NULL);
-    if (pool->caller_pinned)
+    if (pool->caller_pinned && pthread_equal(pool->first_runner, pthread_self()))
         pthread_setaffinity_np(pthread_self(), sizeof(pool->caller_affinity),
                                &pool->caller_affinity);
     free(pool->workers);
@@ -210,8 +211,40 @@ int td_pool_size(const td_pool *pool)
     return pool ? pool->n_threads : 1;
 }
 
+int td_pool_cpus(const td_pool *pool, cpu_set_t *set)
+{
+    CPU_ZERO(set);
+    if (!pool || !pool->pin) return 0;
+    for (int i = 0; i < pool->n_threads; i++) {
+        int cpu = allowed_cpu(&pool->allowed, i);
+        if (cpu >= 0) CPU_SET(cpu, set);
+    }
+    return CPU_COUNT(set);
+}
+
+/*
+ * Thread 0 is whichever thread runs the pool, and it is pinned when it first does: the
+ * thread that created the pool (a server's I/O thread, say) may never run it, and must
+ * not be left sharing the first CPU with the one that does.
+ */
+static void pin_runner(td_pool *pool)
+{
+    pthread_t self = pthread_self();
+    if (pool->caller_pinned && pthread_equal(pool->runner, self)) return;
+    cpu_set_t mine;
+    if (pthread_getaffinity_np(self, sizeof(mine), &mine) != 0) return;
+    if (!pool->caller_pinned) {
+        pool->caller_affinity = mine;
+        pool->first_runner = self;
+    }
+    pool->caller_pinned = true;
+    pool->runner = self;
+    pin_self(&pool->allowed, 0);
+}
+
 void td_pool_run(td_pool *pool, td_pool_fn fn, void *ctx)
 {
+    if (pool && pool->pin) pin_runner(pool);
     if (!pool || pool->n_threads == 1) {
         fn(ctx, 0, 1);
         return;

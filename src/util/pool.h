@@ -10,6 +10,8 @@
 #ifndef TD_UTIL_POOL_H
 #define TD_UTIL_POOL_H
 
+#include <sched.h>
+
 #include "util/td.h"
 
 typedef struct td_pool td_pool;
@@ -17,12 +19,19 @@ typedef void (*td_pool_fn)(void *ctx, int ith, int nth);
 
 /**
  * n_threads >= 1 (including the caller). pin: pin thread i to CPU i of the allowed set
- * (wrapping around); the calling thread is pinned to the first CPU until td_pool_free,
- * which restores its affinity. Pinning that fails is skipped silently.
+ * (wrapping around). Thread 0 is the thread that calls td_pool_run: it is pinned to the
+ * first CPU when it first runs the pool (not when the pool is made), and td_pool_free,
+ * called from the first such thread, restores its affinity. Pinning that fails is
+ * skipped silently.
  */
 int td_pool_create(td_pool **out, int n_threads, bool pin, td_err *err);
 void td_pool_free(td_pool *pool);
 int td_pool_size(const td_pool *pool);
+/**
+ * The CPUs the pool's threads are pinned to (thread i on the i-th allowed CPU); returns
+ * their count, 0 when the pool does not pin (set is then empty).
+ */
+int td_pool_cpus(const td_pool *pool, cpu_set_t *set);
 /**
  * Run fn on all threads; not reentrant (one run at a time, from one thread).
  * pool may be NULL: fn(ctx, 0, 1) runs on the caller.

@@ -530,6 +530,7 @@ static void test_moe_load(void **state)
     assert_non_null(strstr(desc, "(llama)"));
     assert_non_null(strstr(desc, "8 experts (top-2, ffn 256;"));
     td_model_free(m);
+    unlink(path);
 
     /* qwen2moe: qwen2 attention (biases, NeoX), experts and a gated shared expert */
     write_preset("qwen2moe-tiny", TD_TYPE_F32, "q2moe.gguf", path, sizeof(path));

@@ -5,6 +5,8 @@
 #include <stddef.h>
 #include <cmocka.h>
 
+#include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <string.h>
 #include <unistd.h>
@@ -129,6 +131,66 @@ static void test_null_pool_and_errors(void **state)
     td_pool_free(NULL);
 }
 
+/* Pinning follows the thread that runs the pool, not the one that made it: a server makes
+ * its engines on the I/O thread and steps them on an engine thread. */
+typedef struct {
+    td_pool *pool;
+    int cpus_while_running; /* CPUs the running thread may use after its first run */
+} pin_job;
+
+static void noop_fn(void *ctx, int ith, int nth)
+{
+    (void)ctx, (void)ith, (void)nth;
+}
+
+static int my_cpu_count(void)
+{
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    assert_int_equal(pthread_getaffinity_np(pthread_self(), sizeof(set), &set), 0);
+    return CPU_COUNT(&set);
+}
+
+static void *run_elsewhere(void *arg)
+{
+    pin_job *j = arg;
+    td_pool_run(j->pool, noop_fn, NULL);
+    j->cpus_while_running = my_cpu_count();
+    return NULL;
+}
+
+static void test_pins_the_running_thread(void **state)
+{
+    (void)state;
+    int before = my_cpu_count();
+    cpu_set_t orig;
+    CPU_ZERO(&orig);
+    assert_int_equal(pthread_getaffinity_np(pthread_self(), sizeof(orig), &orig), 0);
+    for (int n = 1; n <= 2; n++) {
+        td_pool *pool;
+        assert_int_equal(td_pool_create(&pool, n, true, NULL), 0);
+        assert_int_equal(my_cpu_count(), before); /* making the pool pins nothing */
+        pin_job j = {pool, 0};
+        pthread_t t;
+        assert_int_equal(pthread_create(&t, NULL, run_elsewhere, &j), 0);
+        pthread_join(t, NULL);
+        assert_int_equal(j.cpus_while_running, 1); /* the runner: the pool's first CPU */
+        assert_int_equal(my_cpu_count(), before);  /* the maker is left as it was */
+        td_pool_run(pool, noop_fn, NULL);          /* now this thread runs it: pinned */
+        assert_int_equal(my_cpu_count(), 1);
+        td_pool_free(pool); /* not the first runner: stays pinned until set back below */
+        assert_int_equal(pthread_setaffinity_np(pthread_self(), sizeof(orig), &orig), 0);
+        assert_int_equal(my_cpu_count(), before);
+    }
+    /* the first runner gets its affinity back at free */
+    td_pool *pool;
+    assert_int_equal(td_pool_create(&pool, 2, true, NULL), 0);
+    td_pool_run(pool, noop_fn, NULL);
+    assert_int_equal(my_cpu_count(), 1);
+    td_pool_free(pool);
+    assert_int_equal(my_cpu_count(), before);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -136,6 +198,7 @@ int main(void)
         cmocka_unit_test(test_sleep_and_wake),
         cmocka_unit_test(test_barrier),
         cmocka_unit_test(test_null_pool_and_errors),
+        cmocka_unit_test(test_pins_the_running_thread),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
