@@ -8,7 +8,7 @@ SHARED=${TD_SHARED_DIR:-../shared}
 T=build/tandem
 mkdir -p build/models
 echo "### stories260K (f32)"
-$T bench-engine --model "$SHARED/models/stories260K.gguf" --threads 2 --prompt-len 96 --log-level warn "$@"
+$T bench-engine --model "$SHARED/models/stories260K.gguf" --threads 2 --prompt-len 96 --gen-len 127 --log-level warn "$@"
 for type in f32 f16 q8_0; do
     m=build/models/llama-134m-$type.gguf
     [ -f "$m" ] || $T mkmodel --preset llama-134m --type "$type" --out "$m" >/dev/null

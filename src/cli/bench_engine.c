@@ -127,7 +127,8 @@ static double run_decode(td_engine *e, int batch, int gen_len, int context, int 
         st1.steps > st0.steps
             ? (double)(st1.moe_expert_runs - st0.moe_expert_runs) / (double)(st1.steps - st0.steps)
             : 0;
-    if (ended || decoded != (long)batch * (gen_len - 1)) {
+    /* every timed step decoded the whole batch (a sequence may end on the last one) */
+    if (decoded != (long)batch * (gen_len - 1)) {
         fprintf(stderr, "error: decode at batch %d: a sequence ended before the timed steps did (raise "
                         "--max-model-len or lower --context)\n", batch);
         exit(1);
