@@ -1227,7 +1227,10 @@ static int read_begin(kvx_client *c, kvx__session *s, const uint8_t id[KVX_ID_BY
             c->qhead = p;
         c->qtail = p;
     }
-    pthread_cond_broadcast(&c->work_cv);
+    /* one worker per piece: waking them all for a one-piece transfer costs each of the
+     * others a futex wake-up, a trip through the lock and a futex wait, for nothing */
+    for (int i = 0; i < TD_MIN(x->n_pieces, c->n_workers); i++)
+        pthread_cond_signal(&c->work_cv);
     if (x->deadline_ns < c->watch_next) pthread_cond_signal(&c->watch_cv);
     pthread_mutex_unlock(&c->mu);
     *out = x;
