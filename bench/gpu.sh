@@ -2,7 +2,7 @@
 # On the GPU machine, in one run: unpack the kit (scripts/gpu_kit.sh made it on the CPU
 # machine), build with -DTANDEM_CUDA=ON, run the GPU tests, then the benchmarks whose
 # figures BENCHMARKS.md records (each with the floor measured in the same run).
-#   bench/gpu.sh [all | a comma list of test,bench,xfer,pd,pdtcp,dec,gpus,profile]   (default all; logs
+#   bench/gpu.sh [all | a comma list of test,bench,xfer,xfertcp,pd,pdtcp,dec,gpus,profile]   (default all; logs
 #   also go to $OUT if set)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -57,6 +57,15 @@ fi
 if want xfer; then
     echo "== cuda_ipc: 2048-token KV of the Llama-3-8B shape between two processes" | log
     build-gpu/tandem bench-xfer-cuda --tokens 2048 --concurrency 1,4,16 --reps 7 2>&1 | log
+fi
+if want xfertcp; then # the cross-host path on one host: tcp through pinned host staging
+    for i in 1 2; do
+        for ov in 0 1; do
+            echo "== tcp with GPU memory, TD_KVX_STAGE_OVERLAP=$ov (run $i)" | log
+            TD_KVX_STAGE_OVERLAP=$ov build-gpu/tandem bench-xfer-cuda --protocol tcp --tokens 2048 \
+                --concurrency 1,4 --reps 5 2>&1 | log
+        done
+    done
 fi
 # 1P1D on the one GPU through the router (each engine with its share of the memory),
 # then the aggregated engine alone, the same tandem bench at concurrency 1, 4 and 16.

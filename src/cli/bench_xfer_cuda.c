@@ -10,6 +10,8 @@
  * cell's GB/s is the payload moved over the wall time from the first start to the last
  * completion, best and median of --reps. The floor is cudaMemcpy device to device of a
  * 1 GiB buffer, counted the same way (payload bytes per second, not read plus written).
+ * With --protocol tcp the same transfers go over loopback TCP through pinned host staging
+ * on both sides (the cross-host path); the D2D floor is then only a reference.
  * The figures are printed, never asserted.
  */
 #include <signal.h>
@@ -153,8 +155,10 @@ int cli_bench_xfer_cuda(int argc, char **argv)
 {
     int64_t tokens = 2048, layers = 32, kv_heads = 8, head_dim = 128, block_size = 16, reps = 5;
     int64_t threads = 16, qp = 4;
-    const char *conc_s = "1,4,16";
+    const char *conc_s = "1,4,16", *proto_s = "cuda_ipc";
     cli_flag flags[] = {
+        CLI_FLAG("protocol", CLI_FLAG_STR, &proto_s,
+                 "cuda_ipc, or tcp (GPU memory through pinned host staging on both sides)"),
         CLI_FLAG("tokens", CLI_FLAG_INT, &tokens, "prompt tokens per transfer (2048)"),
         CLI_FLAG("layers", CLI_FLAG_INT, &layers, "layers (32: the Llama-3-8B shape)"),
         CLI_FLAG("kv-heads", CLI_FLAG_INT, &kv_heads, "KV heads (8)"),
@@ -168,6 +172,11 @@ int cli_bench_xfer_cuda(int argc, char **argv)
     int prc = cli_flags_parse(flags, (int)TD_ARRAY_LEN(flags), argc, argv,
                               "tandem bench-xfer-cuda [options]");
     if (prc) return prc == 1 ? 0 : 2;
+    bool tcp = !strcmp(proto_s, "tcp");
+    if (!tcp && strcmp(proto_s, "cuda_ipc")) {
+        fprintf(stderr, "bench-xfer-cuda: --protocol must be cuda_ipc or tcp, got '%s'\n", proto_s);
+        return 2;
+    }
     int concs[16], n_conc = 0, max_conc = 0;
     char buf[128];
     snprintf(buf, sizeof(buf), "%s", conc_s);
@@ -232,7 +241,7 @@ int cli_bench_xfer_cuda(int argc, char **argv)
                             .block_bytes = g.block_bytes,
                             .n_blocks = (uint32_t)(max_conc * g.blocks),
                             .device = true};
-    o.protocol = KVX_PROTO_CUDA_IPC;
+    o.protocol = tcp ? KVX_PROTO_TCP : KVX_PROTO_CUDA_IPC;
     o.num_worker_threads = (int)threads;
     o.qp_per_transfer = (int)qp;
     o.transfer_timeout_ms = 60000;
@@ -244,10 +253,14 @@ int cli_bench_xfer_cuda(int argc, char **argv)
     struct cudaDeviceProp prop;
     cudaGetDeviceProperties(&prop, 0);
     double floor_gbs = d2d_gbs();
-    printf("bench-xfer-cuda: %s; a transfer is %lld tokens x %d layers (%d blocks of %.0f KiB per "
-           "layer) = %.1f MiB; %lld worker threads, %lld pieces per transfer\n",
-           prop.name, (long long)tokens, g.layers, g.blocks, (double)g.block_bytes / 1024,
-           (double)xfer_bytes / (1 << 20), (long long)threads, (long long)qp);
+    printf("bench-xfer-cuda: %s over %s; a transfer is %lld tokens x %d layers (%d blocks of %.0f "
+           "KiB per layer) = %.1f MiB; %lld worker threads, %lld pieces per transfer%s\n",
+           prop.name, proto_s, (long long)tokens, g.layers, g.blocks, (double)g.block_bytes / 1024,
+           (double)xfer_bytes / (1 << 20), (long long)threads, (long long)qp,
+           tcp ? (getenv("TD_KVX_STAGE_OVERLAP") && !strcmp(getenv("TD_KVX_STAGE_OVERLAP"), "0")
+                      ? "; staging copies synchronous (TD_KVX_STAGE_OVERLAP=0)"
+                      : "; staging copies overlapped")
+               : "");
     printf("floor: cudaMemcpy device to device, 1 GiB: %.0f GB/s of payload (%.0f GB/s read + "
            "written)\n",
            floor_gbs, 2 * floor_gbs);
@@ -296,8 +309,11 @@ int cli_bench_xfer_cuda(int argc, char **argv)
         qsort(cell, (size_t)reps, sizeof(double), cmp_double);
         double bytes = (double)xfer_bytes * C, best = bytes / cell[0] / 1e9,
                med = bytes / cell[reps / 2] / 1e9;
-        printf("%-12d %12.0f %12.0f %12.3f %9.2fx\n", C, best, med, cell[reps / 2] * 1e3,
-               floor_gbs > 0 ? med / floor_gbs : 0);
+        if (tcp) /* the D2D floor is not this path's: no ratio */
+            printf("%-12d %12.1f %12.1f %12.3f %10s\n", C, best, med, cell[reps / 2] * 1e3, "-");
+        else
+            printf("%-12d %12.0f %12.0f %12.3f %9.2fx\n", C, best, med, cell[reps / 2] * 1e3,
+                   floor_gbs > 0 ? med / floor_gbs : 0);
     }
     rc = 0;
 out:

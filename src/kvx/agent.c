@@ -447,6 +447,94 @@ static void region_crcs(const kvx_region *r, uint32_t seg, uint32_t block, uint3
     }
 }
 
+/*
+ * READ out of GPU memory, through pinned host staging in two halves, so that the copy of
+ * one batch off the device overlaps the send of the one before: a batch's copies are
+ * started into a half (its slot), then the other half's batch is waited for, checksummed
+ * there and sent. Batches are cut as for host memory (under 2 per_chunk blocks each, at
+ * most one entry per descriptor). hdr (hn bytes, or none) goes before the first batch,
+ * the checksum trailer after the last.
+ */
+typedef struct staged_batch {
+    struct iovec *iov; /* KVX_MAX_DESC + 2: header, entries, trailer */
+    int n_iov, first; /* first: the index of its first block entry (1 after the header) */
+    uint32_t crc_at;  /* its first block's index among the READ's blocks */
+    bool live;
+} staged_batch;
+
+static int staged_send(int fd, conn_bufs *b, const kvx_region *r, staged_batch *sb, int slot,
+                       bool want_crc, uint32_t n_crc, bool last, uint64_t deadline, td_err *e)
+{
+    int rc = kvx__stage_wait(r->device_id, slot, e);
+    uint32_t at = sb->crc_at;
+    for (int v = sb->first; v < sb->n_iov && !rc && want_crc; v++) {
+        uint32_t nb = (uint32_t)(sb->iov[v].iov_len / r->block_bytes);
+        td_crc32c_blocks(sb->iov[v].iov_base, r->block_bytes, nb, b->crc + at);
+        at += nb;
+    }
+    if (!rc && last && n_crc) {
+        kvx_wire_trailer_put(b->out, b->crc, n_crc);
+        sb->iov[sb->n_iov++] = (struct iovec){b->out, (size_t)n_crc * 4};
+    }
+    if (!rc && sb->n_iov) rc = kvx__writev_all(fd, sb->iov, sb->n_iov, deadline, e);
+    sb->live = false;
+    sb->n_iov = 0;
+    return rc;
+}
+
+static int send_staged(int fd, conn_bufs *b, const kvx_region *r, const kvx_msg *m, uint8_t *stage,
+                       bool want_crc, uint32_t n_crc, uint8_t *hdr, size_t hn, uint64_t deadline,
+                       td_err *e)
+{
+    const uint32_t per_chunk = kvx__batch_blocks(r->block_bytes, BATCH_BYTES);
+    const size_t half = 2 * (size_t)per_chunk * r->block_bytes;
+    struct iovec *iovs = malloc(2 * (KVX_MAX_DESC + 2) * sizeof(*iovs));
+    if (!iovs) return td_err_set(e, TD_ENOMEM, "kvx: out of memory");
+    staged_batch sb[2] = {{iovs, 0, 0, 0, false}, {iovs + KVX_MAX_DESC + 2, 0, 0, 0, false}};
+    int cur = 0, rc = 0;
+    uint64_t fill = 0;
+    uint32_t blocks = 0;
+    if (hn) sb[0].iov[sb[0].n_iov++] = (struct iovec){hdr, hn};
+    sb[0].first = sb[0].n_iov;
+    for (uint32_t k = 0; k < m->u.read.n_desc && !rc; k++) {
+        kvx_wire_desc d = kvx_wire_get_desc(m, k);
+        const uint8_t *p = (const uint8_t *)r->base + kvx__offset(r, d.segment, d.block);
+        for (uint32_t j = 0; j < d.n_blocks && !rc;) {
+            uint32_t cb = TD_MIN(d.n_blocks - j, per_chunk);
+            size_t n = (size_t)cb * r->block_bytes;
+            uint8_t *to = stage + (size_t)cur * half + fill;
+            rc = kvx__stage_copy_start(r->device_id, cur, to, p + (uint64_t)j * r->block_bytes, n,
+                                       false, e);
+            if (rc) break;
+            sb[cur].iov[sb[cur].n_iov++] = (struct iovec){to, n};
+            fill += n;
+            blocks += cb;
+            j += cb;
+            if (fill < (uint64_t)per_chunk * r->block_bytes) continue;
+            /* this batch is full: send the one before (its copies started earlier) */
+            sb[cur].live = true;
+            if (sb[!cur].live)
+                rc = staged_send(fd, b, r, &sb[!cur], !cur, want_crc, n_crc, false, deadline, e);
+            cur = !cur;
+            fill = 0;
+            sb[cur].n_iov = sb[cur].first = 0;
+            sb[cur].crc_at = blocks;
+        }
+    }
+    if (!rc && sb[cur].n_iov > 0) sb[cur].live = true;
+    /* in order: the older batch, then the newer, which carries the trailer */
+    if (!rc && sb[!cur].live)
+        rc = staged_send(fd, b, r, &sb[!cur], !cur, want_crc, n_crc, !sb[cur].live, deadline, e);
+    if (!rc && sb[cur].live)
+        rc = staged_send(fd, b, r, &sb[cur], cur, want_crc, n_crc, true, deadline, e);
+    /* never leave a copy running into a buffer the next READ reuses */
+    td_err ignore;
+    kvx__stage_wait(r->device_id, 0, &ignore);
+    kvx__stage_wait(r->device_id, 1, &ignore);
+    free(iovs);
+    return rc;
+}
+
 /* READ: validate against the lease, then stream header, data and checksum trailer. */
 static int serve_read(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m)
 {
@@ -460,14 +548,13 @@ static int serve_read(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m)
     int rc = 0;
     char msg[200] = "";
     ranges_ok(a, l, m, want_crc, &total, &n_blocks, msg, sizeof(msg));
-    /* GPU memory goes out through pinned host staging: each batch's blocks are copied into
-     * it (a batch is under per_chunk blocks before its last entry, which holds at most
-     * per_chunk), checksummed there and sent from there. */
+    /* GPU memory goes out through pinned host staging (send_staged): two halves of twice
+     * a batch each. */
     uint32_t at = 0, per_chunk = kvx__batch_blocks(r->block_bytes, BATCH_BYTES);
     uint8_t *stage = NULL;
     td_err se;
     if (!msg[0] && r->device &&
-        kvx__stage_buf(r->device_id, 2 * (size_t)per_chunk * r->block_bytes, &stage, &se))
+        kvx__stage_buf(r->device_id, 4 * (size_t)per_chunk * r->block_bytes, &stage, &se))
         snprintf(msg, sizeof(msg), "%.190s", se.msg);
     if (msg[0]) {
         rc = send_error(fd, b, tag, stage || !r->device ? TD_ERANGE : TD_ENOMEM, msg);
@@ -481,25 +568,22 @@ static int serve_read(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m)
         if (delay > 0) {
             rc = kvx__send_all(fd, hdr, hn, deadline, &e);
             usleep((useconds_t)delay * 1000);
+            hn = 0;
         } else {
             b->iov[n_iov++] = (struct iovec){hdr, hn};
         }
+        if (stage) {
+            if (!rc) rc = send_staged(fd, b, r, m, stage, want_crc, n_crc, hdr, hn, deadline, &e);
+            n_iov = 0;
+        }
         uint64_t batch = 0;
-        for (uint32_t k = 0; k < m->u.read.n_desc && !rc; k++) {
+        for (uint32_t k = 0; k < m->u.read.n_desc && !rc && !stage; k++) {
             kvx_wire_desc d = kvx_wire_get_desc(m, k);
             uint8_t *p = (uint8_t *)r->base + kvx__offset(r, d.segment, d.block);
             for (uint32_t j = 0; j < d.n_blocks && !rc;) {
                 uint32_t cb = TD_MIN(d.n_blocks - j, per_chunk);
                 uint8_t *q = p + (uint64_t)j * r->block_bytes;
-                if (stage) {
-                    rc = kvx__stage_copy(r->device_id, stage + batch, q, (size_t)cb * r->block_bytes,
-                                         false, &e);
-                    if (rc) break;
-                    q = stage + batch;
-                    if (want_crc) td_crc32c_blocks(q, r->block_bytes, cb, b->crc + at);
-                } else if (want_crc) {
-                    region_crcs(r, d.segment, d.block + j, cb, b->crc + at);
-                }
+                if (want_crc) region_crcs(r, d.segment, d.block + j, cb, b->crc + at);
                 at += cb;
                 b->iov[n_iov++] = (struct iovec){q, (size_t)cb * r->block_bytes};
                 batch += (uint64_t)cb * r->block_bytes;
@@ -514,7 +598,7 @@ static int serve_read(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m)
             }
         }
         /* The trailer rides with the last batch: one send, and one wake-up on the consumer. */
-        if (!rc && n_crc) {
+        if (!rc && n_crc && !stage) {
             kvx_wire_trailer_put(b->out, b->crc, n_crc);
             b->iov[n_iov++] = (struct iovec){b->out, (size_t)n_crc * 4};
         }

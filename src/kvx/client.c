@@ -467,6 +467,8 @@ static int tcp_run_piece(kvx__session *s, kvx__piece *p, td_err *err)
     struct iovec *iov = malloc((2 * p->count + 1) * sizeof(*iov)), *todo = iov + p->count;
     uint32_t *crc = want_crc ? malloc(p->blocks * sizeof(uint32_t)) : NULL;
     uint8_t **dev = NULL; /* GPU memory: each iovec's destination on the device */
+    uint8_t *stage = NULL; /* GPU memory: the pinned host staging, in two halves */
+    int half = 0;          /* the half (and copy slot) the next batch uses */
     int rc = 0;
     if (!req || !in || !wd || !iov || (want_crc && !crc)) {
         rc = td_err_set(err, TD_ENOMEM, "kvx: out of memory");
@@ -518,16 +520,17 @@ static int tcp_run_piece(kvx__session *s, kvx__piece *p, td_err *err)
     uint32_t per_chunk = kvx__batch_blocks(r->block_bytes, BATCH_BYTES), at = 0;
     int n_iov = 0;
     uint64_t batch = 0;
-    /* GPU memory comes in through pinned host staging: a batch is received into it (as the
-     * producer's batches, under 2 per_chunk blocks), checksummed there, then copied to
-     * its blocks on the device (dev[v]: where iov[v] goes). */
-    uint8_t *stage = NULL;
+    /* GPU memory comes in through pinned host staging in two halves: a batch is received
+     * into one (as the producer's batches, under 2 per_chunk blocks), checksummed there,
+     * and its copies to its blocks on the device (dev[v]: where iov[v] goes) start in that
+     * half's slot while the next batch is received into the other half. */
     if (r->device) {
         dev = malloc(p->count * sizeof(*dev));
         if (!dev) rc = td_err_set(err, TD_ENOMEM, "kvx: out of memory");
         if (!rc)
-            rc = kvx__stage_buf(r->device_id, 2 * (size_t)per_chunk * r->block_bytes, &stage, err);
+            rc = kvx__stage_buf(r->device_id, 4 * (size_t)per_chunk * r->block_bytes, &stage, err);
     }
+    const size_t half_bytes = 2 * (size_t)per_chunk * r->block_bytes;
     for (uint32_t k = 0; k < p->count && !rc; k++) {
         const piece_desc *d = &x->pd[p->first + k];
         uint8_t *base = (uint8_t *)r->base + kvx__offset(r, d->seg, d->dst);
@@ -536,7 +539,7 @@ static int tcp_run_piece(kvx__session *s, kvx__piece *p, td_err *err)
             uint8_t *to = base + (uint64_t)j * r->block_bytes;
             if (stage) {
                 dev[n_iov] = to;
-                to = stage + batch;
+                to = stage + (size_t)half * half_bytes + batch;
             }
             iov[n_iov++] = (struct iovec){to, (size_t)cb * r->block_bytes};
             batch += (uint64_t)cb * r->block_bytes;
@@ -548,7 +551,8 @@ static int tcp_run_piece(kvx__session *s, kvx__piece *p, td_err *err)
             int n_todo = n_iov;
             if (last && want_n_crc) /* the checksum trailer arrives with the last batch */
                 todo[n_todo++] = (struct iovec){in, (size_t)want_n_crc * 4};
-            rc = kvx__readv_all(fd, todo, n_todo, x->deadline_ns, err);
+            if (stage) rc = kvx__stage_wait(r->device_id, half, err); /* its last copies */
+            if (!rc) rc = kvx__readv_all(fd, todo, n_todo, x->deadline_ns, err);
             if (!rc && corrupt) {
                 ((uint8_t *)iov[0].iov_base)[r->block_bytes / 2] ^= 0x40;
                 corrupt = false;
@@ -559,8 +563,9 @@ static int tcp_run_piece(kvx__session *s, kvx__piece *p, td_err *err)
                 at += nb;
             }
             for (int v = 0; v < n_iov && !rc && stage; v++)
-                rc = kvx__stage_copy(r->device_id, dev[v], iov[v].iov_base, iov[v].iov_len, true,
-                                     err);
+                rc = kvx__stage_copy_start(r->device_id, half, dev[v], iov[v].iov_base,
+                                           iov[v].iov_len, true, err);
+            half = !half;
             n_iov = 0;
             batch = 0;
         }
@@ -580,6 +585,14 @@ static int tcp_run_piece(kvx__session *s, kvx__piece *p, td_err *err)
             }
     }
 out:
+    if (stage) { /* the blocks are on the device (or the piece failed) before it ends */
+        td_err e2;
+        for (int slot = 0; slot < 2; slot++)
+            if (kvx__stage_wait(r->device_id, slot, &e2) && !rc) {
+                rc = e2.code;
+                *err = e2;
+            }
+    }
     free(req);
     free(in);
     free(wd);

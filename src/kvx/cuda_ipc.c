@@ -132,6 +132,8 @@ typedef struct thread_copy {
     int n_sm;
     uint8_t *stage; /* pinned host memory for tcp's staging (kvx__stage_*), grown on use */
     size_t stage_cap;
+    cudaEvent_t slot_ev[2]; /* kvx__stage_copy_start / kvx__stage_wait */
+    bool slot_busy[2];
 } thread_copy;
 static pthread_key_t copy_key;
 static pthread_once_t copy_once = PTHREAD_ONCE_INIT;
@@ -141,6 +143,8 @@ static void thread_copy_free(void *p)
     thread_copy *tc = p;
     cudaSetDevice(tc->device);
     if (tc->stage) cudaFreeHost(tc->stage);
+    cudaEventDestroy(tc->slot_ev[0]);
+    cudaEventDestroy(tc->slot_ev[1]);
     cudaEventDestroy(tc->done);
     cudaStreamDestroy(tc->stream);
     free(tc);
@@ -178,7 +182,11 @@ static int thread_copy_get(int device, thread_copy **out, td_err *err)
         return td_err_set(err, TD_EIO, "kvx cuda_ipc: cannot create a stream: %s",
                           cudaGetErrorString(e));
     }
-    if ((e = cudaEventCreateWithFlags(&tc->done, cudaEventDisableTiming)) != cudaSuccess) {
+    if ((e = cudaEventCreateWithFlags(&tc->done, cudaEventDisableTiming)) != cudaSuccess ||
+        (e = cudaEventCreateWithFlags(&tc->slot_ev[0], cudaEventDisableTiming)) != cudaSuccess ||
+        (e = cudaEventCreateWithFlags(&tc->slot_ev[1], cudaEventDisableTiming)) != cudaSuccess) {
+        if (tc->slot_ev[0]) cudaEventDestroy(tc->slot_ev[0]);
+        if (tc->done) cudaEventDestroy(tc->done);
         cudaStreamDestroy(tc->stream);
         free(tc);
         return td_err_set(err, TD_EIO, "kvx cuda_ipc: cannot create an event: %s",
@@ -221,6 +229,48 @@ int kvx__stage_copy(int device, void *dst, const void *src, size_t n, bool to_de
     if (e != cudaSuccess)
         return td_err_set(err, TD_EIO, "kvx: staging copy %s the GPU failed: %s",
                           to_device ? "to" : "from", cudaGetErrorString(e));
+    return 0;
+}
+
+/* TD_KVX_STAGE_OVERLAP=0: every started copy is waited for at once (A/B runs of one binary) */
+static bool stage_overlap(void)
+{
+    static int on = -1;
+    if (on < 0) {
+        const char *v = getenv("TD_KVX_STAGE_OVERLAP");
+        on = !(v && !strcmp(v, "0"));
+    }
+    return on;
+}
+
+int kvx__stage_copy_start(int device, int slot, void *dst, const void *src, size_t n, bool to_device,
+                          td_err *err)
+{
+    if (!stage_overlap()) return kvx__stage_copy(device, dst, src, n, to_device, err);
+    thread_copy *tc = NULL;
+    int rc = thread_copy_get(device, &tc, err);
+    if (rc) return rc;
+    cudaError_t e = cudaMemcpyAsync(
+        dst, src, n, to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost, tc->stream);
+    if (e == cudaSuccess) e = cudaEventRecord(tc->slot_ev[slot & 1], tc->stream);
+    if (e != cudaSuccess)
+        return td_err_set(err, TD_EIO, "kvx: staging copy %s the GPU failed: %s",
+                          to_device ? "to" : "from", cudaGetErrorString(e));
+    tc->slot_busy[slot & 1] = true;
+    return 0;
+}
+
+int kvx__stage_wait(int device, int slot, td_err *err)
+{
+    thread_copy *tc = NULL;
+    int rc = thread_copy_get(device, &tc, err);
+    if (rc) return rc;
+    if (!tc->slot_busy[slot & 1]) return 0;
+    tc->slot_busy[slot & 1] = false;
+    cudaError_t e = cudaEventSynchronize(tc->slot_ev[slot & 1]);
+    if (e != cudaSuccess)
+        return td_err_set(err, TD_EIO, "kvx: staging copy with the GPU failed: %s",
+                          cudaGetErrorString(e));
     return 0;
 }
 
@@ -388,5 +438,18 @@ int kvx__stage_copy(int device, void *dst, const void *src, size_t n, bool to_de
 {
     (void)device, (void)dst, (void)src, (void)n, (void)to_device;
     return td_err_set(err, TD_EUNSUPPORTED, "kvx: GPU memory needs the CUDA backend");
+}
+
+int kvx__stage_copy_start(int device, int slot, void *dst, const void *src, size_t n, bool to_device,
+                          td_err *err)
+{
+    (void)device, (void)slot, (void)dst, (void)src, (void)n, (void)to_device;
+    return td_err_set(err, TD_EUNSUPPORTED, "kvx: GPU memory needs the CUDA backend");
+}
+
+int kvx__stage_wait(int device, int slot, td_err *err)
+{
+    (void)device, (void)slot, (void)err;
+    return 0;
 }
 #endif

@@ -246,6 +246,15 @@ void *kvx__cuda_local_find(const uint8_t handle[64]);
  */
 int kvx__stage_buf(int device, size_t bytes, uint8_t **buf, td_err *err);
 int kvx__stage_copy(int device, void *dst, const void *src, size_t n, bool to_device, td_err *err);
+/*
+ * The same copy started asynchronously on the thread's stream, in one of two slots (0, 1):
+ * every copy started in a slot is complete once kvx__stage_wait on that slot returns (a
+ * slot with nothing started returns at once). A thread stages one batch while it sends or
+ * receives the other.
+ */
+int kvx__stage_copy_start(int device, int slot, void *dst, const void *src, size_t n, bool to_device,
+                          td_err *err);
+int kvx__stage_wait(int device, int slot, td_err *err);
 
 /* Test hooks (tests only; zero in production). */
 /* When > 0, the consumer flips one received byte of the next that many pieces. */
