@@ -72,7 +72,8 @@ const td_model *td_engine_model(const td_engine *e);
 const td_tokenizer *td_engine_tokenizer(const td_engine *e);
 /**
  * The CPUs the engine's compute threads are pinned to (the thread that steps the engine
- * takes the first when it first steps); returns their count, 0 when it does not pin.
+ * takes the first when it first steps); returns their count, 0 when it does not pin or
+ * computes on a GPU.
  * Other threads of the process (HTTP I/O, transfers) are best kept off them.
  */
 int td_engine_cpus(const td_engine *e, cpu_set_t *set);

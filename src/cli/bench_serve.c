@@ -38,12 +38,17 @@ typedef struct workload {
     double steady_capi, steady_http; /* tok/s after every stream has its first token */
 } workload;
 
-/* Stream i's prompt: BOS then ids that differ per stream, so no prefix is shared. */
+/* Stream i's prompt: BOS, then i in base n_vocab - 3 (two digits, so the first (n_vocab - 3)^2
+ * prompts differ in their first block and no round hits another's prefix cache), then ids
+ * that vary with i. */
 static void prompt_ids(const workload *w, int i, int32_t *ids)
 {
+    uint32_t v = (uint32_t)(w->n_vocab - 3);
     ids[0] = 1;
     for (int k = 1; k < w->prompt_len; k++)
-        ids[k] = 3 + (int32_t)((uint32_t)(i * 131 + k * 17 + i * k) % (uint32_t)(w->n_vocab - 3));
+        ids[k] = 3 + (int32_t)(k == 1   ? (uint32_t)i % v
+                               : k == 2 ? (uint32_t)i / v % v
+                                        : (uint32_t)(i * 131 + k * 17 + i * k) % v);
 }
 
 typedef struct capi_round {

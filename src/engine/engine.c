@@ -328,6 +328,10 @@ const td_model *td_engine_model(const td_engine *e)
 
 int td_engine_cpus(const td_engine *e, cpu_set_t *set)
 {
+    if (td_device_gpu(e->cfg.device) >= 0) { /* the GPU computes; the CPU pool never runs */
+        CPU_ZERO(set);
+        return 0;
+    }
     return td_pool_cpus(e->pool, set);
 }
 
