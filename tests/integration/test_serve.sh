@@ -38,6 +38,40 @@ TD_URL=$MAIN_URL TD_SLOW_URL=$SLOW_URL TD_MODEL_NAME=stories TD_BIN=$TD_BIN TD_M
     node --test --test-reporter=spec "$TESTS_DIR/node/serve.test.mjs" ||
     fail "node/serve.test.mjs failed (server stderr: $(tail -n 20 "$tmp/MAIN.err"))"
 
+# --- CPU placement: with --threads 1 and a second CPU allowed, the engine thread (which
+# steps the engine, and so is pinned to the pool's CPU) runs alone on its CPU, and the HTTP
+# thread and the KV transfer threads it started stay off it. (The pool used to pin the
+# thread that made it, which is the HTTP thread, and every thread started after shared
+# that one CPU.)
+if [ "$(nproc)" -ge 2 ]; then
+    hs=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    start_server PIN --threads 1 --kv-transfer-config "{\"kv_role\":\"kv_producer\",\"handshake_port\":$hs}"
+    curl -sf "$PIN_URL/v1/completions" -d '{"prompt":[1,306],"max_tokens":2}' >/dev/null ||
+        fail "placement server: request failed"
+    main_cpus=$(sed -n 's/^Cpus_allowed_list:\s*//p' "/proc/$PIN_PID/status")
+    engine_cpu="" others=0
+    for t in /proc/$PIN_PID/task/*; do
+        [ "$(basename "$t")" = "$PIN_PID" ] && continue
+        c=$(sed -n 's/^Cpus_allowed_list:\s*//p' "$t/status")
+        if [ "$c" = "$main_cpus" ]; then others=$((others + 1)); continue; fi
+        [ -z "$engine_cpu" ] || fail "two threads pinned apart from the HTTP thread ($engine_cpu, $c)"
+        engine_cpu=$c
+    done
+    [ -n "$engine_cpu" ] || fail "no thread is pinned apart from the HTTP thread (all on $main_cpus)"
+    [[ "$engine_cpu" =~ ^[0-9]+$ ]] || fail "the engine thread may run on '$engine_cpu', not one CPU"
+    python3 - "$main_cpus" "$engine_cpu" <<'PY' || fail "the HTTP thread ($main_cpus) shares the engine's CPU $engine_cpu"
+import sys
+cpus = set()
+for part in sys.argv[1].split(","):
+    lo, _, hi = part.partition("-")
+    cpus.update(range(int(lo), int(hi or lo) + 1))
+sys.exit(1 if int(sys.argv[2]) in cpus or not cpus else 0)
+PY
+    [ "$others" -ge 1 ] || fail "no transfer thread found beside the HTTP thread"
+    echo "placement: engine thread on CPU $engine_cpu; HTTP and $others transfer threads on $main_cpus"
+    kill "$PIN_PID"
+fi
+
 # --- /health: 503 while work waits longer than --health-stall-timeout without a step
 # (here each step is followed by a 3 s sleep), and 200 again once the work is done.
 start_server STALL --enable-debug-endpoints --debug-step-delay-ms 3000 --health-stall-timeout 0.5
