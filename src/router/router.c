@@ -465,6 +465,7 @@ int rt_run(const rt_config *cfg, td_err *err)
     rt_relay_shutdown(r);
 out:
     if (r->health_timer) event_free(r->health_timer);
+    if (r->discovery_timer) event_free(r->discovery_timer);
     if (r->sig_int) event_free(r->sig_int);
     if (r->sig_term) event_free(r->sig_term);
     if (r->http) evhttp_free(r->http);

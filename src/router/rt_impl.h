@@ -42,6 +42,10 @@ typedef struct rt_worker {
     int reported_load; /* -1 unknown */
     /* /kv_transfer_info (PD roles) */
     bool info_ok;
+    /* discovery: until info_ok, /kv_transfer_info is read again at next_probe_ns, the gap
+     * doubling from 0.25 s up to the health interval (an engine still starting) */
+    uint64_t next_probe_ns;
+    double probe_gap_s;
     char engine_id[40], kv_host[200], kv_role[24], model[200];
     int kv_port;
     bool write_mode;
@@ -74,7 +78,7 @@ typedef struct rt_router {
     rt_worker *workers;
     uint64_t next_worker_id;
     rt_policy *policy[RT_N_ROLES];
-    struct event *health_timer, *sig_int, *sig_term;
+    struct event *health_timer, *discovery_timer, *sig_int, *sig_term;
     td_rng rng;
     /* admission */
     int active;

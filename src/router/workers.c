@@ -530,10 +530,40 @@ static void on_health_timer(evutil_socket_t fd, short what, void *arg)
     }
 }
 
+/*
+ * Discovery: a worker not known yet (its engine was still starting at the first probe, or
+ * it refused its role) is probed again soon, then less and less often, rather than only at
+ * the next health check (10 s by default), so that a cluster started in any order serves
+ * as soon as its engines are up.
+ */
+#define DISCOVERY_TICK_S 0.25
+
+static void on_discovery_timer(evutil_socket_t fd, short what, void *arg)
+{
+    (void)fd;
+    (void)what;
+    rt_router *r = arg;
+    uint64_t now = td_now_ns();
+    for (rt_worker *w = r->workers; w; w = w->next) {
+        if (w->info_ok) {
+            w->probe_gap_s = 0;
+            continue;
+        }
+        if (w->removed || now < w->next_probe_ns) continue;
+        w->probe_gap_s = w->probe_gap_s > 0 ? w->probe_gap_s * 2 : DISCOVERY_TICK_S;
+        if (w->probe_gap_s > r->cfg.health_interval_s) w->probe_gap_s = r->cfg.health_interval_s;
+        w->next_probe_ns = now + (uint64_t)(w->probe_gap_s * 1e9);
+        rt_worker_probe(r, w);
+    }
+}
+
 void rt_health_start(rt_router *r)
 {
     for (rt_worker *w = r->workers; w; w = w->next)
         rt_worker_probe(r, w);
+    r->discovery_timer = event_new(r->base, -1, EV_PERSIST, on_discovery_timer, r);
+    struct timeval dtv = {0, (suseconds_t)(DISCOVERY_TICK_S * 1e6)};
+    event_add(r->discovery_timer, &dtv);
     double iv = r->cfg.health_interval_s;
     /* Dynamic workers are evicted on this timer too: run it often enough for the TTL. */
     if (iv > r->cfg.worker_ttl_s / 3) iv = r->cfg.worker_ttl_s / 3;

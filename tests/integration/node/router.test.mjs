@@ -11,6 +11,7 @@ import { test, after } from 'node:test';
 import { metrics, until, startTandem } from './lib.mjs';
 import assert from 'node:assert/strict';
 import http from 'node:http';
+import net from 'node:net';
 import OpenAI from 'openai';
 
 const BIN = process.env.TD_BIN;
@@ -412,6 +413,32 @@ test('workers register themselves, are removed, restarted and evicted, with no r
   assert.ok((await metrics(r.url)).tandem_router_worker_evictions_total >= 1);
   assert.equal((await fetch(r.url + '/health')).status, 503);
   for (const x of [r, p]) x.proc.kill('SIGKILL');
+});
+
+test('a router started before its engines serves as soon as they are up, not at the next health check', async () => {
+  const free = () => new Promise((resolve) => {
+    const srv = net.createServer().listen(0, '127.0.0.1', () => { const { port } = srv.address(); srv.close(() => resolve(port)); });
+  });
+  const [pp, dp] = [await free(), await free()];
+  // health checks (and so the old way back in) once an hour: only discovery can find them
+  const late = await start(['router', '--host', '127.0.0.1', '--port', '0', '--log-level', 'warn',
+    '--health-check-interval-secs', '3600', '--worker-ttl-secs', '36000', '--pd-disaggregation',
+    '--prefill', `http://127.0.0.1:${pp}`, '--decode', `http://127.0.0.1:${dp}`]);
+  await until(async () => (await workers(late.url)).every((w) => !w.ready), 'the first probes fail');
+  const r0 = await post(late.url, '/v1/completions', { prompt: [1, 306], ...GEN });
+  assert.ok(r0.status >= 500, `no engine yet: ${r0.status} ${r0.text}`);
+  await new Promise((r) => setTimeout(r, 1500)); // a few failed probes: the gap has grown
+  const [lp, ld] = await Promise.all([
+    start(['serve', '--model', MODEL, '--threads', '1', '--host', '127.0.0.1', '--server-port', String(pp),
+      '--log-level', 'warn', '--kv-transfer-config', JSON.stringify({ kv_role: 'kv_producer' })]),
+    start(['serve', '--model', MODEL, '--threads', '1', '--host', '127.0.0.1', '--server-port', String(dp),
+      '--log-level', 'warn', '--kv-transfer-config', JSON.stringify({ kv_role: 'kv_consumer' })]),
+  ]);
+  await until(async () => (await workers(late.url)).every((w) => w.ready), 'the late engines discovered', 15000);
+  const r = await post(late.url, '/v1/completions', { prompt: [1, 306], ...GEN });
+  assert.equal(r.status, 200, r.text);
+  assert.equal(r.json.choices[0].text, await expected([1, 306]));
+  for (const p of [late, lp, ld]) p.proc.kill('SIGTERM');
 });
 
 test('every engine is idle at the end, and the routers shut down cleanly', async () => {
