@@ -54,6 +54,12 @@ int td__engine_load_model(const td_engine_config *c, td_model **model, td_tokeni
     const char *lf = c->load_format ? c->load_format : "auto";
     const char *path = c->model_path;
     int rc;
+    /* Expert parallelism: only this rank's experts are made ready (td_model_load_part) */
+    int part = 0, n_parts = 1;
+    if (c->ep && c->ep_rank >= 0 && c->ep_rank < td_ep_size(c->ep)) {
+        part = c->ep_rank;
+        n_parts = td_ep_size(c->ep);
+    }
     if (strcmp(lf, "dummy") != 0) {
         if (!path || !*path) return td_err_set(err, TD_EINVAL, "no model given (--model FILE)");
         if (!is_file(path))
@@ -61,7 +67,7 @@ int td__engine_load_model(const td_engine_config *c, td_model **model, td_tokeni
                               "model file '%s' not found (for random weights at a preset shape, "
                               "use --load-format dummy --model PRESET)",
                               path);
-        rc = td_model_load(model, path, err);
+        rc = td_model_load_part(model, path, part, n_parts, err);
         if (rc) return rc;
         rc = tok_load(tok, (*model)->gguf, err);
         if (rc) {
@@ -79,7 +85,7 @@ int td__engine_load_model(const td_engine_config *c, td_model **model, td_tokeni
     if (is_file(path)) {
         /* Shape and tokenizer from the file, weights random. */
         td_model *file_model = NULL;
-        rc = td_model_load(&file_model, path, err);
+        rc = td_model_load_part(&file_model, path, part, n_parts, err);
         if (rc) return rc;
         shape = file_model->shape;
         rc = tok_load(tok, file_model->gguf, err);
@@ -97,7 +103,7 @@ int td__engine_load_model(const td_engine_config *c, td_model **model, td_tokeni
     bool on_device = td_device_gpu(c->device) >= 0 &&
                      (wtype == TD_TYPE_F32 || wtype == TD_TYPE_BF16);
     rc = on_device ? td_model_load_dummy_deferred(model, &shape, wtype, c->seed, err)
-                   : td_model_load_dummy(model, &shape, wtype, c->seed, err);
+                   : td_model_load_dummy_part(model, &shape, wtype, c->seed, part, n_parts, err);
     if (rc) {
         tok_free(*tok);
         *tok = NULL;

@@ -340,6 +340,13 @@ void td_model__gen_rows(const td_model__tensor *t, uint64_t seed, int64_t row0, 
 
 /* ---- fingerprint and summary ----------------------------------------------- */
 
+/* The byte offset of the i-th (0..7) of the 32-byte windows hash_weight samples in an
+ * n-byte tensor. */
+static size_t fp_window(size_t n, int i)
+{
+    return n > 32 ? (n - 32) / 7 * (size_t)i : 0;
+}
+
 static uint64_t hash_weight(uint64_t h, const td_weight *w)
 {
     bool present = w->data || w->gen.on;
@@ -353,7 +360,7 @@ static uint64_t hash_weight(uint64_t h, const td_weight *w)
     float *f = w->data ? NULL : td_xmalloc((size_t)w->cols * sizeof(float));
     uint8_t *rows = w->data ? NULL : td_xmalloc(2 * w->row_bytes);
     for (int i = 0; i < 8; i++) {
-        size_t off = n > 32 ? (n - 32) / 7 * (size_t)i : 0, len = TD_MIN(n, (size_t)32);
+        size_t off = fp_window(n, i), len = TD_MIN(n, (size_t)32);
         const uint8_t *p = (const uint8_t *)w->data + off;
         if (!w->data) {
             int64_t r = (int64_t)(off / w->row_bytes);
@@ -511,7 +518,30 @@ static int packable(td_model *m, td_weight **ws)
     return n;
 }
 
-/* Pack what can be packed; on failure (out of memory) the model simply stays unpacked. */
+/* Rows of one expert if w is one of a layer's expert tensors (w_*_exps), else 0. */
+static int64_t expert_rows(const td_model *m, const td_weight *w)
+{
+    if (!m->shape.n_expert) return 0;
+    for (int l = 0; l < m->shape.n_layer; l++) {
+        const td_layer *L = &m->layers[l];
+        if (w == &L->w_gate_exps || w == &L->w_up_exps || w == &L->w_down_exps)
+            return w->rows / m->shape.n_expert;
+    }
+    return 0;
+}
+
+/* The rows of w this process uses: all of them, or for an expert tensor those of the
+ * experts it holds (td_model_load_part). */
+static void used_rows(const td_model *m, const td_weight *w, int64_t *r0, int64_t *r1)
+{
+    int64_t per = expert_rows(m, w);
+    *r0 = per ? per * m->expert_lo : 0;
+    *r1 = per ? per * m->expert_hi : w->rows;
+}
+
+/* Pack what can be packed; on failure (out of memory) the model simply stays unpacked.
+ * The experts another process holds are not packed (their part of the copy is never
+ * touched, so it takes no memory). */
 static void pack_weights(td_model *m)
 {
     /* TD_PACK_WEIGHTS=0 keeps the native layout (for comparisons). */
@@ -527,8 +557,10 @@ static void pack_weights(td_model *m)
         total = TD_ALIGN_UP(total, 64) + cpu_pack_bytes(ws[i]->type, ws[i]->rows, (int)ws[i]->cols);
         n_items += (ws[i]->rows + 1023) / 1024;
     }
-    uint8_t *base = td_aligned_alloc(total);
-    if (!base) {
+    /* An anonymous mapping, zero until written: what is not packed (another process's
+     * experts) never takes memory. */
+    uint8_t *base = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (base == MAP_FAILED) {
         TD_WARN("model: no memory for %.1f MiB of packed weights; using the slower unpacked "
                 "kernels",
                 (double)total / 1048576.0);
@@ -543,10 +575,12 @@ static void pack_weights(td_model *m)
         off = TD_ALIGN_UP(off, 64);
         ws[i]->packed = base + off;
         off += cpu_pack_bytes(ws[i]->type, ws[i]->rows, (int)ws[i]->cols);
-        for (int64_t r = 0; r < ws[i]->rows; r += 1024)
-            items[k++] = (pack_item){ws[i], r, TD_MIN(ws[i]->rows, r + 1024)};
+        int64_t r0, r1;
+        used_rows(m, ws[i], &r0, &r1); /* experts' rows are whole 32-row panels */
+        for (int64_t r = r0; r < r1; r += 1024)
+            items[k++] = (pack_item){ws[i], r, TD_MIN(r1, r + 1024)};
     }
-    pack_job job = {.items = items, .n_items = n_items};
+    pack_job job = {.items = items, .n_items = k};
     atomic_init(&job.next, 0);
     run_workers(pack_worker, &job, total);
     free(items);
@@ -863,16 +897,34 @@ static int bind_tensor(const gguf_file *f, const td_model__tensor *p, td_err *er
     return 0;
 }
 
-int td_model_from_gguf(td_model **out, gguf_file *f, td_err *err)
+/* The experts part `part` of n_parts holds: [part E / n, (part + 1) E / n), as td_ep_experts. */
+static void set_part(td_model *m, int part, int n_parts)
+{
+    int64_t e = m->shape.n_expert;
+    m->expert_lo = (int)(part * e / n_parts);
+    m->expert_hi = (int)((part + 1) * e / n_parts);
+}
+
+static int check_part(int part, int n_parts, td_err *err)
+{
+    if (n_parts < 1 || part < 0 || part >= n_parts)
+        return td_err_set(err, TD_EINVAL, "model: expert part %d of %d", part, n_parts);
+    return 0;
+}
+
+static int from_gguf(td_model **out, gguf_file *f, int part, int n_parts, td_err *err)
 {
     *out = NULL;
+    int rc = check_part(part, n_parts, err);
+    if (rc) return rc;
     td_model *m = calloc(1, sizeof(*m));
     if (!m) return td_err_set(err, TD_ENOMEM, "model: out of memory");
-    int rc = read_shape(f, &m->shape, err);
+    rc = read_shape(f, &m->shape, err);
     if (rc) {
         free(m);
         return rc;
     }
+    set_part(m, part, n_parts);
     m->layers = calloc((size_t)m->shape.n_layer, sizeof(*m->layers));
     if (!m->layers) {
         free(m);
@@ -915,13 +967,24 @@ int td_model_from_gguf(td_model **out, gguf_file *f, td_err *err)
     return 0;
 }
 
+int td_model_from_gguf(td_model **out, gguf_file *f, td_err *err)
+{
+    return from_gguf(out, f, 0, 1, err);
+}
+
 int td_model_load(td_model **out, const char *path, td_err *err)
+{
+    return td_model_load_part(out, path, 0, 1, err);
+}
+
+int td_model_load_part(td_model **out, const char *path, int part, int n_parts, td_err *err)
 {
     *out = NULL;
     gguf_file *f;
-    int rc = gguf_open(&f, path, err);
+    int rc = check_part(part, n_parts, err);
     if (rc) return rc;
-    if ((rc = td_model_from_gguf(out, f, err))) {
+    if ((rc = gguf_open(&f, path, err))) return rc;
+    if ((rc = from_gguf(out, f, part, n_parts, err))) {
         gguf_close(f);
         return rc;
     }
@@ -989,11 +1052,12 @@ static void *fill_worker(void *arg)
 }
 
 static int load_dummy(td_model **out, const td_model_shape *shape, td_type weight_type,
-                      uint64_t seed, bool deferred, td_err *err)
+                      uint64_t seed, bool deferred, int part, int n_parts, td_err *err)
 {
     *out = NULL;
     td_model_shape s = *shape;
-    int rc = td_model_shape_validate(&s, err);
+    int rc = check_part(part, n_parts, err);
+    if (!rc) rc = td_model_shape_validate(&s, err);
     if (rc) return rc;
     if (s.head_dim == 0) s.head_dim = s.n_embd / s.n_head;
     if ((rc = td_model__check_wtype(&s, weight_type, err))) return rc;
@@ -1004,6 +1068,7 @@ static int load_dummy(td_model **out, const td_model_shape *shape, td_type weigh
 
     td_model *m = td_xcalloc(1, sizeof(*m));
     m->shape = s;
+    set_part(m, part, n_parts);
     m->layers = td_xcalloc((size_t)s.n_layer, sizeof(*m->layers));
     snprintf(m->name, sizeof(m->name), "dummy");
     int n;
@@ -1021,7 +1086,7 @@ static int load_dummy(td_model **out, const td_model_shape *shape, td_type weigh
         total = TD_ALIGN_UP(total, 64) + rb * (size_t)rows;
         max_cols = TD_MAX(max_cols, plan[i].cols);
         int64_t rows_per = TD_MAX(1, (int64_t)((4u << 20) / rb));
-        n_chunks += (rows + rows_per - 1) / rows_per;
+        n_chunks += (rows + rows_per - 1) / rows_per + 16; /* + fingerprint rows (below) */
     }
     void *base = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (base == MAP_FAILED) {
@@ -1050,9 +1115,24 @@ static int load_dummy(td_model **out, const td_model_shape *shape, td_type weigh
             (td_weight){plan[i].type, plan[i].cols, rows, rb, (uint8_t *)base + off, NULL, {0}};
         off += rb * (size_t)rows;
         int64_t rows_per = TD_MAX(1, (int64_t)((4u << 20) / rb));
-        for (int64_t r = 0; r < rows; r += rows_per)
-            chunks[c++] = (fill_chunk){i, r, TD_MIN(rows_per, rows - r)};
+        /* An expert tensor is made only for the experts this process holds; of the
+         * others, only the rows under the fingerprint's windows (so that every part of a
+         * model has its fingerprint), and the rest is never touched. */
+        int64_t r0 = 0, r1 = rows;
+        if (plan[i].n_mats > 1) {
+            r0 = plan[i].rows * m->expert_lo;
+            r1 = plan[i].rows * m->expert_hi;
+            size_t n_bytes = rb * (size_t)rows;
+            for (int w = 0; w < 8; w++) {
+                size_t a = fp_window(n_bytes, w), b = a + TD_MIN(n_bytes, (size_t)32) - 1;
+                for (int64_t r = (int64_t)(a / rb); r <= (int64_t)(b / rb); r++)
+                    if (r < r0 || r >= r1) chunks[c++] = (fill_chunk){i, r, 1};
+            }
+        }
+        for (int64_t r = r0; r < r1; r += rows_per)
+            chunks[c++] = (fill_chunk){i, r, TD_MIN(rows_per, r1 - r)};
     }
+    n_chunks = c;
 
     /* Fill in parallel: rows are seeded independently, so the result is the same for
      * any number of threads. Small models are filled on this thread. */
@@ -1074,13 +1154,19 @@ static int load_dummy(td_model **out, const td_model_shape *shape, td_type weigh
 int td_model_load_dummy(td_model **out, const td_model_shape *shape, td_type weight_type,
                         uint64_t seed, td_err *err)
 {
-    return load_dummy(out, shape, weight_type, seed, false, err);
+    return load_dummy(out, shape, weight_type, seed, false, 0, 1, err);
+}
+
+int td_model_load_dummy_part(td_model **out, const td_model_shape *shape, td_type weight_type,
+                             uint64_t seed, int part, int n_parts, td_err *err)
+{
+    return load_dummy(out, shape, weight_type, seed, false, part, n_parts, err);
 }
 
 int td_model_load_dummy_deferred(td_model **out, const td_model_shape *shape, td_type weight_type,
                                  uint64_t seed, td_err *err)
 {
-    return load_dummy(out, shape, weight_type, seed, true, err);
+    return load_dummy(out, shape, weight_type, seed, true, 0, 1, err);
 }
 
 void td_model_free(td_model *m)
@@ -1088,7 +1174,7 @@ void td_model_free(td_model *m)
     if (!m) return;
     if (m->owned) munmap(m->owned, m->owned_bytes);
     if (m->gguf) gguf_close(m->gguf);
-    td_aligned_free(m->packed);
+    if (m->packed) munmap(m->packed, m->packed_bytes);
     free(m->layers);
     free(m);
 }

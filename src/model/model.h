@@ -130,6 +130,7 @@ typedef struct td_model {
     size_t owned_bytes;      /* size of the `owned` mapping */
     void *packed;            /* one allocation for every td_weight.packed, or NULL */
     size_t packed_bytes;     /* its size (reported by td_model_describe) */
+    int expert_lo, expert_hi; /* the experts this process holds (td_model_load_part) */
 } td_model;
 
 /**
@@ -149,6 +150,18 @@ int td_model_from_gguf(td_model **out, gguf_file *f, td_err *err);
 /** Random weights at a shape, in memory (`--load-format dummy`). */
 int td_model_load_dummy(td_model **out, const td_model_shape *shape, td_type weight_type,
                         uint64_t seed, td_err *err);
+
+/**
+ * Expert parallelism: the same models with only part `part` of `n_parts` of each layer's
+ * experts made ready, experts [part E / n_parts, (part + 1) E / n_parts) as
+ * td_ep_experts splits them. The other experts are not packed, and with dummy weights not
+ * made (but for the few rows the fingerprint samples, so that every part has the whole
+ * model's fingerprint): their memory is never touched, and they must never be read. A
+ * model without experts, or n_parts 1, loads whole.
+ */
+int td_model_load_part(td_model **out, const char *path, int part, int n_parts, td_err *err);
+int td_model_load_dummy_part(td_model **out, const td_model_shape *shape, td_type weight_type,
+                             uint64_t seed, int part, int n_parts, td_err *err);
 
 /**
  * The same random model as td_model_load_dummy, with the matrices deferred: the

@@ -788,6 +788,86 @@ static void test_bad_moe_models(void **state)
     unlink(qwen);
 }
 
+/*
+ * Expert parallelism: a part of a MoE model makes ready only its experts. Its fingerprint is
+ * the whole model's; every tensor but the experts', and its own experts' rows (original
+ * and packed), are byte for byte the whole model's; the other experts' rows are never
+ * made (zero) but for the rows under the fingerprint's windows; and the other experts'
+ * part of the packed copy is never written. For dummy weights and for a file.
+ */
+static void expect_part(const td_model *whole, const td_model *part, int lo, int hi)
+{
+    assert_int_equal(part->fingerprint, whole->fingerprint);
+    assert_int_equal(part->expert_lo, lo);
+    assert_int_equal(part->expert_hi, hi);
+    const td_model_shape *s = &whole->shape;
+    for (int l = 0; l < s->n_layer; l++) {
+        const td_layer *W = &whole->layers[l], *P = &part->layers[l];
+        assert_memory_equal(P->router.data, W->router.data, P->router.row_bytes * (size_t)P->router.rows);
+        assert_memory_equal(P->wq.data, W->wq.data, P->wq.row_bytes * (size_t)P->wq.rows);
+        const td_weight *ws[] = {&W->w_gate_exps, &W->w_up_exps, &W->w_down_exps};
+        const td_weight *ps[] = {&P->w_gate_exps, &P->w_up_exps, &P->w_down_exps};
+        for (int i = 0; i < 3; i++) {
+            const uint8_t *wd = ws[i]->data, *pd = ps[i]->data, *wp = ws[i]->packed, *pp = ps[i]->packed;
+            size_t per = (size_t)(ws[i]->rows / s->n_expert) * ws[i]->row_bytes;
+            size_t a = (size_t)lo * per, b = (size_t)hi * per, all = (size_t)s->n_expert * per;
+            assert_memory_equal(pd + a, wd + a, b - a);
+            if (wp) {
+                assert_non_null(pp);
+                assert_memory_equal(pp + a, wp + a, b - a);
+                size_t nz = 0; /* the packed copy of the others' experts: never written */
+                for (size_t k = 0; k < all; k++)
+                    if ((k < a || k >= b) && pp[k]) nz++;
+                assert_int_equal(nz, 0);
+            }
+            if (part->owned) { /* dummy: the others' rows not made, but a few sampled ones */
+                size_t made = 0;
+                for (size_t r = 0; r < all / ws[i]->row_bytes; r++) {
+                    size_t off = r * ws[i]->row_bytes;
+                    if (off >= a && off < b) continue;
+                    bool zero = true;
+                    for (size_t k = 0; k < ws[i]->row_bytes && zero; k++) zero = !pd[off + k];
+                    if (!zero) {
+                        made++;
+                        assert_memory_equal(pd + off, wd + off, ws[i]->row_bytes);
+                    }
+                }
+                assert_true(made <= 16);
+            }
+        }
+    }
+}
+
+static void test_moe_part(void **state)
+{
+    (void)state;
+    td_err err;
+    td_model_shape s;
+    assert_int_equal(td_model_preset("moe-tiny", &s, &err), 0);
+    static const td_type types[] = {TD_TYPE_F32, TD_TYPE_Q8_0};
+    for (size_t t = 0; t < TD_ARRAY_LEN(types); t++) {
+        td_model *whole, *part;
+        if (td_model_load_dummy(&whole, &s, types[t], 5, &err)) fail_msg("%s", err.msg);
+        for (int p = 0; p < 3; p++) { /* 8 experts in 3 parts: [0, 2), [2, 5), [5, 8) */
+            if (td_model_load_dummy_part(&part, &s, types[t], 5, p, 3, &err)) fail_msg("%s", err.msg);
+            expect_part(whole, part, p * 8 / 3, (p + 1) * 8 / 3);
+            td_model_free(part);
+        }
+        td_model_free(whole);
+    }
+    char path[512];
+    write_preset("moe-tiny", TD_TYPE_Q8_0, "part.gguf", path, sizeof(path));
+    td_model *whole, *part;
+    if (td_model_load(&whole, path, &err)) fail_msg("%s", err.msg);
+    if (td_model_load_part(&part, path, 1, 2, &err)) fail_msg("%s", err.msg);
+    expect_part(whole, part, 4, 8);
+    td_model_free(part);
+    td_model_free(whole);
+    assert_int_equal(td_model_load_part(&part, path, 2, 2, &err), TD_EINVAL);
+    assert_non_null(strstr(err.msg, "expert part 2 of 2"));
+    unlink(path);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -795,7 +875,7 @@ int main(void)
         cmocka_unit_test(test_bad_models),     cmocka_unit_test(test_presets),
         cmocka_unit_test(test_dummy),          cmocka_unit_test(test_dummy_deferred),
         cmocka_unit_test(test_moe_load),       cmocka_unit_test(test_moe_presets),
-        cmocka_unit_test(test_bad_moe_models),
+        cmocka_unit_test(test_bad_moe_models),  cmocka_unit_test(test_moe_part),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
