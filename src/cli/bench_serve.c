@@ -35,7 +35,6 @@
 
 typedef struct workload {
     int streams, prompt_len, max_tokens, n_vocab;
-    double steady_capi, steady_http; /* tok/s after every stream has its first token */
 } workload;
 
 /* Stream i's prompt: BOS, then i in base n_vocab - 3 (two digits, so the first (n_vocab - 3)^2
@@ -353,7 +352,7 @@ int cli_bench_serve(int argc, char **argv)
     }
     td_engine_config cfg;
     if (engine_opts_apply(&eo, &cfg)) return 2;
-    workload w = {(int)streams, (int)prompt_len, (int)max_tokens, 0, 0, 0};
+    workload w = {(int)streams, (int)prompt_len, (int)max_tokens, 0};
 
     /* Loading may run the engine's pool on this thread, which pins it: this thread is the
      * HTTP client and the server's parent, so it gets its CPUs back at once. */

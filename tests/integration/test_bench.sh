@@ -102,4 +102,16 @@ expect_usage_error --base-url "$s_URL" --request-rate -3
 expect_usage_error --base-url "$s_URL" --percentiles 50,abc
 expect_usage_error --base-url "$s_URL" --dataset sharegpt
 expect_usage_error --num-prompts 3
+# `tandem bench-serve` (the server-overhead benchmark) runs its rounds against a server it
+# starts and prints both rates and their ratio; every stream of every round must complete.
+"$TD_BIN" bench-serve --model "$MODEL" --threads 1 --streams 8 --prompt-len 16 --max-tokens 8 \
+    --rounds 2 --log-level warn >"$tmp/bs.out" 2>"$tmp/bs.err" || fail "bench-serve failed: $(cat "$tmp/bs.err")"
+[ "$(grep -c '^HTTP, kept-alive .*: 8 streams x 8 tokens: 64 tokens in' "$tmp/bs.out")" = 2 ] ||
+    fail "bench-serve: two HTTP rounds of 64 tokens expected: $(cat "$tmp/bs.out")"
+[ "$(grep -c '^C API.*: 8 streams x 8 tokens: 64 tokens in' "$tmp/bs.out")" = 3 ] ||
+    fail "bench-serve: a warm-up and two C-API rounds of 64 tokens expected: $(cat "$tmp/bs.out")"
+grep -q '^ratio : HTTP / C API = [0-9.]* end to end' "$tmp/bs.out" || fail "bench-serve: no ratio: $(cat "$tmp/bs.out")"
+rc=0
+"$TD_BIN" bench-serve --model "$MODEL" --rounds 0 >/dev/null 2>&1 || rc=$?
+[ "$rc" = 2 ] || fail "bench-serve --rounds 0 exited $rc, not 2"
 echo "PASS: test_bench"
