@@ -32,6 +32,7 @@
 #include "cli/engine_opts.h"
 #include "cli/spawn.h"
 #include "model/tok.h"
+#include "util/pool.h"
 
 typedef struct workload {
     int streams, prompt_len, max_tokens, n_vocab;
@@ -382,12 +383,8 @@ int cli_bench_serve(int argc, char **argv)
     /* The client keeps off the CPUs the engines compute on (the server's engine, made with
      * the same flags, pins the same ones) while others are left, as the server's own HTTP
      * thread does. */
-    cpu_set_t busy, rest = mine;
-    if (saved && td_engine_cpus(e, &busy) > 0) {
-        for (int cpu = 0; cpu < CPU_SETSIZE; cpu++)
-            if (CPU_ISSET(cpu, &busy)) CPU_CLR(cpu, &rest);
-        if (CPU_COUNT(&rest) > 0) pthread_setaffinity_np(pthread_self(), sizeof(rest), &rest);
-    }
+    cpu_set_t busy;
+    if (td_engine_cpus(e, &busy) > 0) td_thread_avoid_cpus(&busy);
     curl_global_init(CURL_GLOBAL_DEFAULT);
     http_client c;
     http_client_open(&c, url, &w);

@@ -574,10 +574,11 @@ static int serve_read(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m)
         }
         if (stage) {
             if (!rc) rc = send_staged(fd, b, r, m, stage, want_crc, n_crc, hdr, hn, deadline, &e);
-            n_iov = 0;
+            lease_unpin(a, l, !rc ? total : 0);
+            return rc;
         }
         uint64_t batch = 0;
-        for (uint32_t k = 0; k < m->u.read.n_desc && !rc && !stage; k++) {
+        for (uint32_t k = 0; k < m->u.read.n_desc && !rc; k++) {
             kvx_wire_desc d = kvx_wire_get_desc(m, k);
             uint8_t *p = (uint8_t *)r->base + kvx__offset(r, d.segment, d.block);
             for (uint32_t j = 0; j < d.n_blocks && !rc;) {
@@ -598,7 +599,7 @@ static int serve_read(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m)
             }
         }
         /* The trailer rides with the last batch: one send, and one wake-up on the consumer. */
-        if (!rc && n_crc && !stage) {
+        if (!rc && n_crc) {
             kvx_wire_trailer_put(b->out, b->crc, n_crc);
             b->iov[n_iov++] = (struct iovec){b->out, (size_t)n_crc * 4};
         }

@@ -23,6 +23,7 @@
 #include "model/model.h"
 #include "model/tok.h"
 #include "server/server_impl.h"
+#include "util/pool.h"
 
 void srv_config_default(srv_config *c)
 {
@@ -591,15 +592,11 @@ static int start_pd(srv_server *s, srv__rank *k, td_engine *e, const srv_kv_conf
  */
 static void keep_off_engine_cpus(td_engine *const *engines, int n_ranks)
 {
-    cpu_set_t io, busy;
-    if (pthread_getaffinity_np(pthread_self(), sizeof(io), &io) != 0) return;
-    for (int r = 0; r < n_ranks; r++) {
-        if (td_engine_cpus(engines[r], &busy) == 0) continue;
-        for (int c = 0; c < CPU_SETSIZE; c++)
-            if (CPU_ISSET(c, &busy)) CPU_CLR(c, &io);
-    }
-    if (CPU_COUNT(&io) == 0) return; /* the engines use every CPU: share them */
-    pthread_setaffinity_np(pthread_self(), sizeof(io), &io);
+    cpu_set_t busy, one;
+    CPU_ZERO(&busy);
+    for (int r = 0; r < n_ranks; r++)
+        if (td_engine_cpus(engines[r], &one) > 0) CPU_OR(&busy, &busy, &one);
+    td_thread_avoid_cpus(&busy); /* when the engines use every CPU, it shares them */
 }
 
 int srv_server_create(srv_server **out, td_engine *const *engines, int n_ranks, const srv_config *cfg,

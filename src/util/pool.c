@@ -222,6 +222,15 @@ int td_pool_cpus(const td_pool *pool, cpu_set_t *set)
     return CPU_COUNT(set);
 }
 
+bool td_thread_avoid_cpus(const cpu_set_t *busy)
+{
+    cpu_set_t mine;
+    if (pthread_getaffinity_np(pthread_self(), sizeof(mine), &mine) != 0) return false;
+    for (int c = 0; c < CPU_SETSIZE; c++)
+        if (CPU_ISSET(c, busy)) CPU_CLR(c, &mine);
+    return CPU_COUNT(&mine) > 0 && pthread_setaffinity_np(pthread_self(), sizeof(mine), &mine) == 0;
+}
+
 /*
  * Thread 0 is whichever thread runs the pool, and it is pinned when it first does: the
  * thread that created the pool (a server's I/O thread, say) may never run it, and must

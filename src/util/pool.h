@@ -33,6 +33,12 @@ int td_pool_size(const td_pool *pool);
  */
 int td_pool_cpus(const td_pool *pool, cpu_set_t *set);
 /**
+ * Move the calling thread off the CPUs in `busy` (those compute threads are pinned to), if
+ * any other CPU of its allowed set is left; returns whether it moved. Threads it starts
+ * afterwards inherit the new set.
+ */
+bool td_thread_avoid_cpus(const cpu_set_t *busy);
+/**
  * Run fn on all threads; not reentrant (one run at a time, from one thread).
  * pool may be NULL: fn(ctx, 0, 1) runs on the caller.
  */

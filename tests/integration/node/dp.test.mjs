@@ -7,7 +7,7 @@
 // freely or index to index. Started by tests/integration/test_dp.sh.
 // No test asserts on timing: deadlines only bound waits for state that must arrive.
 import { test, after } from 'node:test';
-import { metrics, until, startTandem, postJson, tokenPrompts } from './lib.mjs';
+import { metrics, until, startTandem, postJson, tokenPrompts, refText } from './lib.mjs';
 import assert from 'node:assert/strict';
 
 const BIN = process.env.TD_BIN;
@@ -40,16 +40,7 @@ const GEN = { max_tokens: 10, temperature: 0, ignore_eos: true };
 const prompts = (n) => tokenPrompts(n, [1, 5, 16, 17, 33, 70], 77);
 
 let ONE, DP, PROD, CONS;
-const want = new Map();
-async function expected(p) {
-  const key = p.join(',');
-  if (!want.has(key)) {
-    const r = await post(ONE.url, { prompt: p, ...GEN });
-    assert.equal(r.status, 200, r.text);
-    want.set(key, r.json.choices[0].text);
-  }
-  return want.get(key);
-}
+const expected = refText(() => ONE.url, GEN);
 
 test('start: one plain engine, an aggregated server and a producer and consumer of two ranks each', async () => {
   [ONE, DP, PROD, CONS] = await Promise.all([

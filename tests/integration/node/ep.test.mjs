@@ -8,7 +8,7 @@
 // not stop the exchange), and a stopped rank stops the group with a clear reason.
 // Started by tests/integration/test_ep.sh with TD_BIN and TD_MOE_MODELS (comma list).
 import { test, after } from 'node:test';
-import { metrics, until, startTandem, postJson, tokenPrompts } from './lib.mjs';
+import { metrics, until, startTandem, postJson, tokenPrompts, refText } from './lib.mjs';
 import assert from 'node:assert/strict';
 import { spawn } from 'node:child_process';
 
@@ -41,16 +41,7 @@ const prompts = (n) => tokenPrompts(n, [1, 4, 16, 17, 40, 90], 31);
 for (const model of MODELS) {
   const name = model.split('/').at(-1);
   let ONE, DP, EPS, PROD, CONS;
-  const want = new Map();
-  const expected = async (p) => {
-    const key = p.join(',');
-    if (!want.has(key)) {
-      const r = await post(ONE.url, { prompt: p, ...GEN });
-      assert.equal(r.status, 200, r.text);
-      want.set(key, r.json.choices[0].text);
-    }
-    return want.get(key);
-  };
+  const expected = refText(() => ONE.url, GEN);
 
   test(`${name}: start one rank, two ranks, two ranks with expert parallelism, and a producer and consumer with it`, async () => {
     [ONE, DP, EPS, PROD, CONS] = await Promise.all([

@@ -67,3 +67,19 @@ export function tokenPrompts(n, lens, seed) {
   }
   return out;
 }
+
+// The reference output: refText(() => base, gen)(prompt) is the text one engine at base
+// gives for the prompt with the sampling fields gen, asked once per prompt and remembered.
+// (base is a function: the engine may start after the helper is made.)
+export function refText(base, gen) {
+  const memo = new Map();
+  return async (prompt) => {
+    const key = JSON.stringify(prompt);
+    if (!memo.has(key)) {
+      const r = await postJson(base(), '/v1/completions', { prompt, ...gen });
+      assert.equal(r.status, 200, r.text);
+      memo.set(key, r.json.choices[0].text);
+    }
+    return memo.get(key);
+  };
+}

@@ -8,7 +8,7 @@
 // workers added, removed and restarted at run time. Started by test_router.sh.
 // No test asserts on timing: deadlines only bound waits for state that must arrive.
 import { test, after } from 'node:test';
-import { metrics, until, startTandem } from './lib.mjs';
+import { metrics, until, startTandem, refText } from './lib.mjs';
 import assert from 'node:assert/strict';
 import http from 'node:http';
 import net from 'node:net';
@@ -66,16 +66,7 @@ function prompts(n = 12) {
 const GEN = { max_tokens: 10, temperature: 0, ignore_eos: true };
 
 let AGG, P1, P2, D1, D2, PW, R1, R2, RA, RW;
-const want = new Map();
-async function expected(prompt) {
-  const key = JSON.stringify(prompt);
-  if (!want.has(key)) {
-    const r = await post(AGG.url, '/v1/completions', { prompt, ...GEN });
-    assert.equal(r.status, 200, r.text);
-    want.set(key, r.json.choices[0].text);
-  }
-  return want.get(key);
-}
+const expected = refText(() => AGG.url, GEN);
 
 // Read an SSE response: the data events, checking the framing on the way.
 async function sse(res) {
