@@ -58,6 +58,16 @@ static size_t mm_scratch_bytes(const td_model *m, int rows, int n_threads)
     return most;
 }
 
+/* Floats between two heads' scores: max_ctx rounded up to a cache line, and an odd
+ * number of cache lines, so that the heads' rows never lie a multiple of 4 KiB apart
+ * (attention stores one score per head per position: at a 4 KiB stride those stores
+ * fall in one L1 set and alias the loads, which made decode attention ~2x slower). */
+static size_t score_ld(int max_ctx)
+{
+    size_t ld = ((size_t)max_ctx + 15) & ~(size_t)15;
+    return (ld / 16) % 2 ? ld : ld + 16;
+}
+
 size_t fwd_workspace_bytes(const td_model *m, int max_tokens, int max_logits, int max_ctx,
                            int n_threads)
 {
@@ -66,7 +76,7 @@ size_t fwd_workspace_bytes(const td_model *m, int max_tokens, int max_logits, in
     size_t floats = T * (size_t)s->n_embd * 3 + T * (size_t)q_dim(m) * 2 +
                     T * (size_t)kv_dim(m) * 2 + T * (size_t)dense_ff(m) * 2 +
                     (size_t)max_logits * (size_t)s->n_embd +
-                    (size_t)n_threads * (size_t)score_heads(m) * (size_t)max_ctx;
+                    (size_t)n_threads * (size_t)score_heads(m) * score_ld(max_ctx);
     int rows = TD_MAX(max_tokens, max_logits);
     return floats * sizeof(float) + mm_scratch_bytes(m, rows, n_threads) + 64 * 16 +
            moe_workspace_bytes(m, max_tokens, false);
@@ -90,7 +100,7 @@ int fwd_init(fwd_ctx *f, const td_model *m, kv_pool *kv, td_pool *pool, int max_
         {&f->q, T * q_dim(m)},    {&f->k, T * kv_dim(m)},        {&f->v, T * kv_dim(m)},
         {&f->att, T * q_dim(m)},  {&f->hb, T * dense_ff(m)},     {&f->hb2, T * dense_ff(m)},
         {&f->xo, (size_t)max_logits * s->n_embd},
-        {&f->scores, (size_t)f->n_threads * score_heads(m) * max_ctx},
+        {&f->scores, (size_t)f->n_threads * score_heads(m) * score_ld(max_ctx)},
     };
     for (size_t i = 0; i < TD_ARRAY_LEN(bufs); i++) {
         if (!bufs[i].n) continue; /* hb, hb2 of an MoE model without a shared expert */
@@ -276,17 +286,42 @@ static int att_heads(const fwd_ctx *f, int n_rows)
     return (n_head + chunks - 1) / chunks;
 }
 
+/* How many KV rows ahead attention prefetches: about 8 x 1.5 KiB in llama-134m, enough
+ * to cover memory latency without crowding the cache (BENCHMARKS.md, issue 6). */
+#define ATT_PREFETCH_ROWS 8
+
+/* Prefetch bytes [from, to) of KV row j + ATT_PREFETCH_ROWS, which lies in this block
+ * (blk) or the next one (nxt; NULL past the last block). */
+static inline void att_prefetch(const uint8_t *blk, const uint8_t *nxt, int j, int bs,
+                                size_t row_bytes, size_t from, size_t to)
+{
+    int r = j + ATT_PREFETCH_ROWS;
+    const uint8_t *p = r < bs ? blk + (size_t)r * row_bytes : nxt;
+    if (!p || r >= 2 * bs) return; /* blocks smaller than the distance: no prefetch */
+    if (r >= bs) p += (size_t)(r - bs) * row_bytes;
+    for (size_t o = from; o < to; o += 64) __builtin_prefetch(p + o, 0, 3);
+}
+
 /*
  * Attention: one work item is (token, a run of up to att_heads consecutive heads).
  * Items are taken from a shared counter because their cost grows with the position;
  * which thread computes an item, and which heads share it, does not change any head's
- * arithmetic (the same kernel calls in the same position order), so the result stays
- * deterministic.
+ * arithmetic (the same kernel arithmetic in the same position order), so the result
+ * stays deterministic.
  *
- * Why several heads per item: a token's K (and V) row holds every head side by side
- * (token_bytes apart), so one head alone reads head_dim elements out of every row, a
- * strided walk that the hardware prefetcher follows poorly. Sweeping all the heads of
- * a block before the next block reads each block's rows contiguously, once.
+ * Memory order: a token's K (and V) row holds every KV head side by side (token_bytes),
+ * and a block holds block_size rows. Both orders below do the same arithmetic per head
+ * and position, so they give equal bits:
+ *   - a row alone in the batch for its sequence (a decode token) reads its sequence's
+ *     KV from memory, once: it walks the cache row by row, each row for all the item's
+ *     heads at once (cpu_dot_kv_heads, cpu_axpy_kv_heads), so each block is read in
+ *     address order, and prefetches ATT_PREFETCH_ROWS rows ahead, into the next block of
+ *     the sequence. One head at a time down a block is a strided walk that the hardware
+ *     prefetchers do not follow: decode attention ran at about half the machine's read
+ *     bandwidth that way (BENCHMARKS.md);
+ *   - rows of a prefill chunk share their sequence's KV, which stays in cache: one head
+ *     at a time over a block's positions (cpu_dot_kv_multi) loads q once per 8 keys and
+ *     is faster there.
  */
 static void task_attention(void *ctx, int ith, int nth)
 {
@@ -298,44 +333,72 @@ static void task_attention(void *ctx, int ith, int nth)
     const int hd = s->head_dim, qd = q_dim(f->model), bs = kv->block_size;
     const int group = s->n_head / s->n_head_kv;
     const size_t head_bytes = (size_t)hd * (size_t)td_type_block_bytes(kv->dtype);
+    const size_t rb = kv->token_bytes;
     const float scale = 1.0f / sqrtf((float)hd);
     const int hc = att_heads(f, tk->n_rows);
     TD_ASSERT(hc <= score_heads(f->model));
     const int chunks = (s->n_head + hc - 1) / hc;
-    float *sc = f->scores + (size_t)ith * score_heads(f->model) * f->max_ctx;
+    const size_t ld = score_ld(f->max_ctx);
+    float *sc = f->scores + (size_t)ith * score_heads(f->model) * ld;
     int64_t n_items = (int64_t)tk->n_rows * chunks;
     for (;;) {
         int64_t item = __atomic_fetch_add(&tk->next_item, 1, __ATOMIC_RELAXED);
         if (item >= n_items) break;
         int t = (int)(item / chunks), h0 = (int)(item % chunks) * hc;
-        int h1 = TD_MIN(s->n_head, h0 + hc);
-        const float *q = f->q + (size_t)t * qd;
-        float *out = f->att + (size_t)t * qd;
+        int h1 = TD_MIN(s->n_head, h0 + hc), nh = h1 - h0;
+        const float *q = f->q + (size_t)t * qd + (size_t)h0 * hd;
+        float *out = f->att + (size_t)t * qd + (size_t)h0 * hd;
         int r = tk->row_map ? tk->row_map[t] : t;
         int32_t pos = tk->b->pos[r];
         const int32_t *table = tk->b->block_tables[tk->b->seq[r]];
         int n = pos + 1;
+        /* The part of each row these heads read. */
+        size_t pf0 = (size_t)(h0 / group) * head_bytes;
+        size_t pf1 = (size_t)((h1 - 1) / group + 1) * head_bytes;
+        /* Rows of one sequence lie next to each other in a batch. Walking rows pays when
+         * the item reads at least half of each row. */
+        const int32_t *seq = tk->b->seq;
+        bool alone = 2 * nh >= s->n_head && (r == 0 || seq[r - 1] != seq[r]) &&
+                     (r + 1 >= tk->b->n_tokens || seq[r + 1] != seq[r]);
         for (int j0 = 0; j0 < n; j0 += bs) {
             const uint8_t *kb = kv_k(kv, tk->il, table[j0 / bs]);
+            const uint8_t *kn = j0 + bs < n ? kv_k(kv, tk->il, table[j0 / bs + 1]) : NULL;
             int jn = TD_MIN(bs, n - j0);
-            for (int h = h0; h < h1; h++)
-                cpu_dot_kv_multi(sc + (size_t)(h - h0) * f->max_ctx + j0, q + (size_t)h * hd,
-                                 kb + (size_t)(h / group) * head_bytes, kv->token_bytes, kv->dtype,
-                                 hd, jn);
+            if (!alone) {
+                for (int i = 0; i < nh; i++)
+                    cpu_dot_kv_multi(sc + (size_t)i * ld + j0, q + (size_t)i * hd,
+                                     kb + (size_t)((h0 + i) / group) * head_bytes, rb, kv->dtype,
+                                     hd, jn);
+                continue;
+            }
+            for (int j = 0; j < jn; j++) {
+                att_prefetch(kb, kn, j, bs, rb, pf0, pf1);
+                cpu_dot_kv_heads(sc + j0 + j, ld, q, kb + (size_t)j * rb, head_bytes, kv->dtype, hd,
+                                 h0, nh, group);
+            }
         }
-        for (int h = h0; h < h1; h++) {
-            float *sh = sc + (size_t)(h - h0) * f->max_ctx;
+        for (int i = 0; i < nh; i++) {
+            float *sh = sc + (size_t)i * ld;
             for (int j = 0; j < n; j++) sh[j] *= scale;
             cpu_softmax(sh, n);
         }
-        memset(out + (size_t)h0 * hd, 0, (size_t)(h1 - h0) * hd * sizeof(float));
+        memset(out, 0, (size_t)nh * hd * sizeof(float));
         for (int j0 = 0; j0 < n; j0 += bs) {
             const uint8_t *vb = kv_v(kv, tk->il, table[j0 / bs]);
+            const uint8_t *vn = j0 + bs < n ? kv_v(kv, tk->il, table[j0 / bs + 1]) : NULL;
             int jn = TD_MIN(bs, n - j0);
-            for (int h = h0; h < h1; h++)
-                cpu_axpy_kv_multi(out + (size_t)h * hd, sc + (size_t)(h - h0) * f->max_ctx + j0,
-                                  vb + (size_t)(h / group) * head_bytes, kv->token_bytes,
-                                  kv->dtype, hd, jn);
+            if (!alone) {
+                for (int i = 0; i < nh; i++)
+                    cpu_axpy_kv_multi(out + (size_t)i * hd, sc + (size_t)i * ld + j0,
+                                      vb + (size_t)((h0 + i) / group) * head_bytes, rb, kv->dtype,
+                                      hd, jn);
+                continue;
+            }
+            for (int j = 0; j < jn; j++) {
+                att_prefetch(vb, vn, j, bs, rb, pf0, pf1);
+                cpu_axpy_kv_heads(out, sc + j0 + j, ld, vb + (size_t)j * rb, head_bytes, kv->dtype,
+                                  hd, h0, nh, group);
+            }
         }
     }
 }

@@ -46,7 +46,7 @@ typedef struct fwd_ctx {
     float *hb, *hb2; /* [max_tokens][n_ff], or [max_tokens][n_ff_shexp] with experts (the
                         shared expert's; NULL without one) */
     float *xo;     /* [max_logits][n_embd] final-normed rows for the output matmul */
-    float *scores; /* [n_threads][min(n_head, 16)][max_ctx] attention scores */
+    float *scores; /* [n_threads][min(n_head, 16)][score_ld(max_ctx)] attention scores */
     void *mm_scratch;
     fwd_moe moe;   /* the experts' workspace (model with experts), else all NULL */
     size_t workspace_bytes;

@@ -481,6 +481,18 @@ void cpu_axpy_kv_multi(float *y, const float *a, const void *v, size_t v_stride,
     active()->axpy_kv_multi(y, a, v, v_stride, t, n, count);
 }
 
+void cpu_dot_kv_heads(float *out, size_t out_stride, const float *q, const void *k,
+                      size_t head_bytes, td_type t, int n, int h0, int n_heads, int group)
+{
+    active()->dot_kv_heads(out, out_stride, q, k, head_bytes, t, n, h0, n_heads, group);
+}
+
+void cpu_axpy_kv_heads(float *y, const float *a, size_t a_stride, const void *v, size_t head_bytes,
+                       td_type t, int n, int h0, int n_heads, int group)
+{
+    active()->axpy_kv_heads(y, a, a_stride, v, head_bytes, t, n, h0, n_heads, group);
+}
+
 /* ---- rotary embedding -------------------------------------------------------------- */
 
 /*

@@ -133,6 +133,22 @@ void cpu_axpy_kv_multi(float *y, const float *a, const void *v, size_t v_stride,
                        int count);
 
 /**
+ * One KV position (one token's row, every KV head side by side, head_bytes apart)
+ * against a run of query heads h0 .. h0 + n_heads - 1, where query head h reads KV
+ * head h / group. Bit-identical to one cpu_dot_kv / cpu_axpy_kv call per head:
+ *   cpu_dot_kv_heads:  out[i * out_stride] = cpu_dot_kv(q + i * n, k + kv_i, t, n)
+ *   cpu_axpy_kv_heads: cpu_axpy_kv(y + i * n, a[i * a_stride], v + kv_i, t, n)
+ * for i < n_heads, with kv_i = ((h0 + i) / group) * head_bytes.
+ * (q and y point at head h0's vector.) Walking the KV cache one whole row at a time
+ * reads it in address order, which the hardware prefetchers follow; one head across
+ * many rows is a strided walk that they do not.
+ */
+void cpu_dot_kv_heads(float *out, size_t out_stride, const float *q, const void *k,
+                      size_t head_bytes, td_type t, int n, int h0, int n_heads, int group);
+void cpu_axpy_kv_heads(float *y, const float *a, size_t a_stride, const void *v, size_t head_bytes,
+                       td_type t, int n, int h0, int n_heads, int group);
+
+/**
  * Rotary embedding for one head vector of head_dim elements at position pos.
  * NORM rotates pairs (2i, 2i+1); NEOX rotates (i, i + head_dim/2). theta_i =
  * pos * freq_scale * base^(-2i/head_dim) / (freq_factors ? freq_factors[i] : 1).

@@ -291,6 +291,22 @@ static void gen_axpy_kv_multi(float *y, const float *a, const void *v, size_t v_
     }
 }
 
+static void gen_dot_kv_heads(float *out, size_t out_stride, const float *q, const void *k,
+                             size_t head_bytes, td_type t, int n, int h0, int n_heads, int group)
+{
+    for (int i = 0; i < n_heads; i++)
+        gen_dot_kv_multi(out + (size_t)i * out_stride, q + (size_t)i * n,
+                         (const uint8_t *)k + (size_t)((h0 + i) / group) * head_bytes, 0, t, n, 1);
+}
+
+static void gen_axpy_kv_heads(float *y, const float *a, size_t a_stride, const void *v,
+                              size_t head_bytes, td_type t, int n, int h0, int n_heads, int group)
+{
+    for (int i = 0; i < n_heads; i++)
+        gen_axpy_kv_multi(y + (size_t)i * n, a + (size_t)i * a_stride,
+                          (const uint8_t *)v + (size_t)((h0 + i) / group) * head_bytes, 0, t, n, 1);
+}
+
 const cpu__kernels cpu__generic = {
     .name = "generic",
     .matmul = gen_matmul,
@@ -305,4 +321,6 @@ const cpu__kernels cpu__generic = {
     .dequant_row = gen_dequant_row,
     .dot_kv_multi = gen_dot_kv_multi,
     .axpy_kv_multi = gen_axpy_kv_multi,
+    .dot_kv_heads = gen_dot_kv_heads,
+    .axpy_kv_heads = gen_axpy_kv_heads,
 };

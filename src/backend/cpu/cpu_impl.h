@@ -88,6 +88,10 @@ typedef struct cpu__kernels {
                          int n, int count);
     void (*axpy_kv_multi)(float *y, const float *a, const void *v, size_t v_stride, td_type t,
                           int n, int count);
+    void (*dot_kv_heads)(float *out, size_t out_stride, const float *q, const void *k,
+                         size_t head_bytes, td_type t, int n, int h0, int n_heads, int group);
+    void (*axpy_kv_heads)(float *y, const float *a, size_t a_stride, const void *v,
+                          size_t head_bytes, td_type t, int n, int h0, int n_heads, int group);
 } cpu__kernels;
 
 extern const cpu__kernels cpu__generic;

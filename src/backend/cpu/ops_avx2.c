@@ -352,41 +352,87 @@ INLINE __m256 kv_loadz(td_type t, const void *p, int i, int len)
     return _mm256_loadu_ps(tmp);
 }
 
+INLINE float dot_kv1(td_type t, const float *q, const uint8_t *k, int n)
+{
+    __m256 acc = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), kv_load(t, k, i), acc);
+    if (i < n)
+        acc = _mm256_fmadd_ps(_mm256_maskload_ps(q + i, tail_mask8(n - i)),
+                              kv_loadz(t, k, i, n - i), acc);
+    return hsum8(acc);
+}
+
+INLINE void axpy_kv1(td_type t, float *y, float a, const uint8_t *v, int n)
+{
+    __m256 av = _mm256_set1_ps(a);
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, kv_load(t, v, i), _mm256_loadu_ps(y + i)));
+    if (i < n) {
+        float tmp[8] = {0}, o[8];
+        memcpy(tmp, y + i, sizeof(float) * (size_t)(n - i));
+        _mm256_storeu_ps(o, _mm256_fmadd_ps(av, kv_loadz(t, v, i, n - i), _mm256_loadu_ps(tmp)));
+        memcpy(y + i, o, sizeof(float) * (size_t)(n - i));
+    }
+}
+
 static void dot_kv_multi(float *out, const float *q, const void *k, size_t k_stride, td_type t,
                          int n, int count)
 {
     const uint8_t *kb = k;
-    for (int j = 0; j < count; j++) {
-        const uint8_t *kj = kb + j * k_stride;
-        __m256 acc = _mm256_setzero_ps();
-        int i = 0;
-        for (; i + 8 <= n; i += 8)
-            acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), kv_load(t, kj, i), acc);
-        if (i < n)
-            acc = _mm256_fmadd_ps(_mm256_maskload_ps(q + i, tail_mask8(n - i)),
-                                  kv_loadz(t, kj, i, n - i), acc);
-        out[j] = hsum8(acc);
-    }
+    for (int j = 0; j < count; j++)
+        out[j] = dot_kv1(t, q, kb + j * k_stride, n);
 }
 
 static void axpy_kv_multi(float *y, const float *a, const void *v, size_t v_stride, td_type t,
                           int n, int count)
 {
     const uint8_t *vb = v;
-    for (int j = 0; j < count; j++) {
-        const uint8_t *vj = vb + j * v_stride;
-        __m256 aj = _mm256_set1_ps(a[j]);
-        int i = 0;
-        for (; i + 8 <= n; i += 8)
-            _mm256_storeu_ps(y + i, _mm256_fmadd_ps(aj, kv_load(t, vj, i), _mm256_loadu_ps(y + i)));
-        if (i < n) {
-            float tmp[8] = {0}, o[8];
-            memcpy(tmp, y + i, sizeof(float) * (size_t)(n - i));
-            _mm256_storeu_ps(o,
-                             _mm256_fmadd_ps(aj, kv_loadz(t, vj, i, n - i), _mm256_loadu_ps(tmp)));
-            memcpy(y + i, o, sizeof(float) * (size_t)(n - i));
-        }
+    for (int j = 0; j < count; j++)
+        axpy_kv1(t, y, a[j], vb + j * v_stride, n);
+}
+
+/* The type is resolved once per call, so the loop over heads runs without a switch. */
+#define KV_TYPE_SWITCH(t, CALL)                                                                    \
+    switch (t) {                                                                                   \
+    case TD_TYPE_F16:                                                                              \
+        CALL(TD_TYPE_F16);                                                                         \
+        break;                                                                                     \
+    case TD_TYPE_BF16:                                                                             \
+        CALL(TD_TYPE_BF16);                                                                        \
+        break;                                                                                     \
+    case TD_TYPE_FP8_E4M3:                                                                         \
+        CALL(TD_TYPE_FP8_E4M3);                                                                    \
+        break;                                                                                     \
+    default:                                                                                       \
+        CALL(TD_TYPE_F32);                                                                         \
+        break;                                                                                     \
     }
+
+static void dot_kv_heads(float *out, size_t out_stride, const float *q, const void *k,
+                         size_t head_bytes, td_type t, int n, int h0, int n_heads, int group)
+{
+    const uint8_t *kb = k;
+#define DOT_HEADS(T)                                                                               \
+    for (int i = 0; i < n_heads; i++)                                                              \
+        out[(size_t)i * out_stride] =                                                              \
+            dot_kv1(T, q + (size_t)i * n, kb + (size_t)((h0 + i) / group) * head_bytes, n)
+    KV_TYPE_SWITCH(t, DOT_HEADS)
+#undef DOT_HEADS
+}
+
+static void axpy_kv_heads(float *y, const float *a, size_t a_stride, const void *v,
+                          size_t head_bytes, td_type t, int n, int h0, int n_heads, int group)
+{
+    const uint8_t *vb = v;
+#define AXPY_HEADS(T)                                                                              \
+    for (int i = 0; i < n_heads; i++)                                                              \
+    axpy_kv1(T, y + (size_t)i * n, a[(size_t)i * a_stride],                                       \
+             vb + (size_t)((h0 + i) / group) * head_bytes, n)
+    KV_TYPE_SWITCH(t, AXPY_HEADS)
+#undef AXPY_HEADS
 }
 
 const cpu__kernels cpu__avx2 = {
@@ -403,4 +449,6 @@ const cpu__kernels cpu__avx2 = {
     .dequant_row = dequant_row,
     .dot_kv_multi = dot_kv_multi,
     .axpy_kv_multi = axpy_kv_multi,
+    .dot_kv_heads = dot_kv_heads,
+    .axpy_kv_heads = axpy_kv_heads,
 };

@@ -562,6 +562,75 @@ static void axpy_kv_multi(float *y, const float *a, const void *v, size_t v_stri
     }
 }
 
+/* One position and one head: the arithmetic of dot_kv_group with count 1. */
+INLINE float dot_kv1(td_type t, const float *q, const uint8_t *k, int n)
+{
+    __m512 acc = _mm512_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= n; i += 16)
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), kv_load(t, k, i), acc);
+    if (i < n) {
+        __mmask16 m = tail_mask(n - i);
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + i), kv_loadz(t, k, i, m), acc);
+    }
+    return hsum16(acc);
+}
+
+/* y += a * v for one position and one head, lane by lane as axpy_kv_multi does. */
+INLINE void axpy_kv1(td_type t, float *y, float a, const uint8_t *v, int n)
+{
+    __m512 av = _mm512_set1_ps(a);
+    int i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(y + i, _mm512_fmadd_ps(av, kv_load(t, v, i), _mm512_loadu_ps(y + i)));
+    if (i < n) {
+        __mmask16 m = tail_mask(n - i);
+        _mm512_mask_storeu_ps(
+            y + i, m, _mm512_fmadd_ps(av, kv_loadz(t, v, i, m), _mm512_maskz_loadu_ps(m, y + i)));
+    }
+}
+
+/* The type is resolved once per call, so the loop over heads runs without a switch. */
+#define KV_TYPE_SWITCH(t, CALL)                                                                    \
+    switch (t) {                                                                                   \
+    case TD_TYPE_F16:                                                                              \
+        CALL(TD_TYPE_F16);                                                                         \
+        break;                                                                                     \
+    case TD_TYPE_BF16:                                                                             \
+        CALL(TD_TYPE_BF16);                                                                        \
+        break;                                                                                     \
+    case TD_TYPE_FP8_E4M3:                                                                         \
+        CALL(TD_TYPE_FP8_E4M3);                                                                    \
+        break;                                                                                     \
+    default:                                                                                       \
+        CALL(TD_TYPE_F32);                                                                         \
+        break;                                                                                     \
+    }
+
+static void dot_kv_heads(float *out, size_t out_stride, const float *q, const void *k,
+                         size_t head_bytes, td_type t, int n, int h0, int n_heads, int group)
+{
+    const uint8_t *kb = k;
+#define DOT_HEADS(T)                                                                               \
+    for (int i = 0; i < n_heads; i++)                                                              \
+        out[(size_t)i * out_stride] =                                                              \
+            dot_kv1(T, q + (size_t)i * n, kb + (size_t)((h0 + i) / group) * head_bytes, n)
+    KV_TYPE_SWITCH(t, DOT_HEADS)
+#undef DOT_HEADS
+}
+
+static void axpy_kv_heads(float *y, const float *a, size_t a_stride, const void *v,
+                          size_t head_bytes, td_type t, int n, int h0, int n_heads, int group)
+{
+    const uint8_t *vb = v;
+#define AXPY_HEADS(T)                                                                              \
+    for (int i = 0; i < n_heads; i++)                                                              \
+    axpy_kv1(T, y + (size_t)i * n, a[(size_t)i * a_stride],                                       \
+             vb + (size_t)((h0 + i) / group) * head_bytes, n)
+    KV_TYPE_SWITCH(t, AXPY_HEADS)
+#undef AXPY_HEADS
+}
+
 const cpu__kernels cpu__avx512 = {
     .name = "avx512",
     .matmul = cpu__avx512_matmul,
@@ -576,4 +645,6 @@ const cpu__kernels cpu__avx512 = {
     .dequant_row = dequant_row,
     .dot_kv_multi = dot_kv_multi,
     .axpy_kv_multi = axpy_kv_multi,
+    .dot_kv_heads = dot_kv_heads,
+    .axpy_kv_heads = axpy_kv_heads,
 };

@@ -626,6 +626,73 @@ static void test_kv_kernels(void **state)
     }
 }
 
+/* One KV row against a run of query heads (GQA groups, a first head that is not the
+ * group's first, head sizes with a tail) equals one single-position call per head. */
+static void test_kv_heads(void **state)
+{
+    (void)state;
+    td_rng rng;
+    td_rng_seed(&rng, 5);
+    static const td_type kv_types[] = {TD_TYPE_F32, TD_TYPE_F16, TD_TYPE_BF16, TD_TYPE_FP8_E4M3};
+    static const int dims[] = {5, 64, 80, 128};
+    static const struct { int n_head, group, h0, nh; } runs[] = {
+        {12, 1, 0, 12}, {12, 1, 6, 6}, {8, 4, 1, 6}, {6, 3, 0, 6}, {4, 2, 3, 1},
+    };
+    enum { LD = 37 };
+    for (size_t ti = 0; ti < TD_ARRAY_LEN(kv_types); ti++) {
+        td_type t = kv_types[ti];
+        for (size_t di = 0; di < TD_ARRAY_LEN(dims); di++) {
+            int n = dims[di];
+            size_t head_bytes = td_row_bytes(t, n);
+            for (size_t ri = 0; ri < TD_ARRAY_LEN(runs); ri++) {
+                int n_head = runs[ri].n_head, group = runs[ri].group;
+                int h0 = runs[ri].h0, nh = runs[ri].nh, n_kv = n_head / group;
+                float *q = rand_floats(&rng, (size_t)n_head * n, 1.0f),
+                      *src = rand_floats(&rng, (size_t)n_kv * n, 2.0f),
+                      *a = rand_floats(&rng, (size_t)nh * LD, 1.0f),
+                      *y0 = rand_floats(&rng, (size_t)n_head * n, 1.0f);
+                uint8_t *row = td_xcalloc((size_t)n_kv, head_bytes);
+                for (int kh = 0; kh < n_kv; kh++)
+                    td_quant_row_ref(t, src + (size_t)kh * n, row + (size_t)kh * head_bytes, n);
+                float *y1 = td_xmalloc(sizeof(float) * (size_t)n_head * n),
+                      *y2 = td_xmalloc(sizeof(float) * (size_t)n_head * n);
+                FOR_EACH_ISA(isa)
+                {
+                    float out[16 * LD], want[16];
+                    memset(out, 0, sizeof(out));
+                    cpu_dot_kv_heads(out, LD, q + (size_t)h0 * n, row, head_bytes, t, n, h0, nh,
+                                     group);
+                    for (int i = 0; i < nh; i++) {
+                        int kh = (h0 + i) / group;
+                        want[i] = cpu_dot_kv(q + (size_t)(h0 + i) * n,
+                                             row + (size_t)kh * head_bytes, t, n);
+                        if (memcmp(&want[i], &out[(size_t)i * LD], 4) != 0)
+                            fail_msg("isa %d dot_kv_heads %s n=%d run %zu head %d: %g vs %g", isa,
+                                     td_type_name(t), n, ri, h0 + i, out[(size_t)i * LD], want[i]);
+                    }
+                    memcpy(y1, y0, sizeof(float) * (size_t)n_head * n);
+                    memcpy(y2, y0, sizeof(float) * (size_t)n_head * n);
+                    cpu_axpy_kv_heads(y1 + (size_t)h0 * n, a, LD, row, head_bytes, t, n, h0, nh,
+                                      group);
+                    for (int i = 0; i < nh; i++)
+                        cpu_axpy_kv(y2 + (size_t)(h0 + i) * n, a[(size_t)i * LD],
+                                    row + (size_t)((h0 + i) / group) * head_bytes, t, n);
+                    /* Equal bits, and the heads outside the run untouched. */
+                    assert_memory_equal(y1, y2, sizeof(float) * (size_t)n_head * n);
+                    assert_memory_equal(y1, y0, sizeof(float) * (size_t)h0 * n);
+                }
+                free(q);
+                free(src);
+                free(a);
+                free(y0);
+                free(y1);
+                free(y2);
+                free(row);
+            }
+        }
+    }
+}
+
 static void test_rope(void **state)
 {
     (void)state;
@@ -710,6 +777,7 @@ int main(void)
         cmocka_unit_test(test_matmul_multi),
         cmocka_unit_test(test_row_kernels),
         cmocka_unit_test(test_kv_kernels),
+        cmocka_unit_test(test_kv_heads),
         cmocka_unit_test(test_rope),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
