@@ -7,10 +7,14 @@
 # (as the llama.cpp anchor in ../shared/anchors.md did). Results go to bench/results/,
 # the comparison table to stdout and the plot to bench/seed_table.svg.
 # Usage: bench/seed_table.sh [extra tandem bench flags]
+# Environment: TANDEM (the binary, default build/tandem), SEED_TABLE_OUT (the results
+# folder, default bench/results; the plot goes there too when it is not the default).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-T=build/tandem
-out=bench/results
+T=${TANDEM:-build/tandem}
+out=${SEED_TABLE_OUT:-bench/results}
+plot=bench/seed_table.svg
+[ "$out" = bench/results ] || plot=$out/seed_table.svg
 mkdir -p "$out" build/models
 model=build/models/llama-134m-f16.gguf
 [ -f "$model" ] || $T mkmodel --preset llama-134m --type f16 --out "$model" >/dev/null
@@ -47,4 +51,4 @@ files=()
 for name in 1p1d-tcp 1p1d-shm 1p1d-push aggregated; do
     for c in 1 4 16; do files+=("$out/$name-c$c.json"); done
 done
-$T bench --compare "${files[@]}" --plot bench/seed_table.svg
+$T bench --compare "${files[@]}" --plot "$plot"

@@ -281,7 +281,8 @@ static void task_block_crc(void *ctx, int ith, int nth)
 static int att_heads(const fwd_ctx *f, int n_rows)
 {
     int n_head = f->model->shape.n_head;
-    int chunks = TD_MIN(n_head, (4 * f->n_threads + n_rows - 1) / n_rows);
+    /* A lone thread has nothing to balance: whole rows read the cache in order. */
+    int chunks = f->n_threads == 1 ? 1 : TD_MIN(n_head, (4 * f->n_threads + n_rows - 1) / n_rows);
     chunks = TD_MAX(chunks, (n_head + ATT_MAX_HEADS - 1) / ATT_MAX_HEADS);
     return (n_head + chunks - 1) / chunks;
 }
