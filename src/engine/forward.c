@@ -59,9 +59,9 @@ static size_t mm_scratch_bytes(const td_model *m, int rows, int n_threads)
 }
 
 /* Floats between two heads' scores: max_ctx rounded up to a cache line, and an odd
- * number of cache lines, so that the heads' rows never lie a multiple of 4 KiB apart
- * (attention stores one score per head per position: at a 4 KiB stride those stores
- * fall in one L1 set and alias the loads, which made decode attention ~2x slower). */
+ * number of cache lines, so that the heads' rows never lie a multiple of 4 KiB apart.
+ * Decode attention stores one score per head for each position; at a 4 KiB stride
+ * (max_ctx 2048: 8 KiB) those stores would all fall in one L1 set. */
 static size_t score_ld(int max_ctx)
 {
     size_t ld = ((size_t)max_ctx + 15) & ~(size_t)15;
