@@ -290,6 +290,8 @@ static int att_heads(const fwd_ctx *f, int n_rows)
 /* How many KV rows ahead attention prefetches: about 8 x 1.5 KiB in llama-134m, enough
  * to cover memory latency without crowding the cache (BENCHMARKS.md, issue 6). */
 #define ATT_PREFETCH_ROWS 8
+/* Fewest bytes of a row an item must read for attention to walk row by row. */
+#define ATT_ROW_MIN_BYTES 512
 
 /* Prefetch bytes [from, to) of KV row j + ATT_PREFETCH_ROWS, which lies in this block
  * (blk) or the next one (nxt; NULL past the last block). */
@@ -357,9 +359,11 @@ static void task_attention(void *ctx, int ith, int nth)
         size_t pf0 = (size_t)(h0 / group) * head_bytes;
         size_t pf1 = (size_t)((h1 - 1) / group + 1) * head_bytes;
         /* Rows of one sequence lie next to each other in a batch. Walking rows pays when
-         * the item reads at least half of each row. */
+         * the item reads at least half of each row, and enough of it to outweigh a call
+         * per row (a tiny model's whole row can be 64 bytes). */
         const int32_t *seq = tk->b->seq;
-        bool alone = 2 * nh >= s->n_head && (r == 0 || seq[r - 1] != seq[r]) &&
+        bool alone = 2 * nh >= s->n_head && pf1 - pf0 >= ATT_ROW_MIN_BYTES &&
+                     (r == 0 || seq[r - 1] != seq[r]) &&
                      (r + 1 >= tk->b->n_tokens || seq[r + 1] != seq[r]);
         for (int j0 = 0; j0 < n; j0 += bs) {
             const uint8_t *kb = kv_k(kv, tk->il, table[j0 / bs]);
