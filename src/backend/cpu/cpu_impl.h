@@ -140,4 +140,65 @@ uint8_t cpu__f32_to_fp8(float f);
 extern float cpu__fp8_table[256];
 void cpu__quant_x_ref(const float *x, int K, int offset, int8_t *xq, float *xd, int32_t *xc);
 
+/*
+ * The loops over a run of heads of cpu_dot_kv_heads and cpu_axpy_kv_heads, for one
+ * ISA's one-position kernels DOT1(t, q, k, n) -> float and AXPY1(t, y, a, v, n): defines
+ * the static functions dot_kv_heads and axpy_kv_heads. The KV type is resolved once per
+ * call, and each branch inlines the kernels with a constant type.
+ */
+#define CPU__KV_HEADS_KERNELS(DOT1, AXPY1)                                                         \
+    static inline __attribute__((always_inline)) void dot_heads_t(                                \
+        td_type t, float *out, size_t os, const float *q, const uint8_t *k, size_t hb, int n,     \
+        int h0, int nh, int group)                                                                 \
+    {                                                                                              \
+        for (int i = 0; i < nh; i++)                                                               \
+            out[(size_t)i * os] =                                                                  \
+                DOT1(t, q + (size_t)i * n, k + (size_t)((h0 + i) / group) * hb, n);                \
+    }                                                                                              \
+    static inline __attribute__((always_inline)) void axpy_heads_t(                               \
+        td_type t, float *y, const float *a, size_t as, const uint8_t *v, size_t hb, int n,       \
+        int h0, int nh, int group)                                                                 \
+    {                                                                                              \
+        for (int i = 0; i < nh; i++)                                                               \
+            AXPY1(t, y + (size_t)i * n, a[(size_t)i * as], v + (size_t)((h0 + i) / group) * hb,   \
+                  n);                                                                              \
+    }                                                                                              \
+    static void dot_kv_heads(float *out, size_t out_stride, const float *q, const void *k,         \
+                             size_t head_bytes, td_type t, int n, int h0, int n_heads, int group)  \
+    {                                                                                              \
+        CPU__KV_TYPE_SWITCH(t, T, dot_heads_t(T, out, out_stride, q, (const uint8_t *)k,           \
+                                               head_bytes, n, h0, n_heads, group))                 \
+    }                                                                                              \
+    static void axpy_kv_heads(float *y, const float *a, size_t a_stride, const void *v,            \
+                              size_t head_bytes, td_type t, int n, int h0, int n_heads, int group) \
+    {                                                                                              \
+        CPU__KV_TYPE_SWITCH(t, T, axpy_heads_t(T, y, a, a_stride, (const uint8_t *)v, head_bytes,  \
+                                                n, h0, n_heads, group))                            \
+    }
+
+/* Run STMT with the KV type T bound to t as a constant (f32 for any other type). */
+#define CPU__KV_TYPE_SWITCH(t, T, STMT)                                                            \
+    switch (t) {                                                                                   \
+    case TD_TYPE_F16: {                                                                            \
+        const td_type T = TD_TYPE_F16;                                                             \
+        STMT;                                                                                      \
+        break;                                                                                     \
+    }                                                                                              \
+    case TD_TYPE_BF16: {                                                                           \
+        const td_type T = TD_TYPE_BF16;                                                            \
+        STMT;                                                                                      \
+        break;                                                                                     \
+    }                                                                                              \
+    case TD_TYPE_FP8_E4M3: {                                                                       \
+        const td_type T = TD_TYPE_FP8_E4M3;                                                        \
+        STMT;                                                                                      \
+        break;                                                                                     \
+    }                                                                                              \
+    default: {                                                                                     \
+        const td_type T = TD_TYPE_F32;                                                             \
+        STMT;                                                                                      \
+        break;                                                                                     \
+    }                                                                                              \
+    }
+
 #endif

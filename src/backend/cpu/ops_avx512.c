@@ -590,46 +590,7 @@ INLINE void axpy_kv1(td_type t, float *y, float a, const uint8_t *v, int n)
     }
 }
 
-/* The type is resolved once per call, so the loop over heads runs without a switch. */
-#define KV_TYPE_SWITCH(t, CALL)                                                                    \
-    switch (t) {                                                                                   \
-    case TD_TYPE_F16:                                                                              \
-        CALL(TD_TYPE_F16);                                                                         \
-        break;                                                                                     \
-    case TD_TYPE_BF16:                                                                             \
-        CALL(TD_TYPE_BF16);                                                                        \
-        break;                                                                                     \
-    case TD_TYPE_FP8_E4M3:                                                                         \
-        CALL(TD_TYPE_FP8_E4M3);                                                                    \
-        break;                                                                                     \
-    default:                                                                                       \
-        CALL(TD_TYPE_F32);                                                                         \
-        break;                                                                                     \
-    }
-
-static void dot_kv_heads(float *out, size_t out_stride, const float *q, const void *k,
-                         size_t head_bytes, td_type t, int n, int h0, int n_heads, int group)
-{
-    const uint8_t *kb = k;
-#define DOT_HEADS(T)                                                                               \
-    for (int i = 0; i < n_heads; i++)                                                              \
-        out[(size_t)i * out_stride] =                                                              \
-            dot_kv1(T, q + (size_t)i * n, kb + (size_t)((h0 + i) / group) * head_bytes, n)
-    KV_TYPE_SWITCH(t, DOT_HEADS)
-#undef DOT_HEADS
-}
-
-static void axpy_kv_heads(float *y, const float *a, size_t a_stride, const void *v,
-                          size_t head_bytes, td_type t, int n, int h0, int n_heads, int group)
-{
-    const uint8_t *vb = v;
-#define AXPY_HEADS(T)                                                                              \
-    for (int i = 0; i < n_heads; i++)                                                              \
-    axpy_kv1(T, y + (size_t)i * n, a[(size_t)i * a_stride],                                       \
-             vb + (size_t)((h0 + i) / group) * head_bytes, n)
-    KV_TYPE_SWITCH(t, AXPY_HEADS)
-#undef AXPY_HEADS
-}
+CPU__KV_HEADS_KERNELS(dot_kv1, axpy_kv1)
 
 const cpu__kernels cpu__avx512 = {
     .name = "avx512",
