@@ -6,8 +6,8 @@
  * the K tail through zero-masked loads), reduced at the end by reduce16, which
  * applies the fixed tree cpu__tree16 to 16 accumulators at once.
  *   - small M (< FPACK_MIN_M_*): register tiles straight from the weight rows, widening
- *     each load (1 x 16 for GEMV, up to 4 x 6 otherwise), prefetching the next rows, so
- *     that the weights stream from DRAM at full speed;
+ *     each load (1 x 4 or 1 x 16 for GEMV, up to 4 x 6 otherwise), prefetching the next
+ *     rows, so that the weights stream from DRAM at full speed;
  *   - larger M: a panel of 6 weight rows is widened to f32 once into an aligned buffer
  *     and 4 x 6 tiles run over a block of x rows that stays in L2; K > 1024 is cut into
  *     chunks of 1024 with the accumulators stored between chunks.
@@ -236,14 +236,23 @@ static void store_tile(float *y, int64_t ldy, const float *out, int NR, int mr, 
 
 /*
  * Small M: tiles straight from the weight rows (widening each load), so that the
- * weights stream from DRAM at full speed while the next rows are prefetched. M = 1 uses
- * 1 x 16 tiles; otherwise x rows go in balanced tiles of at most 4 against 6 weight
- * rows, and the first tile of each group prefetches the next group.
+ * weights stream from DRAM at full speed while the next rows are prefetched.
+ *   - M = 1, rows of at least GEMV_NARROW_K: 1 x 4 tiles. Four rows read side by side
+ *     (and the next four prefetched) are streams the hardware prefetchers keep up with;
+ *     1 x 16 tiles read 16 rows a whole row apart, and decoded llama-134m 10-16% slower
+ *     (f16 and f32, BENCHMARKS.md). Fewer than 4 rows leave too few multiply-add chains.
+ *   - M = 1, shorter rows: 1 x 16 tiles, whose one reduction serves 16 outputs (with 1 x 4
+ *     it cost stories260K's 64-wide rows 11%).
+ *   - otherwise x rows go in balanced tiles of at most 4 against 6 weight rows (4 x 4
+ *     tiles were 12% slower at M = 8), and the first tile of each group prefetches the
+ *     next group.
  */
+#define GEMV_NARROW_K 256
+
 INLINE void fdirect(const cpu__mm *mm, int kind, int n0, int n1)
 {
     const int K = mm->K, M = mm->M;
-    const int NR = M == 1 ? 16 : 6;
+    const int NR = M > 1 ? 6 : K >= GEMV_NARROW_K ? 4 : 16;
     float out[32] __attribute__((aligned(64)));
     for (int n = n0; n < n1; n += NR) {
         const void *wr[16];
@@ -262,7 +271,9 @@ INLINE void fdirect(const cpu__mm *mm, int kind, int n0, int n1)
             const uint8_t *const *p = ti == 0 ? pf : NULL;
             switch (mr) {
             case 1:
-                if (M == 1)
+                if (M == 1 && NR == 4)
+                    ftile_pf(1, 4, kind, xr, wr, K, out, p);
+                else if (M == 1)
                     ftile_pf(1, 16, kind, xr, wr, K, out, p);
                 else
                     ftile_pf(1, 6, kind, xr, wr, K, out, p);
