@@ -238,9 +238,10 @@ static void store_tile(float *y, int64_t ldy, const float *out, int NR, int mr, 
  * Small M: tiles straight from the weight rows (widening each load), so that the
  * weights stream from DRAM at full speed while the next rows are prefetched.
  *   - M = 1, rows of at least GEMV_NARROW_K: 1 x 4 tiles. Four rows read side by side
- *     (and the next four prefetched) are streams the hardware prefetchers keep up with;
- *     1 x 16 tiles read 16 rows a whole row apart, and decoded llama-134m 10-16% slower
- *     (f16 and f32, BENCHMARKS.md). Fewer than 4 rows leave too few multiply-add chains.
+ *     (and the next four prefetched) are streams the hardware prefetchers keep up with,
+ *     better than 16 rows a whole row apart: llama-134m decodes 1.10-1.27x faster than
+ *     with 1 x 16 tiles (f16 and f32, BENCHMARKS.md). Fewer than 4 rows leave too few
+ *     multiply-add chains.
  *   - M = 1, shorter rows: 1 x 16 tiles, whose one reduction serves 16 outputs (with 1 x 4
  *     it cost stories260K's 64-wide rows 11%).
  *   - otherwise x rows go in balanced tiles of at most 4 against 6 weight rows (4 x 4
