@@ -176,7 +176,8 @@ void cpu__quant_x_ref(const float *x, int K, int offset, int8_t *xq, float *xd, 
                                                 n, h0, n_heads, group))                            \
     }
 
-/* Run STMT with the KV type T bound to t as a constant (f32 for any other type). */
+/* Run STMT with the KV type T bound to t as a constant (f32 for any other type), so
+ * that kernels inlined in STMT are compiled once per KV type. */
 #define CPU__KV_TYPE_SWITCH(t, T, STMT)                                                            \
     switch (t) {                                                                                   \
     case TD_TYPE_F16: {                                                                            \

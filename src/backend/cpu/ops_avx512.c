@@ -463,20 +463,8 @@ static void dot_kv_multi(float *out, const float *q, const void *k, size_t k_str
     for (int j = 0; j < count; j += 8) {
         int c = TD_MIN(8, count - j);
         if (c == 8) {
-            switch (t) {
-            case TD_TYPE_F16:
-                dot_kv_group(out + j, q, kb + j * k_stride, k_stride, TD_TYPE_F16, n, 8);
-                break;
-            case TD_TYPE_BF16:
-                dot_kv_group(out + j, q, kb + j * k_stride, k_stride, TD_TYPE_BF16, n, 8);
-                break;
-            case TD_TYPE_FP8_E4M3:
-                dot_kv_group(out + j, q, kb + j * k_stride, k_stride, TD_TYPE_FP8_E4M3, n, 8);
-                break;
-            default:
-                dot_kv_group(out + j, q, kb + j * k_stride, k_stride, TD_TYPE_F32, n, 8);
-                break;
-            }
+            const uint8_t *kj = kb + j * k_stride;
+            CPU__KV_TYPE_SWITCH(t, T, dot_kv_group(out + j, q, kj, k_stride, T, n, 8))
         } else {
             dot_kv_group(out + j, q, kb + j * k_stride, k_stride, t, n, c);
         }
@@ -506,20 +494,7 @@ INLINE void axpy_fixed(int C, float *y, const float *a, const uint8_t *v, size_t
 INLINE void axpy_fixed_t(int C, float *y, const float *a, const uint8_t *v, size_t stride,
                          td_type t, int count)
 {
-    switch (t) {
-    case TD_TYPE_F16:
-        axpy_fixed(C, y, a, v, stride, TD_TYPE_F16, count);
-        break;
-    case TD_TYPE_BF16:
-        axpy_fixed(C, y, a, v, stride, TD_TYPE_BF16, count);
-        break;
-    case TD_TYPE_FP8_E4M3:
-        axpy_fixed(C, y, a, v, stride, TD_TYPE_FP8_E4M3, count);
-        break;
-    default:
-        axpy_fixed(C, y, a, v, stride, TD_TYPE_F32, count);
-        break;
-    }
+    CPU__KV_TYPE_SWITCH(t, T, axpy_fixed(C, y, a, v, stride, T, count))
 }
 
 static void axpy_kv_multi(float *y, const float *a, const void *v, size_t v_stride, td_type t,
