@@ -43,7 +43,9 @@ typedef struct rt_candidate {
     uint64_t worker_id; /* stable while the worker is registered; never reused */
     const char *url;    /* base URL, e.g. "http://127.0.0.1:8010" (the hashing key) */
     int in_flight;      /* requests the router has in flight there */
-    int reported_load;  /* running + waiting from the worker's last report; -1 unknown */
+    int reported_load;  /* running + waiting from the worker's last report, less the
+                         * requests this router had in flight there then (those are in
+                         * in_flight already); -1 unknown */
 } rt_candidate;
 
 typedef struct rt_policy_opts {

@@ -39,7 +39,8 @@ typedef struct rt_worker {
     int cb_fail, cb_ok;
     uint64_t cb_opened_ns;
     int in_flight;
-    int reported_load; /* -1 unknown */
+    int reported_load; /* the engine's last /health "load" (running + waiting); -1 unknown */
+    int external_load; /* reported_load less our in_flight at that moment, >= 0; -1 unknown */
     /* /kv_transfer_info (PD roles) */
     bool info_ok;
     /* discovery: until info_ok, /kv_transfer_info is read again at next_probe_ns, the gap

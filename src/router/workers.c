@@ -87,6 +87,7 @@ int rt_worker_add(rt_router *r, const char *url, rt_role role, bool dynamic, rt_
     w->role = role;
     w->healthy = true; /* until the checks say otherwise */
     w->reported_load = -1;
+    w->external_load = -1;
     w->dp_rank = -1;
     w->dp_size = 1;
     w->dynamic = dynamic;
@@ -244,7 +245,7 @@ rt_worker *rt_pick(rt_router *r, rt_role role, const char *text, size_t len,
         cs[i] = (rt_candidate){.worker_id = ws[i]->id,
                                .url = ws[i]->url,
                                .in_flight = ws[i]->in_flight,
-                               .reported_load = ws[i]->reported_load};
+                               .reported_load = ws[i]->external_load};
     int k = rt_policy_pick(r->policy[role], cs, n, text, len);
     return ws[k >= 0 && k < n ? k : 0];
 }
@@ -443,7 +444,12 @@ static void on_check_done(struct evhttp_request *req, void *arg)
         } else {
             cJSON *j = code == 200 ? body_json(req) : NULL;
             const cJSON *load = cJSON_GetObjectItemCaseSensitive(j, "load");
-            if (cJSON_IsNumber(load)) w->reported_load = (int)load->valuedouble;
+            if (cJSON_IsNumber(load)) {
+                /* The report counts this router's own requests too; the policies add
+                 * in_flight themselves, so keep only what others put there. */
+                w->reported_load = (int)load->valuedouble;
+                w->external_load = TD_MAX(w->reported_load - w->in_flight, 0);
+            }
             cJSON_Delete(j);
             char why[64];
             snprintf(why, sizeof(why), code ? "/health answered %d" : "no answer", code);
