@@ -276,6 +276,12 @@ static void task_block_crc(void *ctx, int ith, int nth)
     }
 }
 
+/* How many KV rows ahead attention prefetches: about 8 x 1.5 KiB in llama-134m, enough
+ * to cover memory latency without crowding the cache (BENCHMARKS.md, issue 6). */
+#define ATT_PREFETCH_ROWS 8
+/* Fewest bytes of a row an item must read for attention to walk row by row. */
+#define ATT_ROW_MIN_BYTES 512
+
 /* Heads per attention item: all of them when there are enough tokens to share among
  * the threads, fewer when the batch is small (batch-1 decode still uses every thread). */
 static int att_heads(const fwd_ctx *f, int n_rows)
@@ -283,15 +289,16 @@ static int att_heads(const fwd_ctx *f, int n_rows)
     int n_head = f->model->shape.n_head;
     /* A lone thread has nothing to balance: whole rows read the cache in order. */
     int chunks = f->n_threads == 1 ? 1 : TD_MIN(n_head, (4 * f->n_threads + n_rows - 1) / n_rows);
+    /* A decode row walks the cache row by row only when its item covers half a row or
+     * more (task_attention). Where half a row is big enough for that, and two items per
+     * row still give every thread one, they read in address order and beat more,
+     * narrower items that read it strided: at batch 1 with 2 threads, attention took 18%
+     * of a step in 2-head items. */
+    if (chunks > 2 && 2 * n_rows >= f->n_threads && f->kv->token_bytes / 2 >= ATT_ROW_MIN_BYTES)
+        chunks = 2;
     chunks = TD_MAX(chunks, (n_head + ATT_MAX_HEADS - 1) / ATT_MAX_HEADS);
     return (n_head + chunks - 1) / chunks;
 }
-
-/* How many KV rows ahead attention prefetches: about 8 x 1.5 KiB in llama-134m, enough
- * to cover memory latency without crowding the cache (BENCHMARKS.md, issue 6). */
-#define ATT_PREFETCH_ROWS 8
-/* Fewest bytes of a row an item must read for attention to walk row by row. */
-#define ATT_ROW_MIN_BYTES 512
 
 /* Prefetch bytes [from, to) of KV row j + ATT_PREFETCH_ROWS, which lies in this block
  * (blk) or the next one (nxt; NULL past the last block). */
