@@ -1,7 +1,8 @@
 /*
  * bench/bench_kernels.c - throughput of cpu_matmul on the llama-134m shapes.
  *
- *   bench_kernels [-t threads] [-r seconds] [-n] [type ...]     (types: f32 f16 bf16 q8_0 q4_0)
+ *   bench_kernels [-t threads] [-r seconds] [-n] [-m M,...] [type ...]
+ *   (types: f32 f16 bf16 q8_0 q4_0; -m: the x rows of the decode passes, default 1,32)
  *
  * For each weight type it builds 12 "layers" of distinct matrices (q/k/v/o 768x768,
  * gate/up 2048x768, down 768x2048) plus the 32000x768 output matrix, so that
@@ -135,6 +136,7 @@ int main(int argc, char **argv)
     bool pin = true;
     td_type types[8];
     int n_types = 0;
+    int pass_m[16] = {1, 32}, n_pass_m = 2;
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "-t") == 0 && i + 1 < argc) {
             threads = atoi(argv[++i]);
@@ -142,10 +144,24 @@ int main(int argc, char **argv)
             budget = atof(argv[++i]);
         } else if (strcmp(argv[i], "-n") == 0) {
             pin = false;
+        } else if (strcmp(argv[i], "-m") == 0 && i + 1 < argc) {
+            n_pass_m = 0;
+            for (char *tok = strtok(argv[++i], ","); tok && n_pass_m < 16; tok = strtok(NULL, ",")) {
+                int m = atoi(tok);
+                if (m < 1 || m > 512) {
+                    fprintf(stderr, "bench_kernels: -m takes rows from 1 to 512\n");
+                    return 2;
+                }
+                pass_m[n_pass_m++] = m;
+            }
+            if (n_pass_m == 0) {
+                fprintf(stderr, "bench_kernels: -m needs a list of rows, e.g. 1,4,32\n");
+                return 2;
+            }
         } else {
             td_type t = td_type_parse(argv[i]);
             if (t == TD_TYPE_INVALID || t == TD_TYPE_FP8_E4M3 || n_types == 8) {
-                fprintf(stderr, "usage: bench_kernels [-t threads] [-r seconds] [-n] "
+                fprintf(stderr, "usage: bench_kernels [-t threads] [-r seconds] [-n] [-m M,...] "
                                 "[f32|f16|bf16|q8_0|q4_0 ...]\n");
                 return 2;
             }
@@ -210,12 +226,13 @@ int main(int argc, char **argv)
             pass_flops += 2.0 * s->N * s->K * n;
         }
         double p1 = time_pass(pool, t, shapes, 4, 1, x, y, scratch, 9);
-        double p32 = time_pass(pool, t, shapes, 4, 32, x, y, scratch, 5);
-        printf("decode pass M=1 : %7.2f ms  %6.2f GB/s  %7.1f tok/s\n", p1 * 1e3,
-               pass_bytes / p1 / 1e9, 1 / p1);
-        printf("decode pass M=32: %7.2f ms  %6.2f GB/s  %7.1f tok/s  (%.2fx the M=1 time, %.1f "
-               "GFLOP/s)\n",
-               p32 * 1e3, pass_bytes / p32 / 1e9, 32 / p32, p32 / p1, 32 * pass_flops / p32 / 1e9);
+        for (int mi = 0; mi < n_pass_m; mi++) {
+            int M = pass_m[mi];
+            double p = M == 1 ? p1 : time_pass(pool, t, shapes, 4, M, x, y, scratch, 5);
+            printf("decode pass M=%-3d: %7.2f ms  %6.2f GB/s  %7.1f tok/s  (%.2fx the M=1 time, "
+                   "%.1f GFLOP/s)\n",
+                   M, p * 1e3, pass_bytes / p / 1e9, M / p, p / p1, M * pass_flops / p / 1e9);
+        }
         td_aligned_free(scratch);
         for (int si = 0; si < 4; si++)
             free_shape(&shapes[si]);
