@@ -73,7 +73,8 @@ eng=(--model llama3-8b --load-format dummy --dtype bf16 --device cuda --kv-cache
      --max-model-len 4096 --kv-cache-memory 30G --max-num-batched-tokens 2048 --log-level warn)
 bench_at() { # URL LABEL
     for c in 1 4 16; do
-        build-gpu/tandem bench --base-url "$1" --input-len 1024 --output-len 128 --ignore-eos \
+        # a seed per level: no level's prompts are a prefix-cache hit on an earlier level's
+        build-gpu/tandem bench --base-url "$1" --input-len 1024 --output-len 128 --ignore-eos --seed $c \
             --num-prompts $((c * 4)) --max-concurrency $c --label "$2 c=$c" \
             --save-result "$out/pd-$2-c$c.json" 2>&1 | grep -vE "^\s*$" | log
     done

@@ -4,7 +4,8 @@
 # weights, mkmodel), the machine's cores split evenly, for:
 #   1P1D over tcp, 1P1D over shm, 1P1D in push mode, and one aggregated engine.
 # Each configuration is a `tandem up` cluster; each level runs 2 x concurrency requests
-# (as the llama.cpp anchor in ../shared/anchors.md did). Results go to bench/results/,
+# (as the llama.cpp anchor in ../shared/anchors.md did), with prompts no earlier level
+# sent (a seed per level), so that no prefill is a prefix-cache hit. Results go to bench/results/,
 # the comparison table to stdout and the plot to bench/seed_table.svg.
 # Usage: bench/seed_table.sh [extra tandem bench flags]
 # Environment: TANDEM (the binary, default build/tandem), SEED_TABLE_OUT (the results
@@ -34,7 +35,9 @@ run() { # NAME UP-FLAGS...
     url=$(sed -n 's/^tandem up: \(http[^ ]*\).*/\1/p' "$work/up.out")
     for c in 1 4 16; do
         echo "== $name, concurrency $c" >&2
-        $T bench --base-url "$url" --input-len 512 --output-len 128 --ignore-eos \
+        # Each level its own seed: the same seed would give the next level the previous
+        # level's prompts first, which the engines' prefix caches answer without a prefill.
+        $T bench --base-url "$url" --input-len 512 --output-len 128 --ignore-eos --seed $c \
             --num-prompts $((2 * c)) --max-concurrency $c --label "$name" \
             --save-result "$out/$name-c$c.json" "${BENCH_FLAGS[@]}" >/dev/null
     done
