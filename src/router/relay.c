@@ -362,6 +362,7 @@ static void on_leg_done(struct evhttp_request *req, void *arg)
     int status = req ? evhttp_request_get_response_code(req) : 0;
     double secs = td_now_s() - leg->t0;
     bool ok = req && status > 0 && status < 500;
+    if (w && status > 0) w->reachable = true;
     if (req && !leg->relay) /* a collected answer: keep its body */
         evbuffer_add_buffer(leg->body, evhttp_request_get_input_buffer(req));
     if (w) rt_worker_result(q->r, w, ok, ok ? secs : -1);

@@ -31,6 +31,10 @@ typedef struct rt_worker {
     rt_role role;
     /* health (active checks): healthy until failure_threshold checks fail in a row */
     bool healthy;
+    /* the worker has answered this router once (any HTTP answer: a probe, a check or a
+     * relayed request). Until then it takes no requests, and the router's /health does not
+     * count it: a worker whose engine is still starting is not "healthy" by default. */
+    bool reachable;
     int health_fail, health_ok;
     bool check_in_flight;
     /* circuit breaker (relayed requests): open after cb_failure_threshold failures in a

@@ -218,7 +218,7 @@ static rt_cb_state breaker(rt_router *r, rt_worker *w)
 
 static bool eligible(rt_router *r, rt_worker *w)
 {
-    if (!w->healthy) return false;
+    if (!w->healthy || !w->reachable) return false;
     if (w->role != RT_ROLE_WORKER && r->cfg.pd && !w->info_ok) return false;
     if (!r->cfg.circuit_breaker) return true;
     rt_cb_state s = breaker(r, w);
@@ -412,6 +412,7 @@ static void info_apply(rt_router *r, rt_worker *w, const cJSON *j)
             s->dp_rank = k;
             s->dp_size = dp_size;
             s->info_ok = true;
+            s->reachable = true;
             memcpy(s->engine_id, w->engine_id, sizeof(s->engine_id));
             memcpy(s->kv_host, w->kv_host, sizeof(s->kv_host));
             memcpy(s->kv_role, w->kv_role, sizeof(s->kv_role));
@@ -429,6 +430,10 @@ static void on_check_done(struct evhttp_request *req, void *arg)
     rt_router *r = c->r;
     rt_worker *w = c->w;
     int code = req ? evhttp_request_get_response_code(req) : 0;
+    if (code > 0 && !w->reachable) {
+        w->reachable = true;
+        TD_INFO("router: %s %s answers", rt_role_name(w->role), w->url);
+    }
     if (c->kind == CHECK_RELEASE) {
         /* 404: the consumer had released it already, or the lease had expired */
         if (code == 200) r->kv_releases++;
@@ -596,6 +601,7 @@ cJSON *rt_workers_json(rt_router *r)
             cJSON_AddNumberToObject(o, "dp_rank", w->dp_rank);
         }
         cJSON_AddBoolToObject(o, "healthy", w->healthy);
+        cJSON_AddBoolToObject(o, "reachable", w->reachable);
         cJSON_AddStringToObject(o, "circuit_breaker",
                                 r->cfg.circuit_breaker ? rt_cb_name(breaker(r, w)) : "disabled");
         cJSON_AddNumberToObject(o, "in_flight", w->in_flight);

@@ -435,6 +435,34 @@ test('a router started before its engines serves as soon as they are up, not at 
   for (const p of [late, lp, ld]) p.proc.kill('SIGTERM');
 });
 
+test('a plain worker counts only once it has answered: until then /health is 503 and requests do not trip its breaker', async () => {
+  const srv = net.createServer();
+  const wp = await new Promise((resolve) => srv.listen(0, '127.0.0.1', () => { const { port } = srv.address(); srv.close(() => resolve(port)); }));
+  const late = await start(['router', '--host', '127.0.0.1', '--port', '0', '--log-level', 'warn',
+    '--health-check-interval-secs', '3600', '--worker', `http://127.0.0.1:${wp}`]);
+  // Nothing listens there yet: the router must not call itself healthy (`tandem up` waits
+  // on this), and requests are refused at once, without counting against the worker.
+  const h = await fetch(late.url + '/health');
+  assert.equal(h.status, 503, await h.text());
+  assert.equal((await workers(late.url))[0].reachable, false);
+  for (let i = 0; i < 8; i++) {
+    const r0 = await post(late.url, '/v1/completions', { prompt: [1, 306], ...GEN });
+    assert.equal(r0.status, 503, r0.text);
+  }
+  assert.equal((await workers(late.url))[0].circuit_breaker, 'closed');
+  const eng = await start(['serve', '--model', MODEL, '--threads', '1', '--host', '127.0.0.1', '--server-port', String(wp),
+    '--log-level', 'warn']);
+  await until(async () => (await fetch(late.url + '/health')).status === 200, 'the late worker discovered', 15000);
+  const w = (await workers(late.url))[0];
+  assert.equal(w.reachable, true);
+  const models = await (await fetch(late.url + '/v1/models')).json();
+  assert.equal(models.data.length, 1, 'the model is known by the time the router is healthy');
+  const r = await post(late.url, '/v1/completions', { prompt: [1, 306], ...GEN });
+  assert.equal(r.status, 200, r.text);
+  assert.equal(r.json.choices[0].text, await expected([1, 306]));
+  for (const p of [late, eng]) p.proc.kill('SIGTERM');
+});
+
 test('every engine is idle at the end, and the routers shut down cleanly', async () => {
   for (const e of [P1, P2, D1, D2, PW]) await idle(e.url, e.url);
   for (const r of [R1, R2, RA, RW]) {
