@@ -227,6 +227,8 @@ int cli_serve(int argc, char **argv)
     /* A KV role commits its pool up front: blocks filled by a transfer would otherwise
      * take their page faults during the copy (about 3x its time, BENCHMARKS.md). */
     cfg.kv_prefault = have_kv && !on_gpu;
+    /* The weights' pages too: "healthy" means the first request is as fast as the next. */
+    cfg.weights_prefault = !on_gpu;
     /* A producer that sends checksums keeps them as its blocks fill, so a transfer does
      * not read every block a second time to checksum it (docs/ARCHITECTURE.md). */
     cfg.kv_checksums = have_kv && !on_gpu && kv.verify_checksums &&

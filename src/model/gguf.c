@@ -577,6 +577,19 @@ void gguf_close(gguf_file *f)
     free_file(f);
 }
 
+void gguf_prefault(const gguf_file *f)
+{
+    if (!f || !f->mapped) return;
+#ifdef MADV_POPULATE_READ
+    if (madvise((void *)f->base, f->size, MADV_POPULATE_READ) == 0) return;
+#endif
+    /* Older kernels: read one byte per page. */
+    long page = sysconf(_SC_PAGESIZE);
+    volatile uint8_t sink = 0;
+    for (size_t o = 0; o < f->size; o += (size_t)page) sink ^= f->base[o];
+    (void)sink;
+}
+
 /* ---- accessors ------------------------------------------------------------- */
 
 uint32_t gguf_version(const gguf_file *f)

@@ -52,6 +52,9 @@ int gguf_open(gguf_file **out, const char *path, td_err *err);
 /** Parse a buffer the caller keeps alive for the file's lifetime (fuzzing, tests). */
 int gguf_open_buffer(gguf_file **out, const void *data, size_t size, td_err *err);
 void gguf_close(gguf_file *f);
+/** Map every page of a file-backed mapping now (reads it from the page cache or the disk);
+ *  a no-op for buffers. */
+void gguf_prefault(const gguf_file *f);
 
 uint32_t gguf_version(const gguf_file *f);
 size_t gguf_alignment(const gguf_file *f);

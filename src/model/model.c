@@ -1169,6 +1169,11 @@ int td_model_load_dummy_deferred(td_model **out, const td_model_shape *shape, td
     return load_dummy(out, shape, weight_type, seed, true, 0, 1, err);
 }
 
+void td_model_prefault(const td_model *m)
+{
+    if (m && m->gguf) gguf_prefault(m->gguf);
+}
+
 void td_model_free(td_model *m)
 {
     if (!m) return;

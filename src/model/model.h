@@ -178,6 +178,10 @@ void td_model_gen_row(const td_weight *w, int64_t r, float *out);
 
 void td_model_free(td_model *m);
 
+/** Map every page of the model's file now (gguf_prefault); dummy weights are in memory
+ *  already. */
+void td_model_prefault(const td_model *m);
+
 /**
  * Expert parallelism: this process runs only experts [lo, hi) of every layer. The pages
  * of the other experts' matrices (the mapped or made originals and their packed copies)

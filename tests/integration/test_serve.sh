@@ -72,6 +72,23 @@ PY
     kill "$PIN_PID"
 fi
 
+# --- the weights are mapped before the server listens: a 10 MB model (mkmodel) is wholly
+# resident in the server's mapping of it before any request, so the first request does
+# not fault its pages in (loading touches only the metadata and a few rows).
+"$TD_BIN" mkmodel --out "$tmp/w.gguf" --dim 512 --layers 2 --heads 8 --ffn 1408 --vocab 1024 \
+    --type f16 >/dev/null || fail "mkmodel for the prefault check failed"
+"$TD_BIN" serve --model "$tmp/w.gguf" --threads 1 --host 127.0.0.1 --server-port 0 --log-level warn \
+    2>"$tmp/W.err" &
+w_pid=$!
+server_pids+=("$w_pid")
+wait_listening W "$w_pid" 127.0.0.1
+read -r w_size w_rss < <(awk -v f="$tmp/w.gguf" '$NF == f {m = 1; next} m && /^Size:/ {s = $2}
+    m && /^Rss:/ {print s, $2; exit}' "/proc/$w_pid/smaps")
+[ -n "$w_size" ] || fail "no mapping of the model in the server's smaps"
+[ "$w_rss" -eq "$w_size" ] || fail "the model is not wholly mapped at start-up: $w_rss of $w_size kB resident"
+echo "weights: $w_rss of $w_size kB of the model mapped before the first request"
+kill "$w_pid"
+
 # --- /health: 503 while work waits longer than --health-stall-timeout without a step
 # (here each step is followed by a 3 s sleep), and 200 again once the work is done.
 start_server STALL --enable-debug-endpoints --debug-step-delay-ms 3000 --health-stall-timeout 0.5
