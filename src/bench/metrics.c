@@ -44,6 +44,7 @@ const char *bench_timing_result_name(bench_timing_field f)
 void bench_request_init(bench_request *r)
 {
     memset(r, 0, sizeof(*r));
+    r->cached_tokens = -1;
     for (int f = 0; f < BENCH_T_COUNT; f++)
         r->timing_ms[f] = NAN;
 }
@@ -218,6 +219,10 @@ int bench_compute(const bench_request *reqs, size_t n, double duration_s, const 
         out->completed++;
         out->total_input_tokens += r->prompt_tokens > 0 ? r->prompt_tokens : 0;
         out->total_output_tokens += r->output_tokens > 0 ? r->output_tokens : 0;
+        if (r->cached_tokens >= 0) {
+            out->total_cached_tokens += r->cached_tokens;
+            out->cached_reported++;
+        }
         double v = bench_ttft_ms(r);
         if (!isnan(v)) ttft[n_ttft++] = v;
         v = bench_tpot_ms(r);

@@ -56,6 +56,8 @@ typedef struct bench_request {
     size_t num_events, cap_events;
     long prompt_tokens; /* the server's usage.prompt_tokens, else the dataset's count */
     long output_tokens; /* usage.completion_tokens, else num_events; <= 0: unknown */
+    long cached_tokens; /* usage.prompt_tokens_details.cached_tokens (prompt tokens the
+                           server's prefix cache answered); -1: not reported */
     bool ok;            /* completed: HTTP 200 and a stream that ended with [DONE] */
     char error[160];    /* why it failed, when !ok */
     double timing_ms[BENCH_T_COUNT]; /* server-reported timings; NAN where absent */
@@ -119,6 +121,9 @@ void bench_summarize(double *values, size_t n, const double *percentiles, int nu
 typedef struct bench_results {
     long completed, failed;
     long total_input_tokens, total_output_tokens;
+    /* prompt tokens answered from the server's prefix cache, summed over the completed
+     * requests that reported it (cached_reported of them; 0: the server reports none) */
+    long total_cached_tokens, cached_reported;
     long good_requests; /* completed and meeting every SLO */
     double duration_s;
     double request_throughput;     /* completed / duration, req/s */

@@ -67,6 +67,8 @@ void bench_report_print(FILE *out, const bench_run_info *info, const bench_resul
     row_num(out, "Benchmark duration (s):", res->duration_s, 2);
     row_int(out, "Total input tokens:", res->total_input_tokens);
     row_int(out, "Total generated tokens:", res->total_output_tokens);
+    if (res->cached_reported > 0)
+        row_int(out, "Prompt tokens from the prefix cache:", res->total_cached_tokens);
     row_num(out, "Request throughput (req/s):", res->request_throughput, 2);
     if (bench_slo_any(info->slo)) row_num(out, "Request goodput (req/s):", res->goodput, 2);
     row_num(out, "Output token throughput (tok/s):", res->output_throughput, 2);
@@ -164,6 +166,8 @@ static cJSON *result_json(const bench_run_info *info, const bench_results *res)
     add_num(o, "duration", res->duration_s);
     cJSON_AddNumberToObject(o, "total_input_tokens", (double)res->total_input_tokens);
     cJSON_AddNumberToObject(o, "total_output_tokens", (double)res->total_output_tokens);
+    if (res->cached_reported > 0)
+        cJSON_AddNumberToObject(o, "total_cached_tokens", (double)res->total_cached_tokens);
     add_num(o, "request_throughput", res->request_throughput);
     add_num(o, "output_throughput", res->output_throughput);
     add_num(o, "total_token_throughput", res->total_token_throughput);

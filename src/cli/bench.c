@@ -375,6 +375,9 @@ static void handle_event(bench_call *c, const char *data, size_t len, double now
         double prompt = json_number(usage, "prompt_tokens");
         double completion = json_number(usage, "completion_tokens");
         if (!isnan(prompt)) c->r->prompt_tokens = (long)prompt;
+        double cached = json_number(
+            cJSON_GetObjectItemCaseSensitive(usage, "prompt_tokens_details"), "cached_tokens");
+        if (!isnan(cached) && cached >= 0) c->r->cached_tokens = (long)cached;
         if (!isnan(completion)) {
             c->r->output_tokens = (long)completion;
             c->have_usage = true;
@@ -865,6 +868,15 @@ static int run_benchmark(bench_opts *o)
     };
     bench_report_print(stdout, &info, &res);
     fflush(stdout);
+    /* Random prompts share no prefix unless --prefix-len asks for one: cached tokens mean
+     * the server saw these prompts before (the same --seed against the same server), and
+     * their prefills were skipped. */
+    if (o->dataset == DATASET_RANDOM && o->prefix_len == 0 && res.total_input_tokens > 0 &&
+        res.total_cached_tokens * 20 > res.total_input_tokens)
+        fprintf(stderr,
+                "warning: %.0f%% of the prompt tokens came from the server's prefix cache: it has "
+                "seen these prompts before (use another --seed against the same server)\n",
+                100.0 * (double)res.total_cached_tokens / (double)res.total_input_tokens);
     rc = res.completed > 0 ? 0 : 1;
     if (o->save_result && bench_report_save(o->save_result, &info, &res, &err)) {
         fprintf(stderr, "error: %s\n", err.msg);

@@ -46,6 +46,19 @@ if grep -q $'\r' "$tmp/r.err"; then fail "progress bar written to a non-TTY"; fi
 jq -e '.mean_server_ttft_ms | type == "number"' "$tmp/r.json" >/dev/null ||
     fail "no server-reported timings"
 
+# The same prompts again (the same --seed, the same server): the server's prefix cache
+# answers their full blocks, bench counts those tokens and warns that the run measured
+# cached prefills. The first run's prompts were new to the server (no warning there).
+grep -q "prefix cache" "$tmp/r.err" && fail "a first run warned of cached prompts: $(cat "$tmp/r.err")"
+"$TD_BIN" bench --base-url "$s_URL" "${common[@]}" --max-concurrency 4 \
+    --save-result "$tmp/again.json" --label t >"$tmp/again.out" 2>"$tmp/again.err" ||
+    fail "bench failed: $(cat "$tmp/again.err")"
+jq -e '.total_cached_tokens >= 8 * 16' "$tmp/again.json" >/dev/null ||
+    fail "repeated prompts: total_cached_tokens is $(jq .total_cached_tokens "$tmp/again.json")"
+grep -q "Prompt tokens from the prefix cache" "$tmp/again.out" || fail "no cached-tokens row"
+grep -q "came from the server's prefix cache" "$tmp/again.err" ||
+    fail "no warning for repeated prompts: $(cat "$tmp/again.err")"
+
 # Poisson arrivals at 50 req/s, a goodput SLO every request meets, a prefix, two goodput terms.
 "$TD_BIN" bench --base-url "$s_URL/" "${common[@]}" --request-rate 50 --seed 3 \
     --goodput ttft:10000 e2el:60000 --prefix-len 8 --max-concurrency 8 \

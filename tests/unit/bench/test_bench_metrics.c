@@ -209,7 +209,32 @@ static void test_throughput_and_failures(void **state)
     for (int f = 0; f < BENCH_T_COUNT; f++)
         assert_int_equal(res.timing[f].count, 0);
     assert_true(isnan(res.transfer_share_of_ttft));
+    /* No request reported cached prompt tokens. */
+    assert_int_equal(res.cached_reported, 0);
+    assert_int_equal(res.total_cached_tokens, 0);
     for (int i = 0; i < 3; i++)
+        bench_request_free(&reqs[i]);
+}
+
+/* Cached prompt tokens are summed over the completed requests that reported them; a
+ * failed request's do not count. */
+static void test_cached_tokens(void **state)
+{
+    (void)state;
+    double a[] = {0.1, 0.2};
+    bench_request reqs[4] = {make(0, a, 2, 0.2, 2), make(0, a, 2, 0.2, 2), make(0, a, 2, 0.2, 2),
+                             make(0, a, 2, 0.2, 2)};
+    assert_int_equal(reqs[0].cached_tokens, -1); /* not reported until the usage says so */
+    reqs[0].cached_tokens = 16;
+    reqs[1].cached_tokens = 0;
+    reqs[3].cached_tokens = 32;
+    reqs[3].ok = false;
+    double pct[] = {50};
+    bench_results res;
+    assert_int_equal(bench_compute(reqs, 4, 1.0, NULL, pct, 1, &res), 0);
+    assert_int_equal(res.cached_reported, 2);
+    assert_int_equal(res.total_cached_tokens, 16);
+    for (int i = 0; i < 4; i++)
         bench_request_free(&reqs[i]);
 }
 
@@ -289,6 +314,7 @@ int main(void)
         cmocka_unit_test(test_goodput_requires_every_slo),
         cmocka_unit_test(test_percentiles),
         cmocka_unit_test(test_throughput_and_failures),
+        cmocka_unit_test(test_cached_tokens),
         cmocka_unit_test(test_server_breakdown),
         cmocka_unit_test(test_arrivals),
     };
