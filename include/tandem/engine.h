@@ -47,7 +47,8 @@ typedef struct td_engine_config {
                                     copies into fresh blocks then pay no page faults) */
     bool weights_prefault;       /* map every page of a memory-mapped model at start-up (a
                                     server: the first request would otherwise fault them in,
-                                    ~150 ms for llama-134m f16) */
+                                    ~150 ms for llama-134m f16); ignored with expert
+                                    parallelism */
     bool kv_checksums;           /* keep a CRC32C of every full block as it is written
                                     (td_kv_info.block_crc), for a KV producer's transfers */
     const char *device;          /* "cpu" (default), "cuda" or "cuda:N": where the forward pass, the

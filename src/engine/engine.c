@@ -145,8 +145,9 @@ int td_engine_create(td_engine **out, const td_engine_config *cfg, td_err *err)
 
     rc = td__engine_load_model(cfg, &e->model, &e->tok, err);
     if (rc) goto fail;
-    /* Before expert parallelism gives back the other ranks' experts, which must stay out. */
-    if (cfg->weights_prefault && td_device_gpu(cfg->device) < 0) td_model_prefault(e->model);
+    /* Not with expert parallelism: the other ranks' experts must never be read in. */
+    if (cfg->weights_prefault && !cfg->ep && td_device_gpu(cfg->device) < 0)
+        td_model_prefault(e->model);
     const td_model_shape *s = &e->model->shape;
     if (tok_n_vocab(e->tok) > s->n_vocab) {
         rc = td_err_set(err, TD_EFORMAT, "model: tokenizer has %d tokens but the output has %d rows",

@@ -1171,7 +1171,8 @@ int td_model_load_dummy_deferred(td_model **out, const td_model_shape *shape, td
 
 void td_model_prefault(const td_model *m)
 {
-    if (m && m->gguf) gguf_prefault(m->gguf);
+    /* A process that holds part of the experts maps only what it reads. */
+    if (m && m->gguf && m->expert_hi - m->expert_lo >= m->shape.n_expert) gguf_prefault(m->gguf);
 }
 
 void td_model_free(td_model *m)

@@ -179,7 +179,8 @@ void td_model_gen_row(const td_weight *w, int64_t r, float *out);
 void td_model_free(td_model *m);
 
 /** Map every page of the model's file now (gguf_prefault); dummy weights are in memory
- *  already. */
+ *  already, and a model that holds only part of its experts (td_model_load_part) is left
+ *  as it is, so that the other parts' experts are never read. */
 void td_model_prefault(const td_model *m);
 
 /**
