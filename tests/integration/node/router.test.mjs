@@ -46,6 +46,11 @@ async function idle(base, what) {
   }, `${what}: idle with every KV block back`);
 }
 
+// A loopback port that nothing listens on (for engines started later on it).
+const freePort = () => new Promise((resolve) => {
+  const srv = net.createServer().listen(0, '127.0.0.1', () => { const { port } = srv.address(); srv.close(() => resolve(port)); });
+});
+
 async function workers(base) {
   return (await (await fetch(base + '/workers')).json()).workers;
 }
@@ -410,10 +415,7 @@ test('workers register themselves, are removed, restarted and evicted, with no r
 });
 
 test('a router started before its engines serves as soon as they are up, not at the next health check', async () => {
-  const free = () => new Promise((resolve) => {
-    const srv = net.createServer().listen(0, '127.0.0.1', () => { const { port } = srv.address(); srv.close(() => resolve(port)); });
-  });
-  const [pp, dp] = [await free(), await free()];
+  const [pp, dp] = [await freePort(), await freePort()];
   // health checks (and so the old way back in) once an hour: only discovery can find them
   const late = await start(['router', '--host', '127.0.0.1', '--port', '0', '--log-level', 'warn',
     '--health-check-interval-secs', '3600', '--worker-ttl-secs', '36000', '--pd-disaggregation',
@@ -436,8 +438,7 @@ test('a router started before its engines serves as soon as they are up, not at 
 });
 
 test('a plain worker counts only once it has answered: until then /health is 503 and requests do not trip its breaker', async () => {
-  const srv = net.createServer();
-  const wp = await new Promise((resolve) => srv.listen(0, '127.0.0.1', () => { const { port } = srv.address(); srv.close(() => resolve(port)); }));
+  const wp = await freePort();
   const late = await start(['router', '--host', '127.0.0.1', '--port', '0', '--log-level', 'warn',
     '--health-check-interval-secs', '3600', '--worker', `http://127.0.0.1:${wp}`]);
   // Nothing listens there yet: the router must not call itself healthy (`tandem up` waits
