@@ -330,7 +330,9 @@ test('a prefill killed: the other one takes over; the dead one leaves the pairin
   const [pa, pb] = await Promise.all([serve({ kv_role: 'kv_producer' }), serve({ kv_role: 'kv_producer' })]);
   const r = await router(['--pd-disaggregation', '--prefill', pa.url, '--prefill', pb.url, '--decode', D1.url,
     '--policy', 'round_robin', '--cb-failure-threshold', '1', '--cb-timeout-duration-secs', '60']);
-  await until(async () => (await fetch(r.url + '/health')).status === 200, 'router healthy');
+  // Both prefills in service first: the router is healthy with one, and a prefill it has
+  // not heard from yet would never be sent a request, so its breaker could not open.
+  await until(async () => (await workers(r.url)).every((w) => w.ready), 'every worker ready');
   pa.proc.kill('SIGKILL');
   const ps = prompts(8);
   for (const p of ps) {
