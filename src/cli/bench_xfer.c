@@ -28,8 +28,10 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <pthread.h>
 #include <sched.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <sys/mman.h>
 #include <stdlib.h>
@@ -209,6 +211,125 @@ static double raw_tcp_gbps(bench *b, int streams, uint64_t bytes, uint64_t prod_
     }
     close(lfd);
     return (double)bytes * streams / s / 1e9;
+}
+
+/* ---------------------------------------------------------------- raw TCP on request */
+
+/*
+ * The least a pull transfer costs over TCP: each piece is a 16-byte request on one of qp
+ * kept-open connections and its bytes back, the pieces cut as kvx cuts them (about
+ * size / qp, at least 64 KiB, at most 8 MiB), and qp client threads (one per connection)
+ * take the pieces of a repetition's conc transfers in turn and wait for each other before
+ * the next repetition, as kvx_xfer_wait does. No headers, checksums, leases or signalling:
+ * what is left is the round trip and the stream. For small transfers this is the floor;
+ * the streaming figure above is not reachable by any protocol that waits for a request.
+ */
+typedef struct rr_shared {
+    bench *b;
+    uint64_t size, piece;
+    int conc, reps, n_pieces; /* pieces per transfer */
+    _Atomic int *next;        /* per repetition: the next piece to take */
+    pthread_barrier_t bar;
+} rr_shared;
+
+typedef struct rr_job {
+    rr_shared *s;
+    int cfd, sfd;
+} rr_job;
+
+static void *rr_server_main(void *arg)
+{
+    rr_job *j = arg;
+    uint64_t rq[2]; /* offset, length; length 0 ends */
+    for (;;) {
+        if (recv(j->sfd, rq, sizeof(rq), MSG_WAITALL) != (ssize_t)sizeof(rq) || rq[1] == 0) break;
+        const uint8_t *p = j->s->b->prod + rq[0];
+        for (uint64_t done = 0; done < rq[1];) {
+            ssize_t w = send(j->sfd, p + done, (size_t)(rq[1] - done), MSG_NOSIGNAL);
+            if (w <= 0) return NULL;
+            done += (uint64_t)w;
+        }
+    }
+    return NULL;
+}
+
+static void *rr_client_main(void *arg)
+{
+    rr_job *j = arg;
+    rr_shared *s = j->s;
+    int per_rep = s->conc * s->n_pieces;
+    pthread_barrier_wait(&s->bar); /* start together */
+    for (int r = 0; r < s->reps; r++) {
+        for (int k; (k = atomic_fetch_add(&s->next[r], 1)) < per_rep;) {
+            int t = k / s->n_pieces;
+            uint64_t off = (uint64_t)(k % s->n_pieces) * s->piece;
+            uint64_t len = TD_MIN(s->piece, s->size - off), rq[2] = {off, len};
+            if (send(j->cfd, rq, sizeof(rq), MSG_NOSIGNAL) != (ssize_t)sizeof(rq)) break;
+            uint8_t *to = s->b->cons + (uint64_t)t * s->size + off;
+            for (uint64_t done = 0; done < len;) {
+                ssize_t n = recv(j->cfd, to + done, (size_t)(len - done), 0);
+                if (n <= 0) break;
+                done += (uint64_t)n;
+            }
+        }
+        pthread_barrier_wait(&s->bar); /* the repetition's transfers are all done */
+    }
+    return NULL;
+}
+
+/* conc transfers of size bytes, reps times, each piece on request; aggregate GB/s. */
+static double rr_tcp_gbps(bench *b, int streams, uint64_t size, int conc, int reps,
+                          double *cpu_per_gb)
+{
+    int lfd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t sl = sizeof(sa);
+    if (lfd < 0 || bind(lfd, (struct sockaddr *)&sa, sizeof(sa)) || listen(lfd, 64) ||
+        getsockname(lfd, (struct sockaddr *)&sa, &sl)) {
+        if (lfd >= 0) close(lfd);
+        return 0;
+    }
+    streams = TD_MIN(streams, 64);
+    rr_shared s = {.b = b, .size = size, .conc = conc, .reps = reps};
+    s.piece = TD_MAX(TD_MIN(size / (uint64_t)streams, (uint64_t)8 << 20), (uint64_t)64 << 10);
+    s.piece = TD_MIN(s.piece, size);
+    s.n_pieces = (int)((size + s.piece - 1) / s.piece);
+    s.next = calloc((size_t)reps, sizeof(*s.next));
+    rr_job j[64];
+    pthread_t ct[64], st[64];
+    int one = 1;
+    for (int i = 0; i < streams; i++) {
+        j[i].s = &s;
+        j[i].cfd = socket(AF_INET, SOCK_STREAM, 0);
+        connect(j[i].cfd, (struct sockaddr *)&sa, sizeof(sa));
+        j[i].sfd = accept(lfd, NULL, NULL);
+        setsockopt(j[i].cfd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+        setsockopt(j[i].sfd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    }
+    pthread_barrier_init(&s.bar, NULL, (unsigned)streams + 1);
+    for (int i = 0; i < streams; i++) {
+        pthread_create(&st[i], NULL, rr_server_main, &j[i]);
+        pthread_create(&ct[i], NULL, rr_client_main, &j[i]);
+    }
+    pthread_barrier_wait(&s.bar);
+    double t0 = td_now_s(), c0 = cpu_s();
+    for (int r = 0; r < reps; r++)
+        pthread_barrier_wait(&s.bar);
+    double dt = td_now_s() - t0, cpu = cpu_s() - c0;
+    for (int i = 0; i < streams; i++) {
+        pthread_join(ct[i], NULL);
+        uint64_t end[2] = {0, 0};
+        send(j[i].cfd, end, sizeof(end), MSG_NOSIGNAL);
+        pthread_join(st[i], NULL);
+        close(j[i].cfd);
+        close(j[i].sfd);
+    }
+    close(lfd);
+    pthread_barrier_destroy(&s.bar);
+    free(s.next);
+    double gb = (double)size * conc * reps / 1e9;
+    if (cpu_per_gb) *cpu_per_gb = cpu / gb;
+    return gb / dt;
 }
 
 /* ---------------------------------------------------------------- kvx tcp */
@@ -604,9 +725,13 @@ int cli_bench_xfer(int argc, char **argv)
                (int)threads, mcp, raw1, (long long)qp, rawq);
     }
     bool shm = proto == KVX_PROTO_SHM; /* its floor is memcpy, not raw TCP */
-    printf("%10s %6s %10s %13s %10s %10s %12s %12s %10s\n", "size", "conc", "kvx GB/s",
-           shm ? "memcpy GB/s" : "raw tcp GB/s", shm ? "kvx / cpy" : "kvx / raw", "vs conc 1",
-           "kvx CPU s/GB", shm ? "cpy CPU s/GB" : "raw CPU s/GB", shm ? "cpy / kvx" : "raw / kvx");
+    /* tcp cells also show raw TCP on request (rr_tcp_gbps): the floor of a pull transfer. */
+    bool rr = !shm && !no_floor;
+    printf("%10s %6s %10s %13s %10s", "size", "conc", "kvx GB/s", shm ? "memcpy GB/s" : "raw tcp GB/s",
+           shm ? "kvx / cpy" : "kvx / raw");
+    if (rr) printf(" %13s %10s", "on req GB/s", "kvx / req");
+    printf(" %10s %12s %12s %10s\n", "vs conc 1", "kvx CPU s/GB",
+           shm ? "cpy CPU s/GB" : "raw CPU s/GB", shm ? "cpy / kvx" : "raw / kvx");
     int rc = 0;
     for (int i = 0; i < n_sizes && !rc; i++) {
         double first = 0;
@@ -619,7 +744,7 @@ int cli_bench_xfer(int argc, char **argv)
             run_cell(&b, a, c, sizes[i], conc, 1, w, NULL); /* warm-up: connections, caches */
             /* The machine is shared and noisy: alternate kvx and raw TCP moving the same bytes
              * over qp_per_transfer streams (memcpy for shm), and keep the best of each. */
-            double best = 0, best_raw = 0, cpu = 1e30, cpu_raw = 1e30;
+            double best = 0, best_raw = 0, best_rr = 0, cpu = 1e30, cpu_raw = 1e30;
             for (int t = 0; t < trials && !rc; t++) {
                 double g, cg, cr;
                 rc = run_cell(&b, a, c, sizes[i], conc, reps, &g, &cg);
@@ -634,6 +759,8 @@ int cli_bench_xfer(int argc, char **argv)
                                                              sizes[i], per_rep, &cr));
                     cpu_raw = TD_MIN(cpu_raw, cr);
                 }
+                if (rr)
+                    best_rr = TD_MAX(best_rr, rr_tcp_gbps(&b, (int)qp, sizes[i], conc, reps, NULL));
             }
             if (j == 0) first = best;
             char sz[32];
@@ -641,8 +768,10 @@ int cli_bench_xfer(int argc, char **argv)
                 snprintf(sz, sizeof(sz), "%llu MiB", (unsigned long long)(sizes[i] >> 20));
             else
                 snprintf(sz, sizeof(sz), "%llu KiB", (unsigned long long)(sizes[i] >> 10));
-            printf("%10s %6d %10.2f %13.2f %9.2fx %9.2fx %12.3f %12.3f %9.2fx\n", sz, conc, best,
-                   best_raw, best_raw > 0 ? best / best_raw : 0, first > 0 ? best / first : 0, cpu,
+            printf("%10s %6d %10.2f %13.2f %9.2fx", sz, conc, best, best_raw,
+                   best_raw > 0 ? best / best_raw : 0);
+            if (rr) printf(" %13.2f %9.2fx", best_rr, best_rr > 0 ? best / best_rr : 0);
+            printf(" %9.2fx %12.3f %12.3f %9.2fx\n", first > 0 ? best / first : 0, cpu,
                    no_floor ? 0 : cpu_raw, no_floor ? 0 : cpu_raw / cpu);
             fflush(stdout);
         }

@@ -567,6 +567,7 @@ static int serve_read(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m)
         int n_iov = 0, delay = atomic_load(&kvx__test_send_delay_ms);
         if (delay > 0) {
             rc = kvx__send_all(fd, hdr, hn, deadline, &e);
+            atomic_fetch_add(&kvx__test_sends_delayed, 1);
             usleep((useconds_t)delay * 1000);
             hn = 0;
         } else {

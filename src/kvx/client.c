@@ -112,6 +112,7 @@ struct kvx_client {
     pthread_cond_t watch_cv; /* CLOCK_MONOTONIC; wakes the watchdog */
     uint64_t watch_next;     /* when the watchdog plans to wake (UINT64_MAX: not planned) */
     kvx__piece *qhead, *qtail;
+    int n_waiting; /* workers waiting for a piece (under mu) */
     bool stopping;
     pthread_t watchdog;
     bool has_watchdog;
@@ -454,50 +455,40 @@ static void conn_put(kvx__session *s, int fd, bool ok)
 
 /* ---------------------------------------------------------------- the tcp transport */
 
-static int tcp_run_piece(kvx__session *s, kvx__piece *p, td_err *err)
+/*
+ * Piece p's answer on fd, whose READ was sent: the DATA frame into p's blocks, in batches
+ * of about BATCH_BYTES, each checksummed while it is in cache. *conn_ok says whether fd may
+ * carry more (false after any I/O or protocol error; true after a producer's ERROR, which
+ * leaves the connection in step); *before_answer whether it failed before any byte of the
+ * answer came.
+ */
+static int tcp_recv_piece(kvx__session *s, kvx__piece *p, int fd, bool *conn_ok,
+                          bool *before_answer, td_err *err)
 {
     kvx_client *c = s->client;
     struct kvx_xfer *x = p->x;
     const kvx_region *r = &c->opts.region;
     bool want_crc = c->opts.verify_checksums;
-    size_t req_cap = KVX_HDR_BYTES + 24 + (size_t)p->count * KVX_DESC_BYTES;
     size_t in_cap = 4 * (size_t)(want_crc ? p->blocks : 0) + 512;
-    uint8_t *req = malloc(req_cap), *in = malloc(in_cap);
-    kvx_wire_desc *wd = malloc(p->count * sizeof(*wd));
+    uint8_t *in = malloc(in_cap);
     struct iovec *iov = malloc((2 * p->count + 1) * sizeof(*iov)), *todo = iov + p->count;
     uint32_t *crc = want_crc ? malloc(p->blocks * sizeof(uint32_t)) : NULL;
     uint8_t **dev = NULL; /* GPU memory: each iovec's destination on the device */
     uint8_t *stage = NULL; /* GPU memory: the pinned host staging, in two halves */
     int half = 0;          /* the half (and copy slot) the next batch uses */
     int rc = 0;
-    if (!req || !in || !wd || !iov || (want_crc && !crc)) {
+    *conn_ok = false;
+    *before_answer = true;
+    if (!in || !iov || (want_crc && !crc)) {
         rc = td_err_set(err, TD_ENOMEM, "kvx: out of memory");
         goto out;
     }
-    for (uint32_t k = 0; k < p->count; k++) {
-        const piece_desc *d = &x->pd[p->first + k];
-        wd[k] = (kvx_wire_desc){d->seg, d->src, d->n};
-    }
-    size_t req_n = kvx_wire_encode_read(req, req_cap, (uint32_t)(p - x->pieces), x->transfer_id,
-                                        want_crc ? KVX_READ_CHECKSUMS : 0, wd, p->count);
-    TD_ASSERT(req_n > 0);
-
     kvx_msg m;
-    int fd = -1;
-    for (int attempt = 0;; attempt++) {
-        bool fresh;
-        rc = conn_get(s, x->deadline_ns, &fd, &fresh, err);
-        if (rc) goto out;
-        rc = kvx__send_all(fd, req, req_n, x->deadline_ns, err);
-        if (!rc) rc = kvx__recv_frame(fd, in, in_cap, &m, x->deadline_ns, err);
-        if (!rc) break;
-        conn_put(s, fd, false);
-        /* An idle connection may have died with its producer's previous life or an idle
-         * timeout: retry once on a fresh one, whose handshake tells what really happened. */
-        if (rc != TD_ECONN || fresh || attempt > 0) goto out;
-    }
+    rc = kvx__recv_frame(fd, in, in_cap, &m, x->deadline_ns, err);
+    if (rc) goto out;
+    *before_answer = false;
     if (m.hdr.type == KVX_MSG_ERROR) {
-        conn_put(s, fd, true);
+        *conn_ok = true;
         rc = td_err_set(err, m.u.error.code, "kvx: producer %s:%u: %s", s->host, s->port,
                         m.u.error.msg);
         goto out;
@@ -505,7 +496,6 @@ static int tcp_run_piece(kvx__session *s, kvx__piece *p, td_err *err)
     uint32_t want_n_crc = want_crc ? (uint32_t)p->blocks : 0;
     if (m.hdr.type != KVX_MSG_DATA || m.hdr.tag != (uint32_t)(p - x->pieces) ||
         m.u.data.data_len != p->bytes || m.u.data.n_crc != want_n_crc) {
-        conn_put(s, fd, false);
         rc = td_err_set(err, TD_EPROTO,
                         "kvx: producer %s:%u answered READ with %s of %llu bytes and %u "
                         "checksums (expected DATA of %llu bytes and %u)",
@@ -514,7 +504,6 @@ static int tcp_run_piece(kvx__session *s, kvx__piece *p, td_err *err)
                         (unsigned long long)p->bytes, want_n_crc);
         goto out;
     }
-    /* Receive in batches of about BATCH_BYTES and checksum each batch while it is in cache. */
     bool corrupt = atomic_load(&kvx__test_corrupt_pieces) > 0 &&
                    atomic_fetch_sub(&kvx__test_corrupt_pieces, 1) > 0;
     uint32_t per_chunk = kvx__batch_blocks(r->block_bytes, BATCH_BYTES), at = 0;
@@ -570,8 +559,8 @@ static int tcp_run_piece(kvx__session *s, kvx__piece *p, td_err *err)
             batch = 0;
         }
     }
-    conn_put(s, fd, rc == 0);
     if (rc) goto out;
+    *conn_ok = true; /* the whole answer was read */
     at = 0;
     for (uint32_t k = 0; k < p->count && want_crc && !rc; k++) {
         const piece_desc *d = &x->pd[p->first + k];
@@ -593,12 +582,111 @@ out:
                 *err = e2;
             }
     }
-    free(req);
     free(in);
-    free(wd);
     free(iov);
     free(crc);
     free(dev);
+    return rc;
+}
+
+static void piece_finish(kvx_client *c, kvx__piece *p, int rc, const td_err *e);
+
+/* Piece i of a group has its outcome: kept in rcs/errs, or the piece finished at once,
+ * except the last, which the caller finishes after its last use of the session (finishing
+ * may end the last transfer that holds it). */
+static void group_outcome(kvx__session *s, kvx__piece **ps, int i, int n, int rc,
+                          const td_err *e, int *rcs, td_err *errs, int *last_rc, td_err *last_e)
+{
+    if (i == n - 1 && !rcs) {
+        *last_rc = rc;
+        *last_e = *e;
+    } else if (rcs) {
+        rcs[i] = rc;
+        errs[i] = *e;
+    } else {
+        piece_finish(s->client, ps[i], rc, e);
+    }
+}
+
+/*
+ * Run n pieces of one session on one connection, pipelined: every READ goes out in one
+ * send, then the answers are read in order (the producer answers a connection's requests
+ * in turn; an ERROR for one leaves the rest in step). Each piece's outcome goes to rcs[i]
+ * and errs[i], or, with rcs NULL, finishes the piece as soon as it is known. A connection
+ * error fails the pieces not yet read; a reused connection that fails before the first
+ * answer (the producer restarted, or an idle timeout) is replaced once by a fresh one,
+ * whose handshake tells what really happened.
+ */
+static void tcp_run_group(kvx__session *s, kvx__piece **ps, int n, int *rcs, td_err *errs)
+{
+    bool want_crc = s->client->opts.verify_checksums;
+    size_t req_cap = 0;
+    uint32_t max_count = 0;
+    for (int i = 0; i < n; i++) {
+        req_cap += KVX_HDR_BYTES + 24 + (size_t)ps[i]->count * KVX_DESC_BYTES;
+        max_count = TD_MAX(max_count, ps[i]->count);
+    }
+    uint8_t *req = malloc(req_cap);
+    kvx_wire_desc *wd = malloc(max_count * sizeof(*wd));
+    int done = 0, rc = 0, last_rc = 0; /* pieces with an outcome; the last failure */
+    td_err e, last_e;
+    td_err_clear(&e);
+    if (!req || !wd) {
+        rc = td_err_set(&e, TD_ENOMEM, "kvx: out of memory");
+        goto fail_rest;
+    }
+    size_t req_n = 0;
+    uint64_t deadline = UINT64_MAX; /* the earliest of the pieces' transfers */
+    for (int i = 0; i < n; i++) {
+        kvx__piece *p = ps[i];
+        struct kvx_xfer *x = p->x;
+        for (uint32_t k = 0; k < p->count; k++) {
+            const piece_desc *d = &x->pd[p->first + k];
+            wd[k] = (kvx_wire_desc){d->seg, d->src, d->n};
+        }
+        size_t w = kvx_wire_encode_read(req + req_n, req_cap - req_n, (uint32_t)(p - x->pieces),
+                                        x->transfer_id, want_crc ? KVX_READ_CHECKSUMS : 0, wd,
+                                        p->count);
+        TD_ASSERT(w > 0);
+        req_n += w;
+        deadline = TD_MIN(deadline, x->deadline_ns);
+    }
+    int fd = -1;
+    bool conn_ok = false;
+    for (int attempt = 0;; attempt++) {
+        bool fresh, before = true;
+        rc = conn_get(s, deadline, &fd, &fresh, &e);
+        if (rc) goto fail_rest;
+        rc = kvx__send_all(fd, req, req_n, deadline, &e);
+        if (!rc) rc = tcp_recv_piece(s, ps[0], fd, &conn_ok, &before, &e);
+        if (!rc || conn_ok || rc != TD_ECONN || !before || fresh || attempt > 0) break;
+        conn_put(s, fd, false);
+    }
+    group_outcome(s, ps, done++, n, rc, &e, rcs, errs, &last_rc, &last_e);
+    while (done < n && conn_ok) {
+        bool before;
+        td_err pe;
+        td_err_clear(&pe);
+        int prc = tcp_recv_piece(s, ps[done], fd, &conn_ok, &before, &pe);
+        if (prc) {
+            rc = prc;
+            e = pe;
+        }
+        group_outcome(s, ps, done++, n, prc, &pe, rcs, errs, &last_rc, &last_e);
+    }
+    conn_put(s, fd, conn_ok);
+fail_rest: /* the connection broke under an earlier answer, or there was none */
+    while (done < n)
+        group_outcome(s, ps, done++, n, rc, &e, rcs, errs, &last_rc, &last_e);
+    free(req);
+    free(wd);
+    if (!rcs) piece_finish(s->client, ps[n - 1], last_rc, &last_e);
+}
+
+static int tcp_run_piece(kvx__session *s, kvx__piece *p, td_err *err)
+{
+    int rc;
+    tcp_run_group(s, &p, 1, &rc, err);
     return rc;
 }
 
@@ -820,13 +908,61 @@ static int stripe_run(kvx_client *c, struct kvx_xfer *x, kvx__piece *p, td_err *
     return rc;
 }
 
+/*
+ * Small pieces of one session go out together: a worker that takes one also takes queued
+ * pieces of the same session that no sleeping worker is left for, up to PIPE_MAX pieces
+ * and PIPE_BYTES, and sends all their READs on one connection before reading the answers
+ * (tcp_run_group). Many concurrent small transfers then cost a wake-up per group on each
+ * side instead of one per piece. Only the plain tcp transport, host memory, no striping.
+ */
+#define PIPE_MAX 8
+#define PIPE_PIECE_BYTES (128u << 10)
+#define PIPE_BYTES (1u << 20)
+
+static bool pipelinable(const kvx_client *c, const kvx__piece *p)
+{
+    return c->transport == &tcp_transport && !c->opts.region.device && !p->x->stripe &&
+           p->bytes <= PIPE_PIECE_BYTES;
+}
+
+/* Under c->mu, p just taken: unlink and add to group[] the pieces that go with it. */
+static int group_take(kvx_client *c, kvx__piece *p, kvx__piece **group)
+{
+    int n = 1;
+    group[0] = p;
+    if (!pipelinable(c, p)) return 1;
+    int queued = 0;
+    for (kvx__piece *q = c->qhead; q; q = q->next)
+        queued++;
+    int spare = TD_MIN(queued - c->n_waiting, PIPE_MAX - 1);
+    uint64_t bytes = p->bytes;
+    kvx__piece *prev = NULL;
+    for (kvx__piece **pp = &c->qhead; *pp && spare > 0;) {
+        kvx__piece *q = *pp;
+        if (q->x->s == p->x->s && pipelinable(c, q) && !q->x->code &&
+            bytes + q->bytes <= PIPE_BYTES) {
+            *pp = q->next;
+            if (c->qtail == q) c->qtail = prev;
+            group[n++] = q;
+            bytes += q->bytes;
+            spare--;
+        } else {
+            prev = q;
+            pp = &q->next;
+        }
+    }
+    return n;
+}
+
 static void *worker_main(void *arg)
 {
     kvx_client *c = arg;
     for (;;) {
         pthread_mutex_lock(&c->mu);
+        c->n_waiting++;
         while (!c->qhead && !c->stopping)
             pthread_cond_wait(&c->work_cv, &c->mu);
+        c->n_waiting--;
         kvx__piece *p = c->qhead;
         if (!p) {
             pthread_mutex_unlock(&c->mu);
@@ -834,15 +970,42 @@ static void *worker_main(void *arg)
         }
         c->qhead = p->next;
         if (!c->qhead) c->qtail = NULL;
-        struct kvx_xfer *x = p->x;
-        int failed = x->code;
+        kvx__piece *group[PIPE_MAX];
+        int failed[PIPE_MAX];
+        int n = group_take(c, p, group);
+        for (int i = 0; i < n; i++)
+            failed[i] = group[i]->x->code;
         pthread_mutex_unlock(&c->mu);
 
+        if (n > 1) {
+            /* Pieces whose transfer already failed or ran out of time end here; the rest go
+             * out together. */
+            kvx__piece *run[PIPE_MAX];
+            int n_run = 0;
+            uint64_t now = td_now_ns();
+            for (int i = 0; i < n; i++) {
+                td_err e;
+                td_err_clear(&e);
+                if (failed[i])
+                    piece_finish(c, group[i], failed[i], &e);
+                else if (now >= group[i]->x->deadline_ns)
+                    piece_finish(c, group[i],
+                                 td_err_set(&e, TD_ETIMEDOUT,
+                                            "kvx: transfer deadline passed before it could run"),
+                                 &e);
+                else
+                    run[n_run++] = group[i];
+            }
+            if (n_run > 1) atomic_fetch_add(&kvx__test_pieces_grouped, n_run);
+            if (n_run) tcp_run_group(run[0]->x->s, run, n_run, NULL, NULL);
+            continue;
+        }
+        struct kvx_xfer *x = p->x;
         td_err e;
         td_err_clear(&e);
         int rc;
-        if (failed)
-            rc = failed; /* another piece already decided the outcome */
+        if (failed[0])
+            rc = failed[0]; /* another piece already decided the outcome */
         else if (td_now_ns() >= x->deadline_ns)
             rc = td_err_set(&e, TD_ETIMEDOUT, "kvx: transfer deadline passed before it could run");
         else if (x->stripe)

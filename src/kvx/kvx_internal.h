@@ -259,8 +259,12 @@ int kvx__stage_wait(int device, int slot, td_err *err);
 /* Test hooks (tests only; zero in production). */
 /* When > 0, the consumer flips one received byte of the next that many pieces. */
 extern _Atomic int kvx__test_corrupt_pieces;
-/* When > 0, the producer sleeps this many ms between sending the header and the data. */
+/* When > 0, the producer sleeps this many ms between sending the header and the data,
+ * counting each such sleep that begins in kvx__test_sends_delayed. */
 extern _Atomic int kvx__test_send_delay_ms;
+extern _Atomic int kvx__test_sends_delayed;
+/* Pieces the consumer sent pipelined, in groups of two or more on one connection. */
+extern _Atomic int kvx__test_pieces_grouped;
 /* When > 0, the shm consumer sleeps this many ms between a grant and its copy (shm.c),
  * counting each such sleep that begins in kvx__test_copies_delayed. */
 extern _Atomic int kvx__test_copy_delay_ms;

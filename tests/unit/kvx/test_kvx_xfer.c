@@ -4,7 +4,8 @@
  * allocated pools. Covers: correctness with coalesced runs, 16 concurrent transfers,
  * layout mismatch on both sides, guessed transfer ids, leases (release, expiry,
  * heartbeats), a producer dying mid-transfer, deadlines, checksum corruption, a producer
- * restart (new engine id at the same port), and port collisions.
+ * restart (new engine id at the same port), port collisions, and pipelined pieces (an
+ * unknown id and a corrupted piece inside a group, the producer leaving mid-group).
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -709,6 +710,150 @@ static void test_bad_requests(void **state)
     assert_int_equal(atomic_load(&f->rel.reason), KVX_RELEASED_CANCELED);
 }
 
+/* A client with one worker, so that transfers queue behind a slow one and then go out
+ * pipelined: their READs in one send on one connection, the answers read in turn. */
+static kvx_client *one_worker_client(fixture *f)
+{
+    kvx_client_opts o;
+    kvx_client_opts_default(&o);
+    o.layout = layout();
+    o.region = f->cons.region;
+    o.num_worker_threads = 1;
+    o.transfer_timeout_ms = 5000;
+    kvx_client *c;
+    td_err err;
+    assert_int_equal(kvx_client_create(&c, &o, &err), 0);
+    return c;
+}
+
+/* Wait until the producer has begun its n-th delayed send since `from`. */
+static void wait_delayed_sends(int from, int n)
+{
+    for (int i = 0; i < 5000 && atomic_load(&kvx__test_sends_delayed) - from < n; i++)
+        usleep(1000);
+    assert_true(atomic_load(&kvx__test_sends_delayed) - from >= n);
+}
+
+static kvx_xfer *start_read(fixture *f, kvx_client *c, const char *tid, const int32_t *src,
+                            const int32_t *dst, int n)
+{
+    kvx_read_req rq = {.host = "127.0.0.1",
+                       .port = kvx_agent_port(f->agent),
+                       .engine_id = kvx_agent_engine_id(f->agent),
+                       .transfer_id = tid,
+                       .src_blocks = src,
+                       .dst_blocks = dst,
+                       .n_blocks = n};
+    kvx_xfer *x = NULL;
+    td_err err;
+    assert_int_equal(kvx_read_start(c, &rq, &x, &err), 0);
+    return x;
+}
+
+/* Eleven transfers queue behind a slow one and go out in two pipelined groups. In the
+ * first group one names a transfer id the producer never gave and one arrives corrupted:
+ * those two fail alone, with their own errors, and every other transfer arrives whole. */
+static void test_pipelined_pieces(void **state)
+{
+    fixture *f = *state;
+    kvx_client *c = one_worker_client(f);
+    enum { N = 12, PER = 2, GUESSED = 5, CORRUPT = 1 };
+    int32_t src[N][PER], dst[N][PER];
+    char tid[N][KVX_ID_HEX];
+    kvx_xfer *x[N];
+    td_err err;
+    for (int t = 0; t < N; t++) {
+        for (int i = 0; i < PER; i++) {
+            src[t][i] = 100 + (t * 5 + i * 11) % 100;
+            dst[t][i] = t * PER + i;
+        }
+        if (t == GUESSED)
+            snprintf(tid[t], KVX_ID_HEX, "0123456789abcdef0123456789abcdef");
+        else
+            assert_int_equal(kvx_agent_register(f->agent, src[t], PER, 0, NULL, tid[t], &err), 0);
+    }
+    int grouped0 = atomic_load(&kvx__test_pieces_grouped);
+    int delayed0 = atomic_load(&kvx__test_sends_delayed);
+    atomic_store(&kvx__test_send_delay_ms, 300);
+    x[0] = start_read(f, c, tid[0], src[0], dst[0], PER);
+    wait_delayed_sends(delayed0, 1); /* the only worker waits inside transfer 0's answer */
+    atomic_store(&kvx__test_send_delay_ms, 0);
+    for (int t = 1; t < N; t++)
+        x[t] = start_read(f, c, tid[t], src[t], dst[t], PER);
+    atomic_store(&kvx__test_corrupt_pieces, 1); /* the first piece of the first group */
+    for (int t = 0; t < N; t++) {
+        td_err res;
+        int rc = kvx_xfer_wait(x[t], &res);
+        if (t == GUESSED) {
+            assert_int_equal(rc, TD_ENOTFOUND);
+        } else if (t == CORRUPT) {
+            assert_int_equal(rc, TD_EPROTO);
+            assert_non_null(strstr(res.msg, "checksum mismatch"));
+        } else {
+            if (rc) fprintf(stderr, "transfer %d: %s\n", t, res.msg);
+            assert_int_equal(rc, 0);
+            expect_copied(f, src[t], dst[t], PER);
+        }
+        kvx_xfer_free(x[t]);
+    }
+    assert_int_equal(atomic_load(&kvx__test_pieces_grouped) - grouped0, N - 1);
+    /* The connection stayed in step: a transfer after the groups works on it. */
+    x[CORRUPT] = start_read(f, c, tid[CORRUPT], src[CORRUPT], dst[CORRUPT], PER);
+    assert_int_equal(kvx_xfer_wait(x[CORRUPT], &err), 0);
+    expect_copied(f, src[CORRUPT], dst[CORRUPT], PER);
+    kvx_xfer_free(x[CORRUPT]);
+    for (int t = 0; t < N; t++)
+        if (t != GUESSED)
+            assert_int_equal(kvx_release(c, "127.0.0.1", kvx_agent_port(f->agent),
+                                         kvx_agent_engine_id(f->agent), tid[t], &err),
+                             0);
+    assert_int_equal(wait_released(f, N - 1), N - 1);
+    kvx_client_destroy(c);
+}
+
+/* The producer goes away while a pipelined group is in flight (its first answer has begun):
+ * every transfer of the group ends at once with a connection error, none waits for its
+ * deadline, and the transfer before the group is whole. */
+static void test_pipelined_producer_closes(void **state)
+{
+    fixture *f = *state;
+    kvx_client *c = one_worker_client(f);
+    enum { N = 6 };
+    int32_t b[N][1];
+    char tid[N][KVX_ID_HEX];
+    kvx_xfer *x[N];
+    td_err err;
+    for (int t = 0; t < N; t++) {
+        b[t][0] = 40 + t;
+        assert_int_equal(kvx_agent_register(f->agent, b[t], 1, 0, NULL, tid[t], &err), 0);
+    }
+    int grouped0 = atomic_load(&kvx__test_pieces_grouped);
+    int delayed0 = atomic_load(&kvx__test_sends_delayed);
+    atomic_store(&kvx__test_send_delay_ms, 300);
+    x[0] = start_read(f, c, tid[0], b[0], b[0], 1);
+    wait_delayed_sends(delayed0, 1);
+    for (int t = 1; t < N; t++)
+        x[t] = start_read(f, c, tid[t], b[t], b[t], 1);
+    /* Transfer 0 ends; the group's READs go out and its first answer sleeps. */
+    wait_delayed_sends(delayed0, 2);
+    usleep(20 * 1000);
+    uint64_t t0 = td_now_ns();
+    kvx_agent_destroy(f->agent);
+    f->agent = NULL;
+    td_err res;
+    assert_int_equal(kvx_xfer_wait(x[0], &res), 0);
+    for (int t = 1; t < N; t++) {
+        assert_int_equal(kvx_xfer_wait(x[t], &res), TD_ECONN);
+        kvx_xfer_free(x[t]);
+    }
+    kvx_xfer_free(x[0]);
+    assert_true((double)(td_now_ns() - t0) * 1e-9 < 2.0);
+    assert_int_equal(atomic_load(&kvx__test_pieces_grouped) - grouped0, N - 1);
+    atomic_store(&kvx__test_send_delay_ms, 0);
+    kvx_client_destroy(c);
+    f->agent = make_agent(f, 0, layout()); /* for teardown */
+}
+
 #define T(fn) cmocka_unit_test_setup_teardown(fn, setup, teardown)
 
 int main(void)
@@ -731,6 +876,8 @@ int main(void)
         T(test_bad_requests),
         T(test_odd_geometry),
         T(test_expiry_waits_for_inflight_read),
+        T(test_pipelined_pieces),
+        T(test_pipelined_producer_closes),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
