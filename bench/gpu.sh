@@ -2,7 +2,7 @@
 # On the GPU machine, in one run: unpack the kit (scripts/gpu_kit.sh made it on the CPU
 # machine), build with -DTANDEM_CUDA=ON, run the GPU tests, then the benchmarks whose
 # figures BENCHMARKS.md records (each with the floor measured in the same run).
-#   bench/gpu.sh [all | a comma list of test,bench,xfer,xfertcp,pd,pdtcp,dec,gpus,profile]   (default all; logs
+#   bench/gpu.sh [all | a comma list of test,bench,xfer,xfertcp,pd,pdtcp,dec,mega,gpus,profile]   (default all; logs
 #   also go to $OUT if set)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -115,6 +115,26 @@ if want dec; then # small-batch decode alone (quick A/B of decode kernels)
     "${b8[@]}" --prompt-len 128 --context 1024 --gen-len 64 --batch 1,2,8 --max-num-batched-tokens 2048 2>&1 | log
     echo "== whole steps on the GPU (TD_CUDA_PROFILE=2)" | log
     TD_CUDA_PROFILE=2 "${b8[@]}" --prompt-len 128 --gen-len 64 --batch 1 --context 1024 --reps 1 --no-floor 2>&1 | log
+fi
+if want mega; then # batch-1 decode: one kernel per step (k_mega) against the separate kernels, alternating
+    for i in 1 2; do
+        for v in TD_CUDA_MEGA=0 TD_CUDA_MEGA=1 TD_CUDA_MEGA_PREFETCH=0 TD_CUDA_MEGA_PREFETCH=16384; do
+            echo "== decode at batch 1 from 1024-token contexts, $v (run $i)" | log
+            env $v "${b8[@]}" --prompt-len 128 --context 1024 --gen-len 64 --batch 1 --max-num-batched-tokens 2048 \
+                2>&1 | grep -E "^(tg|floor|machine|  floor)" | log
+        done
+    done
+    for v in TD_CUDA_MEGA=0 TD_CUDA_MEGA=1; do
+        echo "== whole steps on the GPU (TD_CUDA_PROFILE=2), $v" | log
+        env $v TD_CUDA_PROFILE=2 "${b8[@]}" --prompt-len 128 --gen-len 64 --batch 1 --context 1024 --reps 1 \
+            --no-floor 2>&1 | grep -E "cuda profile|^tg" | log
+    done
+    echo "== llama-1b (TinyLlama shape), batch 1, TD_CUDA_MEGA=0 then 1" | log
+    for v in TD_CUDA_MEGA=0 TD_CUDA_MEGA=1; do
+        env $v build-gpu/tandem bench-engine --model llama-1b --load-format dummy --dtype bf16 --device cuda \
+            --kv-cache-dtype bf16 --prompt-len 512 --context 512 --gen-len 32 --batch 1 --reps 2 \
+            --max-model-len 2048 2>&1 | grep -E "^(tg|floor|  floor)" | log
+    done
 fi
 if want gpus; then # tandem up --gpus: each engine on the GPU it is given (--device cuda:N)
     echo "== tandem up --gpus $(nvidia-smi -L | awk -F: '{print substr($1, 5)}' | paste -sd,) --protocol cuda_ipc (llama-1b)" | log

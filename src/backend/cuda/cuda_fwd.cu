@@ -63,6 +63,15 @@ struct td_cuda_fwd {
     bool tiles_ok;   /* prefill rows may use the tensor-core tile kernel */
     bool dec_ok;     /* and single rows the tensor-core decode kernel */
     bool use_gemv;   /* batches of <= GEMV_MAX_T rows use k_gemv (TD_CUDA_GEMV=0: cuBLAS) */
+    /* Decode steps of one row run as one kernel, k_mega (mega.cuh), where the model allows
+     * (TD_CUDA_MEGA=0: never): its kernel, grid, shared memory, per-layer weights on the
+     * device, residual buffers and barrier, and how much of each next row to prefetch. */
+    const void *mk_fn; /* a k_mega instance, or NULL */
+    int mk_blocks, mk_prefetch;
+    size_t mk_smem;
+    void *mk_layers; /* mk_layer[n_layer] */
+    float *mk_x;
+    unsigned *mk_bar;
     bool tile_attr;  /* the tile kernels' shared-memory limit has been raised */
     size_t token_bytes, block_bytes, layer_bytes, device_bytes;
     cudaStream_t stream;
@@ -1019,6 +1028,10 @@ k_gemv(const __nv_bfloat16 *__restrict__ W, const __nv_bfloat16 *__restrict__ x,
     }
 }
 
+/* ---------------------------------------------------------------- batch-1 decode as one kernel */
+
+#include "backend/cuda/mega.cuh"
+
 /* ---------------------------------------------------------------- greedy sampling */
 
 /* The warp's best (value, index): the largest value, the lowest index among equals. */
@@ -1246,7 +1259,7 @@ void td_cuda_fwd_free(td_cuda_fwd *f)
     if (f->output.p != f->embd.p) free_mat(&f->output);
     free_mat(&f->embd);
     void *bufs[] = {f->output_norm, f->rope_freqs, f->rope_cs, f->pool, f->x, f->qkv, f->o, f->gu,
-                    f->logits, f->part, f->in, f->dints, f->d_argmax};
+                    f->logits, f->part, f->in, f->dints, f->d_argmax, f->mk_layers, f->mk_x};
     for (void *b : bufs)
         if (b) cudaFree(b);
     if (f->h_ints) cudaFreeHost(f->h_ints);
@@ -1267,6 +1280,11 @@ void td_cuda_fwd_free(td_cuda_fwd *f)
 size_t td_cuda_fwd_device_bytes(const td_cuda_fwd *f)
 {
     return f->device_bytes;
+}
+
+bool td_cuda_fwd_one_kernel(const td_cuda_fwd *f)
+{
+    return f->mk_fn != nullptr;
 }
 
 int td_cuda_fwd_kv_export(td_cuda_fwd *f, void **base, uint8_t handle[64], int *device,
@@ -1327,6 +1345,73 @@ static size_t split_smem(const td_cuda_fwd *f)
 {
     int group = f->n_head / f->n_kv;
     return (size_t)(group * f->hd + group * SPLIT_SUB + 3 * group + 1 + (group & 1)) * 4 + SPLIT_SUB * sizeof(void *);
+}
+
+/* k_mega for this head_dim and group, or NULL. */
+static const void *mk_kernel(int hd, int group)
+{
+    switch (hd * 16 + group) {
+    case 64 * 16 + 1: return (const void *)k_mega<2, 1>;
+    case 64 * 16 + 2: return (const void *)k_mega<2, 2>;
+    case 64 * 16 + 4: return (const void *)k_mega<2, 4>;
+    case 64 * 16 + 8: return (const void *)k_mega<2, 8>;
+    case 128 * 16 + 1: return (const void *)k_mega<4, 1>;
+    case 128 * 16 + 2: return (const void *)k_mega<4, 2>;
+    case 128 * 16 + 4: return (const void *)k_mega<4, 4>;
+    case 128 * 16 + 8: return (const void *)k_mega<4, 8>;
+    }
+    return nullptr;
+}
+
+/* Whether decode steps of one row can run as k_mega, and what it needs (mega.cuh). A model
+ * it cannot run keeps the separate kernels; only a failing CUDA call is an error. */
+static int mk_setup(td_cuda_fwd *f, td_err *err)
+{
+    const char *env = getenv("TD_CUDA_MEGA"), *pf = getenv("TD_CUDA_MEGA_PREFETCH");
+    if (env && !strcmp(env, "0")) return 0;
+    bool ok = f->bf && !f->embd.f32 && !f->output.f32 && (f->kv_type == 1 || f->kv_type == 2) &&
+              f->d % 8 == 0 && f->qd % 8 == 0 && f->ff % 8 == 0 && f->n_head % f->n_kv == 0 &&
+              (size_t)f->max_tokens + 2 * (size_t)f->n_sm >= MK_SPLITS;
+    for (int l = 0; ok && l < f->n_layer; l++) {
+        const dev_layer *L = &f->layers[l];
+        ok = !L->qkv.f32 && !L->wo.f32 && !L->gu.f32 && !L->down.f32 && !L->bq && !L->bk && !L->bv;
+    }
+    const void *fn = ok ? mk_kernel(f->hd, f->n_head / f->n_kv) : nullptr;
+    if (!fn) return 0;
+    size_t smem = mk_smem_bytes(f->d, f->qd, f->ff, f->hd, f->n_head / f->n_kv);
+    if (smem > 48 * 1024 &&
+        cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    int per_sm = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, MK_THREADS, smem) != cudaSuccess ||
+        per_sm < 1) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    mk_layer *h = (mk_layer *)calloc((size_t)f->n_layer, sizeof(mk_layer));
+    if (!h) return td_err_set(err, TD_ENOMEM, "cuda: out of memory");
+    for (int l = 0; l < f->n_layer; l++) {
+        const dev_layer *L = &f->layers[l];
+        h[l] = mk_layer{(const __nv_bfloat16 *)L->qkv.p, (const __nv_bfloat16 *)L->wo.p,
+                        (const __nv_bfloat16 *)L->gu.p, (const __nv_bfloat16 *)L->down.p, L->attn_norm,
+                        L->ffn_norm};
+    }
+    size_t lb = (size_t)f->n_layer * sizeof(mk_layer), xb = 2 * (size_t)f->d * 4 + 64;
+    cudaError_t e = cudaMalloc(&f->mk_layers, lb);
+    if (e == cudaSuccess) e = cudaMemcpy(f->mk_layers, h, lb, cudaMemcpyHostToDevice);
+    if (e == cudaSuccess) e = cudaMalloc((void **)&f->mk_x, xb);
+    if (e == cudaSuccess) e = cudaMemset(f->mk_x, 0, xb);
+    free(h);
+    if (e != cudaSuccess) return td_err_set(err, TD_EIO, "cuda: one-kernel decode setup: %s", cudaGetErrorString(e));
+    f->device_bytes += lb + xb;
+    f->mk_bar = (unsigned *)(f->mk_x + 2 * (size_t)f->d);
+    f->mk_fn = fn;
+    f->mk_blocks = per_sm * f->n_sm;
+    f->mk_smem = smem;
+    f->mk_prefetch = pf ? atoi(pf) : 4096;
+    return 0;
 }
 
 int td_cuda_fwd_create(td_cuda_fwd **out, const td_model *m, int gpu, td_type kv_dtype, int block_size,
@@ -1491,6 +1576,7 @@ int td_cuda_fwd_create(td_cuda_fwd **out, const td_model *m, int gpu, td_type kv
         for (int i = 0; f->prof && i < PROF_MARKS; i++) cudaEventCreate(&f->marks[i]);
         for (int i = 0; f->prof && i < 2; i++) cudaEventCreate(&f->step_ev[i]);
     }
+    if (!rc) rc = mk_setup(f, err);
 #undef TRY
 #undef DMALLOC
     if (rc) {
@@ -1596,6 +1682,54 @@ static int enqueue(td_cuda_fwd *f, int T, int ns, int n_logits, int n_list, int 
                   *d_rows = di + stage_off(f, ST_ROWS);
     int d = f->d;
     float eps = s->rms_eps;
+    if (f->mk_fn && T == 1 && n_logits == 1) { /* one decode row: one kernel (mega.cuh) */
+        mk_args A;
+        A.layers = (const mk_layer *)f->mk_layers;
+        A.n_layer = f->n_layer;
+        A.d = d;
+        A.qd = f->qd;
+        A.kd = f->kd;
+        A.hd = f->hd;
+        A.n_head = f->n_head;
+        A.n_kv = f->n_kv;
+        A.ff = f->ff;
+        A.vocab = f->vocab;
+        A.eps = eps;
+        A.embd = (const __nv_bfloat16 *)f->embd.p;
+        A.out_w = (const __nv_bfloat16 *)f->output.p;
+        A.out_norm = f->output_norm;
+        A.tok = d_tok;
+        A.pos = d_pos;
+        A.seq = d_seq;
+        A.tables = d_tab;
+        A.max_blocks = f->max_blocks;
+        A.block_size = f->block_size;
+        A.kv_type = f->kv_type;
+        A.neox = s->rope_type == TD_ROPE_NEOX;
+        A.pool = f->pool;
+        A.layer_bytes = f->layer_bytes;
+        A.token_bytes = f->token_bytes;
+        A.block_bytes = f->block_bytes;
+        A.rope_cs = f->rope_cs;
+        A.xa = f->mk_x;
+        A.xb = f->mk_x + d;
+        A.qkv = f->qkv;
+        A.o = f->o;
+        A.dn = f->gu;
+        A.part = f->part;
+        A.logits = f->logits;
+        A.att = A.ffa = (__nv_bfloat16 *)f->in;
+        A.bar = f->mk_bar;
+        A.prefetch = f->mk_prefetch;
+        void *args[] = {&A};
+        mark(f, PROF_GEMM);
+        CK(cudaLaunchKernel(f->mk_fn, dim3((unsigned)f->mk_blocks), dim3(MK_THREADS), args, f->mk_smem, st));
+        mark(f, PROF_OTHER);
+        k_argmax<<<1, 1024, 0, st>>>(f->logits, f->vocab, f->d_argmax);
+        CK(cudaMemcpyAsync(f->h_argmax, f->d_argmax, 4, cudaMemcpyDeviceToHost, st));
+        mark(f, -1);
+        return 0;
+    }
     mark(f, PROF_OTHER);
     k_embed<<<T, 256, 0, st>>>(f->embd.p, f->embd.f32, d_tok, f->x, d);
     k_norm<<<T, 256, 0, st>>>(f->x, nullptr, f->layers[0].attn_norm, f->in, f->bf, nullptr, d, eps);

@@ -58,6 +58,11 @@ int td_cuda_fwd_kv_export(td_cuda_fwd *f, void **base, uint8_t handle[64], int *
 /** Bytes of device memory the pool and the weights took (for the memory plan's log). */
 size_t td_cuda_fwd_device_bytes(const td_cuda_fwd *f);
 
+/* Whether decode steps of one row run as one kernel (mega.cuh): bf16 weights without
+ * biases, a bf16 or f16 KV cache, head_dim 64 or 128, 1, 2, 4 or 8 query heads per KV
+ * head, and TD_CUDA_MEGA not 0. */
+bool td_cuda_fwd_one_kernel(const td_cuda_fwd *f);
+
 /**
  * Run a batch: token t is tokens[t] at position pos[t] of sequence seq[t], whose block ids
  * are block_tables[seq[t]] (n_seqs tables). For the n_logits batch rows logit_rows[]:

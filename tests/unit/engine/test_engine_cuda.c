@@ -38,7 +38,8 @@
  * device (deferred dummy weights), the CPU on the host, from the same seed. Four steps
  * cover the attention kernels: two prompts of 40 and 23 tokens in one batch (tensor-core
  * tiles where the KV type allows, split-K otherwise), a chunk of 7 beside a decode row,
- * then two decode steps (a CUDA graph, captured and replayed).
+ * two decode steps (a CUDA graph, captured and replayed), then three steps of one decode
+ * row (one kernel for the whole step, where the model allows).
  */
 /* Logits of the GPU against the CPU's over four steps of two sequences: a prefill, more
  * prompt rows, then two decode steps. Long: contexts of up to 211 tokens, so that decode
@@ -64,6 +65,11 @@ static void compare_logits(const td_model_shape *shape, const char *kv_name, dou
     td_cuda_fwd *gf = NULL;
     if (td_cuda_fwd_create(&gf, gm, 0, kvt, bs, n_blocks, max_tokens, max_logits, max_ctx, &err))
         fail_msg("%s", err.msg);
+    int group = shape->n_head / shape->n_head_kv;
+    const char *mega = getenv("TD_CUDA_MEGA");
+    bool want_mk = (kvt == TD_TYPE_BF16 || kvt == TD_TYPE_F16) && (hd == 64 || hd == 128) &&
+                   (group == 1 || group == 2 || group == 4 || group == 8) && !(mega && !strcmp(mega, "0"));
+    assert_int_equal(td_cuda_fwd_one_kernel(gf), want_mk);
     int32_t t0[16], t1[16]; /* sequence 1's blocks in reverse: tables need not be in order */
     for (int i = 0; i < n_blocks / 2; i++) t0[i] = i, t1[i] = n_blocks - 1 - i;
     const int32_t *tables[2] = {t0, t1};
@@ -72,12 +78,14 @@ static void compare_logits(const td_model_shape *shape, const char *kv_name, dou
     td_rng rng;
     td_rng_seed(&rng, 3);
     /* (rows of seq 0, rows of seq 1) per step; positions continue from the last step */
-    const int short_steps[4][2] = {{40, 23}, {7, 1}, {1, 1}, {1, 1}};
-    const int long_steps[4][2] = {{150, 100}, {60, 1}, {1, 1}, {1, 1}};
+    /* The last three steps decode one row: the one-kernel decode (k_mega) where the model
+     * allows, for either sequence (sequence 1's block table is in reverse). */
+    const int short_steps[7][2] = {{40, 23}, {7, 1}, {1, 1}, {1, 1}, {1, 0}, {0, 1}, {1, 0}};
+    const int long_steps[7][2] = {{150, 100}, {60, 1}, {1, 1}, {1, 1}, {1, 0}, {0, 1}, {1, 0}};
     const int(*steps)[2] = long_ctx ? long_steps : short_steps;
     int next[2] = {0, 0};
     double worst = 0, worst_max = 0;
-    for (int st = 0; st < 4; st++) {
+    for (int st = 0; st < 7; st++) {
         int32_t tok[256], pos[256], seq[256], rows[256];
         int T = 0;
         for (int sq = 0; sq < 2; sq++)
@@ -110,8 +118,10 @@ static void compare_logits(const td_model_shape *shape, const char *kv_name, dou
                          kv_name, st, r, seq[r], pos[r], rel);
         }
     }
-    printf("  %s KV%s: relative error of the logits (L2 per row) at most %.2e; largest element "
-           "difference %.2e of the row's largest logit\n", kv_name, long_ctx ? " (long)" : "", worst, worst_max);
+    printf("  %s KV%s%s%s: relative error of the logits (L2 per row) at most %.2e; largest element "
+           "difference %.2e of the row's largest logit\n", kv_name, long_ctx ? " (long)" : "",
+           shape->rope_type == TD_ROPE_NEOX ? ", NeoX RoPE" : "", want_mk ? ", one-kernel decode" : "", worst,
+           worst_max);
     free(lc);
     free(lg);
     td_cuda_fwd_free(gf);
@@ -141,6 +151,9 @@ static void test_logits_hd128(void **state)
     for (int i = 0; i < 3; i++) compare_logits(&s, kvs[i], 1e-2, false);
     compare_logits(&s, "bf16", 1e-2, true);
     compare_logits(&s, "f16", 1e-2, true);
+    s.rope_type = TD_ROPE_NEOX; /* pairs (i, i + 64): across lanes in the one-kernel decode */
+    compare_logits(&s, "bf16", 1e-2, true);
+    s.rope_type = TD_ROPE_NORM;
     /* fp8 rounds K and V to 3 mantissa bits on both sides; a rounding that differs by one
      * step (the GPU's K differs from the CPU's in the last bits) moves a logit further */
     compare_logits(&s, "fp8", 3e-2, false);
