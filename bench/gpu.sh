@@ -117,17 +117,17 @@ if want dec; then # small-batch decode alone (quick A/B of decode kernels)
     TD_CUDA_PROFILE=2 "${b8[@]}" --prompt-len 128 --gen-len 64 --batch 1 --context 1024 --reps 1 --no-floor 2>&1 | log
 fi
 if want mega; then # batch-1 decode: one kernel per step (k_mega) against the separate kernels, alternating
-    for i in 1 2; do
-        for v in TD_CUDA_MEGA=0 TD_CUDA_MEGA=1 TD_CUDA_MEGA_PREFETCH=0 TD_CUDA_MEGA_PREFETCH=16384; do
+    for i in 1 2 3; do
+        for v in TD_CUDA_MEGA=0 TD_CUDA_MEGA_TIMES=1; do
             echo "== decode at batch 1 from 1024-token contexts, $v (run $i)" | log
             env $v "${b8[@]}" --prompt-len 128 --context 1024 --gen-len 64 --batch 1 --max-num-batched-tokens 2048 \
-                2>&1 | grep -E "^(tg|floor|machine|  floor)" | log
+                2>&1 | grep -E "^(tg|floor|machine|  floor)|one-kernel" | log
         done
     done
-    for v in TD_CUDA_MEGA=0 TD_CUDA_MEGA=1; do
-        echo "== whole steps on the GPU (TD_CUDA_PROFILE=2), $v" | log
-        env $v TD_CUDA_PROFILE=2 "${b8[@]}" --prompt-len 128 --gen-len 64 --batch 1 --context 1024 --reps 1 \
-            --no-floor 2>&1 | grep -E "cuda profile|^tg" | log
+    echo "== the same from 3968-token contexts" | log
+    for v in TD_CUDA_MEGA=0 TD_CUDA_MEGA_TIMES=1; do
+        env $v "${b8[@]}" --prompt-len 128 --context 3968 --gen-len 64 --batch 1 --max-num-batched-tokens 2048 \
+            --no-floor 2>&1 | grep -E "^tg|one-kernel" | log
     done
     echo "== llama-1b (TinyLlama shape), batch 1, TD_CUDA_MEGA=0 then 1" | log
     for v in TD_CUDA_MEGA=0 TD_CUDA_MEGA=1; do

@@ -67,9 +67,12 @@ struct td_cuda_fwd {
      * (TD_CUDA_MEGA=0: never): its kernel, grid, shared memory, per-layer weights on the
      * device, residual buffers and barrier, and how much of each next row to prefetch. */
     const void *mk_fn; /* a k_mega instance, or NULL */
-    int mk_blocks, mk_prefetch;
+    int mk_blocks;
     size_t mk_smem;
     void *mk_layers; /* mk_layer[n_layer] */
+    unsigned long long *mk_times, *mk_h_times; /* TD_CUDA_MEGA_TIMES=1: phase clocks */
+    double mk_phase_us[6];
+    long mk_steps;
     float *mk_x;
     unsigned *mk_bar;
     bool tile_attr;  /* the tile kernels' shared-memory limit has been raised */
@@ -1241,11 +1244,16 @@ static void prof_report(const td_cuda_fwd *f)
     }
 }
 
+static void mk_times_report(const td_cuda_fwd *f);
+
 void td_cuda_fwd_free(td_cuda_fwd *f)
 {
     if (f) cudaSetDevice(f->dev); /* the calling thread's current device may be another */
     if (!f) return;
     if (f->prof) prof_report(f);
+    mk_times_report(f);
+    if (f->mk_times) cudaFree(f->mk_times);
+    if (f->mk_h_times) cudaFreeHost(f->mk_h_times);
     if (f->layers)
         for (int l = 0; l < f->n_layer; l++) {
             dev_layer *L = &f->layers[l];
@@ -1367,7 +1375,7 @@ static const void *mk_kernel(int hd, int group)
  * it cannot run keeps the separate kernels; only a failing CUDA call is an error. */
 static int mk_setup(td_cuda_fwd *f, td_err *err)
 {
-    const char *env = getenv("TD_CUDA_MEGA"), *pf = getenv("TD_CUDA_MEGA_PREFETCH");
+    const char *env = getenv("TD_CUDA_MEGA");
     if (env && !strcmp(env, "0")) return 0;
     bool ok = f->bf && !f->embd.f32 && !f->output.f32 && (f->kv_type == 1 || f->kv_type == 2) &&
               f->d % 8 == 0 && f->qd % 8 == 0 && f->ff % 8 == 0 && f->n_head % f->n_kv == 0 &&
@@ -1398,7 +1406,7 @@ static int mk_setup(td_cuda_fwd *f, td_err *err)
                         (const __nv_bfloat16 *)L->gu.p, (const __nv_bfloat16 *)L->down.p, L->attn_norm,
                         L->ffn_norm};
     }
-    size_t lb = (size_t)f->n_layer * sizeof(mk_layer), xb = 2 * (size_t)f->d * 4 + 64;
+    size_t lb = (size_t)f->n_layer * sizeof(mk_layer), xb = 2 * (size_t)f->d * 4 + (2 + (size_t)f->n_kv) * 4;
     cudaError_t e = cudaMalloc(&f->mk_layers, lb);
     if (e == cudaSuccess) e = cudaMemcpy(f->mk_layers, h, lb, cudaMemcpyHostToDevice);
     if (e == cudaSuccess) e = cudaMalloc((void **)&f->mk_x, xb);
@@ -1410,8 +1418,27 @@ static int mk_setup(td_cuda_fwd *f, td_err *err)
     f->mk_fn = fn;
     f->mk_blocks = per_sm * f->n_sm;
     f->mk_smem = smem;
-    f->mk_prefetch = pf ? atoi(pf) : 4096;
+    const char *tm = getenv("TD_CUDA_MEGA_TIMES");
+    if (tm && !strcmp(tm, "1")) {
+        size_t n = (size_t)f->n_layer * 5 + 2;
+        if (cudaMalloc((void **)&f->mk_times, n * 8) != cudaSuccess ||
+            cudaMallocHost((void **)&f->mk_h_times, n * 8) != cudaSuccess)
+            return td_err_set(err, TD_ENOMEM, "cuda: cannot allocate the phase clocks");
+    }
     return 0;
+}
+
+/* TD_CUDA_MEGA_TIMES=1: where the one-kernel decode steps' time went. */
+static void mk_times_report(const td_cuda_fwd *f)
+{
+    if (!f->mk_steps) return;
+    static const char *name[6] = {"QKV", "attention", "output proj", "gate-up", "down", "output matrix"};
+    double total = 0;
+    for (int k = 0; k < 6; k++) total += f->mk_phase_us[k];
+    fprintf(stderr, "cuda one-kernel decode: %ld steps, %.1f us each on the GPU clock:", f->mk_steps,
+            total / (double)f->mk_steps);
+    for (int k = 0; k < 6; k++) fprintf(stderr, " %s %.1f", name[k], f->mk_phase_us[k] / (double)f->mk_steps);
+    fprintf(stderr, " (us per step, barriers included)\n");
 }
 
 int td_cuda_fwd_create(td_cuda_fwd **out, const td_model *m, int gpu, td_type kv_dtype, int block_size,
@@ -1720,13 +1747,17 @@ static int enqueue(td_cuda_fwd *f, int T, int ns, int n_logits, int n_list, int 
         A.logits = f->logits;
         A.att = A.ffa = (__nv_bfloat16 *)f->in;
         A.bar = f->mk_bar;
-        A.prefetch = f->mk_prefetch;
+        A.cnt = f->mk_bar + 2;
+        A.times = f->mk_times;
         void *args[] = {&A};
         mark(f, PROF_GEMM);
         CK(cudaLaunchKernel(f->mk_fn, dim3((unsigned)f->mk_blocks), dim3(MK_THREADS), args, f->mk_smem, st));
         mark(f, PROF_OTHER);
         k_argmax<<<1, 1024, 0, st>>>(f->logits, f->vocab, f->d_argmax);
         CK(cudaMemcpyAsync(f->h_argmax, f->d_argmax, 4, cudaMemcpyDeviceToHost, st));
+        if (f->mk_times)
+            CK(cudaMemcpyAsync(f->mk_h_times, f->mk_times, ((size_t)f->n_layer * 5 + 2) * 8, cudaMemcpyDeviceToHost,
+                               st));
         mark(f, -1);
         return 0;
     }
@@ -1868,6 +1899,13 @@ int td_cuda_fwd_run(td_cuda_fwd *f, int n_tokens, const int32_t *tokens, const i
     }
     CK(cudaStreamSynchronize(st));
     CK(cudaGetLastError());
+    if (f->mk_times && T == 1 && n_logits == 1) {
+        const unsigned long long *t = f->mk_h_times;
+        for (int l = 0; l < f->n_layer; l++)
+            for (int k = 0; k < 5; k++) f->mk_phase_us[k] += (double)(t[l * 5 + k + 1] - t[l * 5 + k]) * 1e-3;
+        f->mk_phase_us[5] += (double)(t[f->n_layer * 5 + 1] - t[f->n_layer * 5]) * 1e-3;
+        f->mk_steps++;
+    }
     if (f->prof_steps_only) {
         float ms = 0.0f;
         int k = decode ? 0 : 1;

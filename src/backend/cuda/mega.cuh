@@ -5,30 +5,40 @@
  * A batch-1 decode step reads every weight once and does little else, so its floor is the
  * weights over the memory bandwidth. Launched as ~290 kernels (nine a layer), each GEMV
  * ramps up and drains, and the gaps between kernels leave the memory idle: the step took
- * 1.6x its floor. Here one persistent kernel (as many blocks as fit on the GPU at once,
- * every one resident) runs the whole step in phases separated by grid barriers:
+ * 1.6x its floor. Here one persistent kernel (one 512-thread block per SM, every block
+ * resident) runs the whole step in phases separated by grid barriers:
  *
- *   per layer: QKV (RMSNorm in each block, then the rows)  | barrier
- *              attention: (KV head, key range) items, RoPE on the fly, the new K/V stored
+ *   per layer: RMSNorm (in every block) and QKV           | barrier
+ *              attention: (KV head, key range) items, one per block, RoPE on the fly, the
+ *              new K/V stored; the block that ends a KV head's last item merges its items
  *                                                          | barrier
- *              merge of the ranges' partial softmaxes       | barrier
  *              output projection                           | barrier
  *              residual + RMSNorm, gate and up with SiLU    | barrier
  *              down projection                             | barrier
  *   then the final RMSNorm and the output matrix.
  *
- * Weights never depend on a barrier, so before waiting at one every warp asks the L2 for
- * the start of the rows it reads next (`prefetch`); the memory keeps streaming through the
- * barrier. A GEMV phase deals whole rows to warps (one warp per row, the k_gemv loop), the
- * warps spread over all blocks, each warp the same number of rows: the sums are the same
- * in every run. The residual stream alternates between two f32 buffers so that the block
- * that writes the new one never races the blocks that still read the old.
+ * A GEMV phase deals whole rows to warps (the k_gemv loop, two rows at a time), the warps
+ * spread over all blocks, each warp the same number of rows: no atomics, so the sums are
+ * the same in every run. The residual stream alternates between two f32 buffers so that
+ * the block that writes the new one never races the blocks that still read the old. Data
+ * written in the kernel is read with __ldcg (the L1 is not coherent across SMs).
+ *
+ * Measured on the H200 (BENCHMARKS.md): the large GEMV phases stream at 1.08-1.09x the
+ * copy-rate floor; what is left is attention (latency chains: block table, K/V, merge),
+ * the barriers (five a layer) and the small QKV and output GEMVs. Tried and dropped: L2
+ * prefetch of the next rows before a barrier, and of the output projection during
+ * attention; the next rows' first loads held in registers across a barrier.
  *
  * Limits (else the step runs as separate kernels): bf16 weights without biases, a bf16 or
- * f16 KV cache, head_dim 64 or 128, at most MK_MAX_GROUP query heads per KV head.
+ * f16 KV cache, head_dim 64 or 128, 1, 2, 4 or 8 query heads per KV head.
  */
 
+#ifndef MK_THREADS
 #define MK_THREADS 512
+#endif
+#ifndef MK_MINB
+#define MK_MINB 1 /* blocks per SM the registers must allow */
+#endif
 #define MK_WARPS (MK_THREADS / 32)
 #define MK_SPLITS 32    /* most key ranges per KV head */
 #define MK_MIN_KEYS 16  /* fewest keys per range */
@@ -54,12 +64,13 @@ struct mk_args {
     float *xa, *xb, *qkv, *o, *dn, *part, *logits; /* f32 */
     __nv_bfloat16 *att, *ffa;                      /* bf16 inputs of the output and down GEMVs */
     unsigned *bar;                                 /* [0] arrivals, [1] generation */
-    int prefetch; /* bytes of each warp's next row asked of the L2 before a barrier */
+    unsigned *cnt;                                 /* per KV head: its attention items done */
+    unsigned long long *times; /* TD_CUDA_MEGA_TIMES: the GPU clock after each phase, or NULL */
 };
 
 /* All blocks meet. Data written before it by any block is visible after it (activations
  * are read with __ldcg, past the incoherent L1). */
-__device__ inline void mk_sync(unsigned *bar)
+__device__ inline void mk_sync(unsigned *bar, unsigned long long *times = nullptr, int phase = 0)
 {
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -74,6 +85,11 @@ __device__ inline void mk_sync(unsigned *bar)
             while (*gen == g) __nanosleep(32);
         }
         __threadfence();
+        if (times && blockIdx.x == 0) {
+            unsigned long long t;
+            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+            times[phase] = t;
+        }
     }
     __syncthreads();
 }
@@ -95,24 +111,6 @@ __device__ inline mk_deal mk_deal_for(int n)
     return d;
 }
 
-/* Ask the L2 for the first `bytes` of this warp's first row of a phase with n rows of
- * `row_bytes` each (rows_of: 1, or 2 for gate-up pairs whose second row is `second` rows
- * on). */
-__device__ inline void mk_prefetch_rows(const __nv_bfloat16 *w, int n, size_t row_bytes, size_t second,
-                                        int bytes)
-{
-    if (bytes <= 0) return;
-    mk_deal dl = mk_deal_for(n);
-    if (dl.slot >= dl.n_slots) return;
-    const int lane = threadIdx.x % 32;
-    int lim = (int)(row_bytes < (size_t)bytes ? row_bytes : (size_t)bytes);
-    const char *p = (const char *)w + (size_t)dl.slot * row_bytes;
-    for (int o = lane * 128; o < lim; o += 32 * 128) {
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(p + o));
-        if (second) asm volatile("prefetch.global.L2 [%0];" ::"l"(p + second * row_bytes + o));
-    }
-}
-
 /* One warp's dot product of a bf16 weight row with the bf16 vector in shared memory: the
  * k_gemv loop. */
 __device__ inline float mk_dot(const __nv_bfloat16 *w, const __nv_bfloat16 *xs, int nv)
@@ -132,7 +130,7 @@ __device__ inline float mk_dot(const __nv_bfloat16 *w, const __nv_bfloat16 *xs, 
     return acc;
 }
 
-/* Gate and up rows together (twice the loads in flight). */
+/* Two rows together (twice the loads in flight). */
 __device__ inline void mk_dot2(const __nv_bfloat16 *w0, const __nv_bfloat16 *w1, const __nv_bfloat16 *xs, int nv,
                                float *a0, float *a1)
 {
@@ -159,6 +157,30 @@ __device__ inline void mk_dot2(const __nv_bfloat16 *w0, const __nv_bfloat16 *w1,
     *a1 = s1;
 }
 
+/* out[r] = W[r] . xs for r < rows (cols each): the rows dealt to the warps, two at a time
+ * so that each warp has twice the loads in flight. */
+__device__ inline void mk_gemv(const __nv_bfloat16 *W, const __nv_bfloat16 *xs, int cols, int rows, float *out)
+{
+    const int lane = threadIdx.x % 32;
+    mk_deal dl = mk_deal_for(rows);
+    if (dl.slot >= dl.n_slots) return;
+    for (int i = 0; i < dl.per; i += 2) {
+        int r0 = dl.slot + i * dl.n_slots, r1 = r0 + dl.n_slots;
+        if (r0 >= rows) break;
+        if (i + 1 < dl.per && r1 < rows) {
+            float a0, a1;
+            mk_dot2(W + (size_t)r0 * cols, W + (size_t)r1 * cols, xs, cols / 8, &a0, &a1);
+            if (lane == 0) {
+                out[r0] = a0;
+                out[r1] = a1;
+            }
+        } else {
+            float a0 = mk_dot(W + (size_t)r0 * cols, xs, cols / 8);
+            if (lane == 0) out[r0] = a0;
+        }
+    }
+}
+
 /*
  * The block's copy of a GEMV input: v = a + b (f32; b may be null; `emb` instead: the
  * token's embedding row), RMS-normed with weight w, as bf16 into s_in. Block 0 also keeps
@@ -167,14 +189,28 @@ __device__ inline void mk_dot2(const __nv_bfloat16 *w0, const __nv_bfloat16 *w1,
 __device__ void mk_norm_in(const float *a, const float *b, const __nv_bfloat16 *emb, const float *w, float *keep,
                            __nv_bfloat16 *s_in, float *s_v, float *s_red, int d, float eps)
 {
+    /* four elements per load, every load of a thread issued before the first is used */
     float ss = 0.0f;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) {
-        float v = emb ? __bfloat162float(emb[i]) : __ldcg(a + i) + (b ? __ldcg(b + i) : 0.0f);
-        s_v[i] = v;
-        ss += v * v;
+#pragma unroll 4
+    for (int i = 4 * threadIdx.x; i < d; i += 4 * blockDim.x) {
+        float4 v;
+        if (emb) {
+            uint2 r = *(const uint2 *)(emb + i);
+            v = make_float4(__uint_as_float(r.x << 16), __uint_as_float(r.x & 0xffff0000u),
+                            __uint_as_float(r.y << 16), __uint_as_float(r.y & 0xffff0000u));
+        } else {
+            v = __ldcg((const float4 *)(a + i));
+            if (b) {
+                float4 u = __ldcg((const float4 *)(b + i));
+                v = make_float4(v.x + u.x, v.y + u.y, v.z + u.z, v.w + u.w);
+            }
+        }
+        *(float4 *)(s_v + i) = v;
+        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
     }
     ss = block_sum(ss, s_red);
     float scale = 1.0f / sqrtf(ss / (float)d + eps);
+#pragma unroll 4
     for (int i = threadIdx.x; i < d; i += blockDim.x) {
         float v = s_v[i];
         s_in[i] = __float2bfloat16_rn(v * scale * w[i]);
@@ -188,15 +224,15 @@ __device__ inline void mk_load_vec(const __nv_bfloat16 *g, __nv_bfloat16 *s, int
 {
     const uint4 *src = (const uint4 *)g;
     uint4 *dst = (uint4 *)s;
+#pragma unroll 4
     for (int i = threadIdx.x; i < n / 8; i += blockDim.x) dst[i] = __ldcg(src + i);
     __syncthreads();
 }
 
-/* DPL consecutive bf16 or f16 KV elements (kv_type 2 or 1) at p, as f32. */
+/* DPL consecutive 16-bit KV elements, raw (DPL / 2 words), and as f32 (kv_type 2 bf16, 1 f16). */
 template <int DPL>
-__device__ inline void mk_load_kv(const uint8_t *p, int kv_type, float v[DPL])
+__device__ inline void mk_load_raw(const uint8_t *p, uint32_t u[DPL / 2])
 {
-    uint32_t u[DPL / 2];
     if (DPL == 4) {
         uint2 r = __ldcg((const uint2 *)p);
         u[0] = r.x;
@@ -204,6 +240,11 @@ __device__ inline void mk_load_kv(const uint8_t *p, int kv_type, float v[DPL])
     } else {
         u[0] = __ldcg((const unsigned int *)p);
     }
+}
+
+template <int DPL>
+__device__ inline void mk_unpack(const uint32_t u[DPL / 2], int kv_type, float v[DPL])
+{
 #pragma unroll
     for (int i = 0; i < DPL / 2; i++) {
         if (kv_type == 2) {
@@ -244,29 +285,52 @@ __device__ inline void mk_rope(float v[DPL], const float2 *cs_p, bool neox)
 }
 
 /*
- * Attention for one (KV head, key range) item: the group's query heads against keys
- * [t0, t1) of the sequence, position p being the new token (its K and V from qkv, RoPE'd
- * here). Keys go 32 at a time, one per lane (its whole K row against every query head in
- * shared memory), then V with the lanes over the head's dims. Writes the range's
- * unnormalised output, its max and its sum, as k_attn_split's partials.
+ * Attention for one (KV head, key range) item, on a whole block: the group's query heads
+ * (RoPE'd and scaled into shared memory) against keys [t0, t1) of the sequence, position p
+ * being the new token (its K and V from qkv, RoPE'd here). The warps take the keys in turn,
+ * MK_KPW at a time with all their K and V loads issued together (lanes over the head's
+ * dims), each keeping an online softmax per query head; the block then combines its warps
+ * into the item's partial: unnormalised output, max (natural log), sum. The block that
+ * completes a KV head's last item merges that head's items into `att` (bf16), so no
+ * barrier is spent on the merge. The block of the last item also stores the new K and V.
  */
+#define MK_KPW 4
+
 template <int DPL, int GROUP>
 __device__ void mk_attn_item(const mk_args &A, const uint8_t *layer, const int32_t *tab, int p, int h, int s,
-                             int S, int t0, int t1, float *s_q)
+                             int S, int t0, int t1, float *s_q, float *s_w, unsigned *cnt)
 {
-    const int lane = threadIdx.x % 32, hd = 32 * DPL, group = GROUP;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, hd = 32 * DPL;
     const float *qkv = A.qkv;
     const float2 *cs_p = A.rope_cs + (size_t)p * (hd / 2);
-    /* the group's queries, RoPE'd and scaled by 1/sqrt(hd), into this warp's shared slot */
     const float scale = 1.0f / sqrtf((float)hd);
-    __syncwarp(); /* the warp's previous item has finished reading s_q */
-    for (int g = 0; g < group; g++) {
+    const size_t vhalf = (size_t)A.block_size * A.token_bytes, lane_off = ((size_t)h * hd + lane * DPL) * 2;
+    /* this warp's keys: a contiguous share of [t0, t1), MK_KPW per pass */
+    const int share = (t1 - t0 + MK_WARPS - 1) / MK_WARPS;
+    const int w0 = t0 + warp * share, w1 = w0 + share < t1 ? w0 + share : t1;
+    /* The first pass's K and V loads go out before anything else: they need only the block
+     * table, while the queries need qkv and the RoPE table. */
+    uint32_t kr[MK_KPW][DPL / 2], vr[MK_KPW][DPL / 2]; /* raw: half the registers */
+    auto load_pass = [&](int tb) {
+#pragma unroll
+        for (int k = 0; k < MK_KPW; k++) {
+            const int t = tb + k;
+            if (t < w1 && t != p) {
+                const uint8_t *kb = layer + (size_t)tab[t / A.block_size] * A.block_bytes +
+                                    (size_t)(t % A.block_size) * A.token_bytes + lane_off;
+                mk_load_raw<DPL>(kb, kr[k]);
+                mk_load_raw<DPL>(kb + vhalf, vr[k]);
+            }
+        }
+    };
+    load_pass(w0);
+    if (warp < GROUP) { /* query head h * GROUP + warp */
         float q[DPL];
 #pragma unroll
-        for (int j = 0; j < DPL; j++) q[j] = __ldcg(qkv + (size_t)(h * group + g) * hd + lane * DPL + j);
+        for (int j = 0; j < DPL; j++) q[j] = __ldcg(qkv + (size_t)(h * GROUP + warp) * hd + lane * DPL + j);
         mk_rope<DPL>(q, cs_p, A.neox);
 #pragma unroll
-        for (int j = 0; j < DPL; j++) s_q[g * hd + lane * DPL + j] = q[j] * scale;
+        for (int j = 0; j < DPL; j++) s_q[warp * hd + lane * DPL + j] = q[j] * scale;
     }
     /* the new token's K (RoPE'd) and V, this lane's dims */
     float kc[DPL], vc[DPL];
@@ -276,8 +340,12 @@ __device__ void mk_attn_item(const mk_args &A, const uint8_t *layer, const int32
         vc[j] = __ldcg(qkv + A.qd + A.kd + (size_t)h * hd + lane * DPL + j);
     }
     mk_rope<DPL>(kc, cs_p, A.neox);
-    __syncwarp();
-    const int esz = A.kv_type == 1 || A.kv_type == 2 ? 2 : 4;
+    __syncthreads();
+    float q[GROUP][DPL];
+#pragma unroll
+    for (int g = 0; g < GROUP; g++)
+#pragma unroll
+        for (int j = 0; j < DPL; j++) q[g][j] = s_q[g * hd + lane * DPL + j];
     float m[GROUP], l[GROUP], o[GROUP][DPL];
 #pragma unroll
     for (int g = 0; g < GROUP; g++) {
@@ -286,126 +354,143 @@ __device__ void mk_attn_item(const mk_args &A, const uint8_t *layer, const int32
 #pragma unroll
         for (int j = 0; j < DPL; j++) o[g][j] = 0.0f;
     }
-    for (int tb = t0; tb < t1; tb += 32) {
-        const int t = tb + lane;
-        const bool have = t < t1;
-        /* this lane's key: its scores against every query head */
-        float sc[GROUP];
+    for (int tb = w0; tb < w1; tb += MK_KPW) {
+        if (tb != w0) load_pass(tb);
 #pragma unroll
-        for (int g = 0; g < GROUP; g++) sc[g] = 0.0f;
-        if (have && t < p) {
-            const uint8_t *kb = layer + (size_t)tab[t / A.block_size] * A.block_bytes +
-                                (size_t)(t % A.block_size) * A.token_bytes + (size_t)h * hd * esz;
-            for (int c = 0; c < hd; c += 8) {
-                float kf[8];
-                uint4 raw = __ldcg((const uint4 *)(kb + (size_t)c * esz));
-                if (A.kv_type == 2) {
-                    bf16x8(raw, kf);
-                } else {
-                    const __half *hh = (const __half *)&raw;
+        for (int k = 0; k < MK_KPW; k++) {
+            const int t = tb + k;
+            if (t >= w1) break; /* warp-uniform */
+            float kk[DPL], vv[DPL];
+            if (t == p) {
 #pragma unroll
-                    for (int i = 0; i < 8; i++) kf[i] = __half2float(hh[i]);
+                for (int j = 0; j < DPL; j++) {
+                    kk[j] = kc[j];
+                    vv[j] = vc[j];
                 }
-#pragma unroll
-                for (int g = 0; g < GROUP; g++)
-#pragma unroll
-                    for (int i = 0; i < 8; i++) sc[g] = fmaf(s_q[g * hd + c + i], kf[i], sc[g]);
-            }
-        }
-        /* the new token's key is spread over the lanes: its scores by reduction */
-        const bool cur = p >= tb && p < tb + 32 && p < t1;
-        if (cur) {
-#pragma unroll
-            for (int g = 0; g < GROUP; g++) {
-                float d = 0.0f;
-#pragma unroll
-                for (int j = 0; j < DPL; j++) d = fmaf(s_q[g * hd + lane * DPL + j], kc[j], d);
-                for (int off = 16; off > 0; off >>= 1) d += __shfl_xor_sync(0xffffffffu, d, off);
-                if (t == p) sc[g] = d;
-            }
-        }
-        /* online softmax over the 32 keys, per query head */
-        float pw[GROUP];
-#pragma unroll
-        for (int g = 0; g < GROUP; g++) {
-            float mx = have ? sc[g] : -INFINITY;
-            for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-            float mn = fmaxf(m[g], mx);
-            float alpha = expf(m[g] - mn);
-            pw[g] = have ? expf(sc[g] - mn) : 0.0f;
-            float sum = pw[g];
-            for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-            l[g] = l[g] * alpha + sum;
-            m[g] = mn;
-#pragma unroll
-            for (int j = 0; j < DPL; j++) o[g][j] *= alpha;
-        }
-        /* V: every key of the batch, this lane's dims */
-        const int nk = t1 - tb < 32 ? t1 - tb : 32;
-        for (int k = 0; k < nk; k++) {
-            const int tk = tb + k;
-            float vv[DPL];
-            if (tk == p) {
-#pragma unroll
-                for (int j = 0; j < DPL; j++) vv[j] = vc[j];
             } else {
-                const uint8_t *vb = layer + (size_t)tab[tk / A.block_size] * A.block_bytes +
-                                    (size_t)A.block_size * A.token_bytes + (size_t)(tk % A.block_size) * A.token_bytes +
-                                    ((size_t)h * hd + lane * DPL) * esz;
-                mk_load_kv<DPL>(vb, A.kv_type, vv);
+                mk_unpack<DPL>(kr[k], A.kv_type, kk);
+                mk_unpack<DPL>(vr[k], A.kv_type, vv);
             }
 #pragma unroll
             for (int g = 0; g < GROUP; g++) {
-                float w = __shfl_sync(0xffffffffu, pw[g], k);
+                float sc = 0.0f;
 #pragma unroll
-                for (int j = 0; j < DPL; j++) o[g][j] = fmaf(w, vv[j], o[g][j]);
+                for (int j = 0; j < DPL; j++) sc = fmaf(q[g][j], kk[j], sc);
+                for (int off = 16; off > 0; off >>= 1) sc += __shfl_xor_sync(0xffffffffu, sc, off);
+                const float mn = fmaxf(m[g], sc), alpha = expf(m[g] - mn), pw = expf(sc - mn);
+                l[g] = l[g] * alpha + pw;
+                m[g] = mn;
+#pragma unroll
+                for (int j = 0; j < DPL; j++) o[g][j] = fmaf(pw, vv[j], o[g][j] * alpha);
             }
         }
     }
-    /* partials as k_attn_split writes them: [head][split][hd + 2] = output, max (natural
-     * log units), sum */
+    /* the block's warps into the item's partial */
 #pragma unroll
     for (int g = 0; g < GROUP; g++) {
-        float *pp = A.part + ((size_t)(h * group + g) * S + s) * (hd + 2);
+        float *w = s_w + ((size_t)warp * GROUP + g) * (hd + 2);
 #pragma unroll
-        for (int j = 0; j < DPL; j++) pp[lane * DPL + j] = o[g][j];
+        for (int j = 0; j < DPL; j++) w[lane * DPL + j] = o[g][j];
         if (lane == 0) {
-            pp[hd] = m[g];
-            pp[hd + 1] = l[g];
+            w[hd] = m[g];
+            w[hd + 1] = l[g];
         }
     }
-    /* the new token's K and V into the pool, once per KV head */
-    if (s == S - 1) {
+    __syncthreads();
+    if (warp < GROUP) {
+        const int g = warp;
+        float mx = -INFINITY;
+        for (int ww = 0; ww < MK_WARPS; ww++) mx = fmaxf(mx, s_w[((size_t)ww * GROUP + g) * (hd + 2) + hd]);
+        float acc[DPL], sum = 0.0f;
+#pragma unroll
+        for (int j = 0; j < DPL; j++) acc[j] = 0.0f;
+        for (int ww = 0; ww < MK_WARPS; ww++) {
+            const float *w = s_w + ((size_t)ww * GROUP + g) * (hd + 2);
+            const float f = w[hd] == -INFINITY ? 0.0f : expf(w[hd] - mx);
+            sum += f * w[hd + 1];
+#pragma unroll
+            for (int j = 0; j < DPL; j++) acc[j] = fmaf(f, w[lane * DPL + j], acc[j]);
+        }
+        float *pp = A.part + ((size_t)(h * GROUP + g) * S + s) * (hd + 2);
+#pragma unroll
+        for (int j = 0; j < DPL; j++) pp[lane * DPL + j] = acc[j];
+        if (lane == 0) {
+            pp[hd] = mx;
+            pp[hd + 1] = sum;
+        }
+    }
+    if (s == S - 1 && warp == MK_WARPS - 1) { /* the new token's K and V into the pool */
         const int blk = tab[p / A.block_size];
         uint8_t *kb = (uint8_t *)layer + (size_t)blk * A.block_bytes + (size_t)(p % A.block_size) * A.token_bytes;
-        uint8_t *vb = kb + (size_t)A.block_size * A.token_bytes;
 #pragma unroll
         for (int j = 0; j < DPL; j++) {
             store_kv(kb, h * hd + lane * DPL + j, A.kv_type, kc[j]);
-            store_kv(vb, h * hd + lane * DPL + j, A.kv_type, vc[j]);
+            store_kv(kb + vhalf, h * hd + lane * DPL + j, A.kv_type, vc[j]);
         }
+    }
+    /* the last of the KV head's items merges them */
+    __shared__ unsigned s_last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        s_last = atomicAdd(cnt + h, 1u) == (unsigned)S - 1;
+        if (s_last) atomicExch(cnt + h, 0u);
+    }
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    if (warp < GROUP) { /* lane i holds item i's max and sum (S <= 32) */
+        const int hq = h * GROUP + warp;
+        const float *pp = A.part + (size_t)hq * S * (hd + 2);
+        const float mi = lane < S ? __ldcg(pp + (size_t)lane * (hd + 2) + hd) : -INFINITY;
+        const float li = lane < S ? __ldcg(pp + (size_t)lane * (hd + 2) + hd + 1) : 0.0f;
+        float mx = mi;
+        for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+        const float fi = mi == -INFINITY ? 0.0f : expf(mi - mx);
+        float sum = fi * li;
+        for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+        float acc[DPL];
+#pragma unroll
+        for (int j = 0; j < DPL; j++) acc[j] = 0.0f;
+#pragma unroll 16
+        for (int i = 0; i < S; i++) {
+            const float f = __shfl_sync(0xffffffffu, fi, i);
+            const float *ps = pp + (size_t)i * (hd + 2) + lane * DPL;
+#pragma unroll
+            for (int j = 0; j < DPL; j++) acc[j] = fmaf(f, __ldcg(ps + j), acc[j]);
+        }
+#pragma unroll
+        for (int j = 0; j < DPL; j++) A.att[(size_t)hq * hd + lane * DPL + j] = __float2bfloat16_rn(acc[j] / sum);
     }
 }
 
 template <int DPL, int GROUP>
-__global__ void __launch_bounds__(MK_THREADS, 1) k_mega(mk_args A)
+__global__ void __launch_bounds__(MK_THREADS, MK_MINB) k_mega(mk_args A)
 {
     extern __shared__ __align__(16) uint8_t mk_smem[];
-    const int d = A.d, hd = 32 * DPL, group = GROUP;
+    const int d = A.d, hd = 32 * DPL;
     const int widest = A.ff > A.qd ? (A.ff > d ? A.ff : d) : (A.qd > d ? A.qd : d);
     __nv_bfloat16 *s_in = (__nv_bfloat16 *)mk_smem;                       /* widest bf16 */
     float *s_v = (float *)(mk_smem + (size_t)((widest + 7) / 8) * 16);    /* d f32 */
     float *s_red = s_v + d;                                                /* 32 */
-    float *s_q = (float *)mk_smem; /* attention: MK_WARPS x group x hd f32 (over s_in, s_v) */
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    /* attention, over the same bytes: the group's queries, then each warp's partials */
+    float *s_q = (float *)mk_smem, *s_w = s_q + GROUP * hd;
+    const int lane = threadIdx.x % 32;
     const int p = A.pos[0];
     const int32_t *tab = A.tables + (size_t)A.seq[0] * A.max_blocks;
     const int L = p + 1;
-    int S = (L + MK_MIN_KEYS - 1) / MK_MIN_KEYS;
+    /* key ranges: one item per block at most, at least MK_MIN_KEYS keys each */
+    int S = (int)gridDim.x / A.n_kv;
     if (S > MK_SPLITS) S = MK_SPLITS;
+    if (S > (L + MK_MIN_KEYS - 1) / MK_MIN_KEYS) S = (L + MK_MIN_KEYS - 1) / MK_MIN_KEYS;
+    if (S < 1) S = 1;
     const int chunk = (L + S - 1) / S;
-    const int pf = A.prefetch;
     const int rows_qkv = A.qd + 2 * A.kd;
+    if (A.times && blockIdx.x == 0 && threadIdx.x == 0) {
+        unsigned long long t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        A.times[0] = t;
+    }
     for (int li = 0; li < A.n_layer; li++) {
         const mk_layer *Ly = &A.layers[li];
         const uint8_t *layer = A.pool + (size_t)li * A.layer_bytes;
@@ -415,66 +500,19 @@ __global__ void __launch_bounds__(MK_THREADS, 1) k_mega(mk_args A)
                        A.eps);
         else
             mk_norm_in(A.xb, A.dn, nullptr, Ly->attn_norm, A.xa, s_in, s_v, s_red, d, A.eps);
-        {
-            mk_deal dl = mk_deal_for(rows_qkv);
-            for (int i = 0; i < dl.per; i++) {
-                int r = dl.slot + i * dl.n_slots;
-                if (dl.slot >= dl.n_slots || r >= rows_qkv) break;
-                float acc = mk_dot(Ly->qkv + (size_t)r * d, s_in, d / 8);
-                if (lane == 0) A.qkv[r] = acc;
-            }
+        mk_gemv(Ly->qkv, s_in, d, rows_qkv, A.qkv);
+        mk_sync(A.bar, A.times, li * 5 + 1);
+        /* attention, each KV head's items merged by the block that ends them */
+        for (int it = blockIdx.x; it < A.n_kv * S; it += gridDim.x) {
+            int h = it / S, sp = it % S, t0 = sp * chunk, t1 = t0 + chunk < L ? t0 + chunk : L;
+            mk_attn_item<DPL, GROUP>(A, layer, tab, p, h, sp, S, t0, t1 < t0 ? t0 : t1, s_q, s_w, A.cnt);
+            __syncthreads();
         }
-        mk_prefetch_rows(Ly->wo, d, (size_t)A.qd * 2, 0, pf);
-        mk_sync(A.bar);
-        /* attention items */
-        {
-            mk_deal dl = mk_deal_for(A.n_kv * S);
-            for (int i = 0; i < dl.per; i++) {
-                int it = dl.slot + i * dl.n_slots;
-                if (dl.slot >= dl.n_slots || it >= A.n_kv * S) break;
-                int h = it / S, s = it % S, t0 = s * chunk, t1 = t0 + chunk < L ? t0 + chunk : L;
-                mk_attn_item<DPL, GROUP>(A, layer, tab, p, h, s, S, t0, t1 < t0 ? t0 : t1,
-                                  s_q + (size_t)warp * group * hd);
-            }
-        }
-        mk_sync(A.bar);
-        /* merge: one warp per query head, this lane's dims */
-        {
-            mk_deal dl = mk_deal_for(A.n_head);
-            if (dl.slot < dl.n_slots && dl.slot < A.n_head) {
-                const int hq = dl.slot;
-                const float *pp = A.part + (size_t)hq * S * (hd + 2);
-                float mx = -INFINITY;
-                for (int s = 0; s < S; s++) mx = fmaxf(mx, __ldcg(pp + (size_t)s * (hd + 2) + hd));
-                float acc[DPL], sum = 0.0f;
-#pragma unroll
-                for (int j = 0; j < DPL; j++) acc[j] = 0.0f;
-                for (int s = 0; s < S; s++) {
-                    const float *ps = pp + (size_t)s * (hd + 2);
-                    float ms = __ldcg(ps + hd);
-                    float w = ms == -INFINITY ? 0.0f : expf(ms - mx);
-                    sum += w * __ldcg(ps + hd + 1);
-#pragma unroll
-                    for (int j = 0; j < DPL; j++) acc[j] = fmaf(w, __ldcg(ps + lane * DPL + j), acc[j]);
-                }
-#pragma unroll
-                for (int j = 0; j < DPL; j++) A.att[(size_t)hq * hd + lane * DPL + j] = __float2bfloat16_rn(acc[j] / sum);
-            }
-        }
-        mk_sync(A.bar);
+        mk_sync(A.bar, A.times, li * 5 + 2);
         /* output projection */
         mk_load_vec(A.att, s_in, A.qd);
-        {
-            mk_deal dl = mk_deal_for(d);
-            for (int i = 0; i < dl.per; i++) {
-                int r = dl.slot + i * dl.n_slots;
-                if (dl.slot >= dl.n_slots || r >= d) break;
-                float acc = mk_dot(Ly->wo + (size_t)r * A.qd, s_in, A.qd / 8);
-                if (lane == 0) A.o[r] = acc;
-            }
-        }
-        mk_prefetch_rows(Ly->gu, A.ff, (size_t)d * 2, (size_t)A.ff, pf);
-        mk_sync(A.bar);
+        mk_gemv(Ly->wo, s_in, A.qd, d, A.o);
+        mk_sync(A.bar, A.times, li * 5 + 3);
         /* residual, RMSNorm, gate and up, SiLU */
         mk_norm_in(A.xa, A.o, nullptr, Ly->ffn_norm, A.xb, s_in, s_v, s_red, d, A.eps);
         {
@@ -487,42 +525,24 @@ __global__ void __launch_bounds__(MK_THREADS, 1) k_mega(mk_args A)
                 if (lane == 0) A.ffa[r] = __float2bfloat16_rn(g / (1.0f + expf(-g)) * u);
             }
         }
-        mk_prefetch_rows(Ly->down, d, (size_t)A.ff * 2, 0, pf);
-        mk_sync(A.bar);
+        mk_sync(A.bar, A.times, li * 5 + 4);
         /* down projection */
         mk_load_vec(A.ffa, s_in, A.ff);
-        {
-            mk_deal dl = mk_deal_for(d);
-            for (int i = 0; i < dl.per; i++) {
-                int r = dl.slot + i * dl.n_slots;
-                if (dl.slot >= dl.n_slots || r >= d) break;
-                float acc = mk_dot(Ly->down + (size_t)r * A.ff, s_in, A.ff / 8);
-                if (lane == 0) A.dn[r] = acc;
-            }
-        }
-        if (li + 1 < A.n_layer) mk_prefetch_rows(A.layers[li + 1].qkv, rows_qkv, (size_t)d * 2, 0, pf);
-        else mk_prefetch_rows(A.out_w, A.vocab, (size_t)d * 2, 0, pf);
-        mk_sync(A.bar);
+        mk_gemv(Ly->down, s_in, A.ff, d, A.dn);
+        mk_sync(A.bar, A.times, li * 5 + 5);
     }
     /* the final RMSNorm and the output matrix */
     mk_norm_in(A.xb, A.dn, nullptr, A.out_norm, nullptr, s_in, s_v, s_red, d, A.eps);
-    {
-        mk_deal dl = mk_deal_for(A.vocab);
-        for (int i = 0; i < dl.per; i++) {
-            int r = dl.slot + i * dl.n_slots;
-            if (dl.slot >= dl.n_slots || r >= A.vocab) break;
-            float acc = mk_dot(A.out_w + (size_t)r * d, s_in, d / 8);
-            if (lane == 0) A.logits[r] = acc;
-        }
-    }
+    mk_gemv(A.out_w, s_in, d, A.vocab, A.logits);
+    if (A.times) mk_sync(A.bar, A.times, A.n_layer * 5 + 1);
 }
 
 /* Shared memory of k_mega: the widest GEMV input (bf16) and the residual (f32), or the
- * attention's queries. */
+ * attention's queries and its warps' partials. */
 static size_t mk_smem_bytes(int d, int qd, int ff, int hd, int group)
 {
     int widest = ff > qd ? (ff > d ? ff : d) : (qd > d ? qd : d);
     size_t norm = (size_t)((widest + 7) / 8) * 16 + (size_t)d * 4 + 32 * 4;
-    size_t att = (size_t)MK_WARPS * group * hd * 4;
+    size_t att = ((size_t)group * hd + (size_t)MK_WARPS * group * (hd + 2)) * 4;
     return norm > att ? norm : att;
 }
