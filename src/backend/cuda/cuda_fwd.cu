@@ -74,7 +74,7 @@ struct td_cuda_fwd {
     double mk_phase_us[6];
     long mk_steps;
     float *mk_x;
-    unsigned *mk_bar;
+    unsigned long long *mk_bar; /* mk_sync's counter; the attention counters follow */
     bool tile_attr;  /* the tile kernels' shared-memory limit has been raised */
     size_t token_bytes, block_bytes, layer_bytes, device_bytes;
     cudaStream_t stream;
@@ -1386,7 +1386,7 @@ static int mk_setup(td_cuda_fwd *f, td_err *err)
     }
     const void *fn = ok ? mk_kernel(f->hd, f->n_head / f->n_kv) : nullptr;
     if (!fn) return 0;
-    size_t smem = mk_smem_bytes(f->d, f->qd, f->ff, f->hd, f->n_head / f->n_kv);
+    size_t smem = mk_smem_bytes(f->d, f->qd, f->ff, f->hd, f->n_head / f->n_kv, f->max_blocks);
     if (smem > 48 * 1024 &&
         cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) {
         (void)cudaGetLastError();
@@ -1406,7 +1406,7 @@ static int mk_setup(td_cuda_fwd *f, td_err *err)
                         (const __nv_bfloat16 *)L->gu.p, (const __nv_bfloat16 *)L->down.p, L->attn_norm,
                         L->ffn_norm};
     }
-    size_t lb = (size_t)f->n_layer * sizeof(mk_layer), xb = 2 * (size_t)f->d * 4 + (2 + (size_t)f->n_kv) * 4;
+    size_t lb = (size_t)f->n_layer * sizeof(mk_layer), xb = 2 * (size_t)f->d * 4 + 8 + (size_t)f->n_kv * 4;
     cudaError_t e = cudaMalloc(&f->mk_layers, lb);
     if (e == cudaSuccess) e = cudaMemcpy(f->mk_layers, h, lb, cudaMemcpyHostToDevice);
     if (e == cudaSuccess) e = cudaMalloc((void **)&f->mk_x, xb);
@@ -1414,7 +1414,7 @@ static int mk_setup(td_cuda_fwd *f, td_err *err)
     free(h);
     if (e != cudaSuccess) return td_err_set(err, TD_EIO, "cuda: one-kernel decode setup: %s", cudaGetErrorString(e));
     f->device_bytes += lb + xb;
-    f->mk_bar = (unsigned *)(f->mk_x + 2 * (size_t)f->d);
+    f->mk_bar = (unsigned long long *)(f->mk_x + 2 * (size_t)f->d);
     f->mk_fn = fn;
     f->mk_blocks = per_sm * f->n_sm;
     f->mk_smem = smem;
@@ -1747,7 +1747,7 @@ static int enqueue(td_cuda_fwd *f, int T, int ns, int n_logits, int n_list, int 
         A.logits = f->logits;
         A.att = A.ffa = (__nv_bfloat16 *)f->in;
         A.bar = f->mk_bar;
-        A.cnt = f->mk_bar + 2;
+        A.cnt = (unsigned *)(f->mk_bar + 1);
         A.times = f->mk_times;
         void *args[] = {&A};
         mark(f, PROF_GEMM);

@@ -63,27 +63,29 @@ struct mk_args {
     const float2 *rope_cs;
     float *xa, *xb, *qkv, *o, *dn, *part, *logits; /* f32 */
     __nv_bfloat16 *att, *ffa;                      /* bf16 inputs of the output and down GEMVs */
-    unsigned *bar;                                 /* [0] arrivals, [1] generation */
+    unsigned long long *bar;                       /* arrivals at barriers, ever (mk_sync) */
     unsigned *cnt;                                 /* per KV head: its attention items done */
     unsigned long long *times; /* TD_CUDA_MEGA_TIMES: the GPU clock after each phase, or NULL */
 };
 
-/* All blocks meet. Data written before it by any block is visible after it (activations
- * are read with __ldcg, past the incoherent L1). */
-__device__ inline void mk_sync(unsigned *bar, unsigned long long *times = nullptr, int phase = 0)
+/*
+ * All blocks meet. Data written before it by any block is visible after it (activations
+ * are read with __ldcg, past the incoherent L1). One 64-bit counter that only grows: a
+ * block adds one and waits until it reaches `*next` (thread 0's register), the count at
+ * which every block has arrived, then moves `*next` on by a grid. No reset, no second
+ * variable: one atomic and a poll per block.
+ */
+__device__ inline void mk_sync(unsigned long long *count, unsigned long long *next,
+                               unsigned long long *times = nullptr, int phase = 0)
 {
     __syncthreads();
     if (threadIdx.x == 0) {
-        volatile unsigned *gen = bar + 1;
-        unsigned g = *gen;
         __threadfence();
-        if (atomicAdd(bar, 1u) == gridDim.x - 1) {
-            atomicExch(bar, 0u);
-            __threadfence();
-            atomicAdd(bar + 1, 1u);
-        } else {
-            while (*gen == g) __nanosleep(32);
+        atomicAdd(count, 1ull);
+        volatile unsigned long long *c = count;
+        while (*c < *next) {
         }
+        *next += gridDim.x;
         __threadfence();
         if (times && blockIdx.x == 0) {
             unsigned long long t;
@@ -157,17 +159,17 @@ __device__ inline void mk_dot2(const __nv_bfloat16 *w0, const __nv_bfloat16 *w1,
     *a1 = s1;
 }
 
-/* out[r] = W[r] . xs for r < rows (cols each): the rows dealt to the warps, two at a time
- * so that each warp has twice the loads in flight. */
+/* out[r] = W[r] . xs for r < rows (cols each): rows 2i and 2i + 1 go together (twice the
+ * loads in flight), the pairs dealt to the warps. */
 __device__ inline void mk_gemv(const __nv_bfloat16 *W, const __nv_bfloat16 *xs, int cols, int rows, float *out)
 {
-    const int lane = threadIdx.x % 32;
-    mk_deal dl = mk_deal_for(rows);
+    const int lane = threadIdx.x % 32, pairs = (rows + 1) / 2;
+    mk_deal dl = mk_deal_for(pairs);
     if (dl.slot >= dl.n_slots) return;
-    for (int i = 0; i < dl.per; i += 2) {
-        int r0 = dl.slot + i * dl.n_slots, r1 = r0 + dl.n_slots;
-        if (r0 >= rows) break;
-        if (i + 1 < dl.per && r1 < rows) {
+    for (int i = 0; i < dl.per; i++) {
+        int pr = dl.slot + i * dl.n_slots, r0 = 2 * pr, r1 = r0 + 1;
+        if (pr >= pairs) break;
+        if (r1 < rows) {
             float a0, a1;
             mk_dot2(W + (size_t)r0 * cols, W + (size_t)r1 * cols, xs, cols / 8, &a0, &a1);
             if (lane == 0) {
@@ -227,6 +229,12 @@ __device__ inline void mk_load_vec(const __nv_bfloat16 *g, __nv_bfloat16 *s, int
 #pragma unroll 4
     for (int i = threadIdx.x; i < n / 8; i += blockDim.x) dst[i] = __ldcg(src + i);
     __syncthreads();
+}
+
+/* Element i of the QKV projection. */
+__device__ inline float mk_qkv(const mk_args &A, size_t i)
+{
+    return __ldcg(A.qkv + i);
 }
 
 /* DPL consecutive 16-bit KV elements, raw (DPL / 2 words), and as f32 (kv_type 2 bf16, 1 f16). */
@@ -301,7 +309,6 @@ __device__ void mk_attn_item(const mk_args &A, const uint8_t *layer, const int32
                              int S, int t0, int t1, float *s_q, float *s_w, unsigned *cnt)
 {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, hd = 32 * DPL;
-    const float *qkv = A.qkv;
     const float2 *cs_p = A.rope_cs + (size_t)p * (hd / 2);
     const float scale = 1.0f / sqrtf((float)hd);
     const size_t vhalf = (size_t)A.block_size * A.token_bytes, lane_off = ((size_t)h * hd + lane * DPL) * 2;
@@ -327,7 +334,7 @@ __device__ void mk_attn_item(const mk_args &A, const uint8_t *layer, const int32
     if (warp < GROUP) { /* query head h * GROUP + warp */
         float q[DPL];
 #pragma unroll
-        for (int j = 0; j < DPL; j++) q[j] = __ldcg(qkv + (size_t)(h * GROUP + warp) * hd + lane * DPL + j);
+        for (int j = 0; j < DPL; j++) q[j] = mk_qkv(A, (size_t)(h * GROUP + warp) * hd + lane * DPL + j);
         mk_rope<DPL>(q, cs_p, A.neox);
 #pragma unroll
         for (int j = 0; j < DPL; j++) s_q[warp * hd + lane * DPL + j] = q[j] * scale;
@@ -336,8 +343,8 @@ __device__ void mk_attn_item(const mk_args &A, const uint8_t *layer, const int32
     float kc[DPL], vc[DPL];
 #pragma unroll
     for (int j = 0; j < DPL; j++) {
-        kc[j] = __ldcg(qkv + A.qd + (size_t)h * hd + lane * DPL + j);
-        vc[j] = __ldcg(qkv + A.qd + A.kd + (size_t)h * hd + lane * DPL + j);
+        kc[j] = mk_qkv(A, A.qd + (size_t)h * hd + lane * DPL + j);
+        vc[j] = mk_qkv(A, A.qd + A.kd + (size_t)h * hd + lane * DPL + j);
     }
     mk_rope<DPL>(kc, cs_p, A.neox);
     __syncthreads();
@@ -464,6 +471,21 @@ __device__ void mk_attn_item(const mk_args &A, const uint8_t *layer, const int32
     }
 }
 
+/* Shared memory of k_mega: the widest GEMV input (bf16) and the residual (f32), or the
+ * attention's queries and its warps' partials; then the block table (max_blocks ints). */
+__host__ __device__ inline size_t mk_smem_main(int d, int qd, int ff, int hd, int group)
+{
+    int widest = ff > qd ? (ff > d ? ff : d) : (qd > d ? qd : d);
+    size_t norm = (size_t)((widest + 7) / 8) * 16 + (size_t)d * 4 + 32 * 4;
+    size_t att = ((size_t)group * hd + (size_t)MK_WARPS * group * (hd + 2)) * 4;
+    return ((norm > att ? norm : att) + 15) / 16 * 16;
+}
+
+static size_t mk_smem_bytes(int d, int qd, int ff, int hd, int group, int max_blocks)
+{
+    return mk_smem_main(d, qd, ff, hd, group) + (size_t)max_blocks * 4;
+}
+
 template <int DPL, int GROUP>
 __global__ void __launch_bounds__(MK_THREADS, MK_MINB) k_mega(mk_args A)
 {
@@ -475,6 +497,7 @@ __global__ void __launch_bounds__(MK_THREADS, MK_MINB) k_mega(mk_args A)
     float *s_red = s_v + d;                                                /* 32 */
     /* attention, over the same bytes: the group's queries, then each warp's partials */
     float *s_q = (float *)mk_smem, *s_w = s_q + GROUP * hd;
+    int32_t *s_tab = (int32_t *)(mk_smem + mk_smem_main(d, A.qd, A.ff, hd, GROUP)); /* max_blocks */
     const int lane = threadIdx.x % 32;
     const int p = A.pos[0];
     const int32_t *tab = A.tables + (size_t)A.seq[0] * A.max_blocks;
@@ -491,6 +514,17 @@ __global__ void __launch_bounds__(MK_THREADS, MK_MINB) k_mega(mk_args A)
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
         A.times[0] = t;
     }
+    /* Every launch passes the same number of barriers, so the count at this launch's start
+     * is the count now rounded down to a multiple of a launch's arrivals (no block can have
+     * passed this launch's first barrier before this block arrives at it). */
+    unsigned long long bar_next = 0;
+    if (threadIdx.x == 0) {
+        const unsigned long long per = (unsigned long long)(A.n_layer * 5 + (A.times ? 1 : 0)) * gridDim.x;
+        const unsigned long long now = *(volatile unsigned long long *)A.bar;
+        bar_next = now - now % per + gridDim.x;
+    }
+    /* the sequence's block table, for attention's lookups */
+    for (int i = threadIdx.x; i <= p / A.block_size; i += blockDim.x) s_tab[i] = tab[i];
     for (int li = 0; li < A.n_layer; li++) {
         const mk_layer *Ly = &A.layers[li];
         const uint8_t *layer = A.pool + (size_t)li * A.layer_bytes;
@@ -501,18 +535,18 @@ __global__ void __launch_bounds__(MK_THREADS, MK_MINB) k_mega(mk_args A)
         else
             mk_norm_in(A.xb, A.dn, nullptr, Ly->attn_norm, A.xa, s_in, s_v, s_red, d, A.eps);
         mk_gemv(Ly->qkv, s_in, d, rows_qkv, A.qkv);
-        mk_sync(A.bar, A.times, li * 5 + 1);
+        mk_sync(A.bar, &bar_next, A.times, li * 5 + 1);
         /* attention, each KV head's items merged by the block that ends them */
         for (int it = blockIdx.x; it < A.n_kv * S; it += gridDim.x) {
             int h = it / S, sp = it % S, t0 = sp * chunk, t1 = t0 + chunk < L ? t0 + chunk : L;
-            mk_attn_item<DPL, GROUP>(A, layer, tab, p, h, sp, S, t0, t1 < t0 ? t0 : t1, s_q, s_w, A.cnt);
+            mk_attn_item<DPL, GROUP>(A, layer, s_tab, p, h, sp, S, t0, t1 < t0 ? t0 : t1, s_q, s_w, A.cnt);
             __syncthreads();
         }
-        mk_sync(A.bar, A.times, li * 5 + 2);
+        mk_sync(A.bar, &bar_next, A.times, li * 5 + 2);
         /* output projection */
         mk_load_vec(A.att, s_in, A.qd);
         mk_gemv(Ly->wo, s_in, A.qd, d, A.o);
-        mk_sync(A.bar, A.times, li * 5 + 3);
+        mk_sync(A.bar, &bar_next, A.times, li * 5 + 3);
         /* residual, RMSNorm, gate and up, SiLU */
         mk_norm_in(A.xa, A.o, nullptr, Ly->ffn_norm, A.xb, s_in, s_v, s_red, d, A.eps);
         {
@@ -525,24 +559,15 @@ __global__ void __launch_bounds__(MK_THREADS, MK_MINB) k_mega(mk_args A)
                 if (lane == 0) A.ffa[r] = __float2bfloat16_rn(g / (1.0f + expf(-g)) * u);
             }
         }
-        mk_sync(A.bar, A.times, li * 5 + 4);
+        mk_sync(A.bar, &bar_next, A.times, li * 5 + 4);
         /* down projection */
         mk_load_vec(A.ffa, s_in, A.ff);
         mk_gemv(Ly->down, s_in, A.ff, d, A.dn);
-        mk_sync(A.bar, A.times, li * 5 + 5);
+        mk_sync(A.bar, &bar_next, A.times, li * 5 + 5);
     }
     /* the final RMSNorm and the output matrix */
     mk_norm_in(A.xb, A.dn, nullptr, A.out_norm, nullptr, s_in, s_v, s_red, d, A.eps);
     mk_gemv(A.out_w, s_in, d, A.vocab, A.logits);
-    if (A.times) mk_sync(A.bar, A.times, A.n_layer * 5 + 1);
+    if (A.times) mk_sync(A.bar, &bar_next, A.times, A.n_layer * 5 + 1);
 }
 
-/* Shared memory of k_mega: the widest GEMV input (bf16) and the residual (f32), or the
- * attention's queries and its warps' partials. */
-static size_t mk_smem_bytes(int d, int qd, int ff, int hd, int group)
-{
-    int widest = ff > qd ? (ff > d ? ff : d) : (qd > d ? qd : d);
-    size_t norm = (size_t)((widest + 7) / 8) * 16 + (size_t)d * 4 + 32 * 4;
-    size_t att = ((size_t)group * hd + (size_t)MK_WARPS * group * (hd + 2)) * 4;
-    return norm > att ? norm : att;
-}
