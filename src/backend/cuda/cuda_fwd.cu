@@ -16,7 +16,9 @@
  *   prefill rows with a bf16 or f16 KV cache and bf16 weights: 16 rows of a sequence
  *   times the query heads of one KV head, against 64-key tiles of the paged K and V in
  *   shared memory, online softmax in registers.
- * Decode steps (every row a sequence's next token) replay a CUDA graph per batch size.
+ * Decode steps (every row a sequence's next token) replay a CUDA graph per batch size. A
+ * decode step of one row is instead one persistent kernel where the model allows it
+ * (k_mega, mega.cuh).
  */
 extern "C" {
 #include "backend/cuda/cuda_fwd.h"
