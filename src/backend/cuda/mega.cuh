@@ -71,22 +71,23 @@ struct mk_args {
 /*
  * All blocks meet. Data written before it by any block is visible after it (activations
  * are read with __ldcg, past the incoherent L1). One 64-bit counter that only grows: a
- * block adds one and waits until it reaches `*next` (thread 0's register), the count at
- * which every block has arrived, then moves `*next` on by a grid. No reset, no second
- * variable: one atomic and a poll per block.
+ * block adds one (a release) and polls (acquire loads) until it reaches `*next` (thread
+ * 0's register), the count at which every block has arrived, then moves `*next` on by a
+ * grid. No reset, no second variable, no full fence: one atomic and a poll per block.
  */
 __device__ inline void mk_sync(unsigned long long *count, unsigned long long *next,
                                unsigned long long *times = nullptr, int phase = 0)
 {
     __syncthreads();
     if (threadIdx.x == 0) {
-        __threadfence();
-        atomicAdd(count, 1ull);
-        volatile unsigned long long *c = count;
-        while (*c < *next) {
-        }
+        /* release: the block's writes (ordered before by __syncthreads) before the arrival;
+         * acquire: the other blocks' writes after it */
+        asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(count) : "memory");
+        unsigned long long v;
+        do {
+            asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(count) : "memory");
+        } while (v < *next);
         *next += gridDim.x;
-        __threadfence();
         if (times && blockIdx.x == 0) {
             unsigned long long t;
             asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -159,10 +160,57 @@ __device__ inline void mk_dot2(const __nv_bfloat16 *w0, const __nv_bfloat16 *w1,
     *a1 = s1;
 }
 
+/* Three rows together, for a matrix whose rows in threes fit the warps in one round. */
+__device__ inline void mk_dot3(const __nv_bfloat16 *w, int cols, const __nv_bfloat16 *xs, float a[3])
+{
+    const int lane = threadIdx.x % 32, nv = cols / 8;
+    const uint4 *r0 = (const uint4 *)w, *r1 = (const uint4 *)(w + cols), *r2 = (const uint4 *)(w + 2 * (size_t)cols);
+    const uint4 *xr = (const uint4 *)xs;
+    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f;
+#pragma unroll 4
+    for (int v = lane; v < nv; v += 32) {
+        float f0[8], f1[8], f2[8], xf[8];
+        bf16x8(__ldg(r0 + v), f0);
+        bf16x8(__ldg(r1 + v), f1);
+        bf16x8(__ldg(r2 + v), f2);
+        bf16x8(xr[v], xf);
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            s0 = fmaf(f0[i], xf[i], s0);
+            s1 = fmaf(f1[i], xf[i], s1);
+            s2 = fmaf(f2[i], xf[i], s2);
+        }
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        s0 += __shfl_xor_sync(0xffffffffu, s0, o);
+        s1 += __shfl_xor_sync(0xffffffffu, s1, o);
+        s2 += __shfl_xor_sync(0xffffffffu, s2, o);
+    }
+    a[0] = s0;
+    a[1] = s1;
+    a[2] = s2;
+}
+
 /* out[r] = W[r] . xs for r < rows (cols each): rows 2i and 2i + 1 go together (twice the
- * loads in flight), the pairs dealt to the warps. */
+ * loads in flight), the pairs dealt to the warps; or rows in threes where the pairs would
+ * take two rounds of the warps and the threes one (the QKV projection on 132 SMs). */
 __device__ inline void mk_gemv(const __nv_bfloat16 *W, const __nv_bfloat16 *xs, int cols, int rows, float *out)
 {
+    const int nw = gridDim.x * MK_WARPS;
+    if (rows % 3 == 0 && rows / 3 <= nw && rows / 2 > nw) {
+        mk_deal dl = mk_deal_for(rows / 3);
+        if (dl.slot < dl.n_slots) {
+            float a[3];
+            const int r = 3 * dl.slot;
+            mk_dot3(W + (size_t)r * cols, cols, xs, a);
+            if (threadIdx.x % 32 == 0) {
+                out[r] = a[0];
+                out[r + 1] = a[1];
+                out[r + 2] = a[2];
+            }
+        }
+        return;
+    }
     const int lane = threadIdx.x % 32, pairs = (rows + 1) / 2;
     mk_deal dl = mk_deal_for(pairs);
     if (dl.slot >= dl.n_slots) return;
@@ -302,7 +350,7 @@ __device__ inline void mk_rope(float v[DPL], const float2 *cs_p, bool neox)
  * completes a KV head's last item merges that head's items into `att` (bf16), so no
  * barrier is spent on the merge. The block of the last item also stores the new K and V.
  */
-#define MK_KPW 4
+#define MK_KPW 5
 
 template <int DPL, int GROUP>
 __device__ void mk_attn_item(const mk_args &A, const uint8_t *layer, const int32_t *tab, int p, int h, int s,
