@@ -23,8 +23,8 @@
  * the block that writes the new one never races the blocks that still read the old. Data
  * written in the kernel is read with __ldcg (the L1 is not coherent across SMs).
  *
- * Measured on the H200 (BENCHMARKS.md): the large GEMV phases stream at 1.08-1.09x the
- * copy-rate floor; what is left is attention (latency chains: block table, K/V, merge),
+ * Measured on the H200 (BENCHMARKS.md): 1.25x the floor per token; the large GEMV phases at
+ * 1.07x the copy-rate floor; what is left is attention (latency chains: K/V, merge),
  * the barriers (five a layer) and the small QKV and output GEMVs. Tried and dropped: L2
  * prefetch of the next rows before a barrier, and of the output projection during
  * attention; the next rows' first loads held in registers across a barrier.
