@@ -66,12 +66,15 @@ struct td_pool {
     bool oversubscribed; /* more threads than allowed CPUs: yield instead of pausing */
     bool pin;                  /* pin thread i to CPU i of `allowed` */
     cpu_set_t allowed;         /* the creating thread's allowed CPUs */
-    bool caller_pinned;        /* `runner` is pinned; its old affinity is kept below */
-    pthread_t runner;          /* the pinned thread that ran the pool last (thread 0) */
+    bool caller_pinned;        /* a thread that ran the pool was pinned (thread 0) */
     pthread_t first_runner;    /* the first one, whose old affinity td_pool_free restores */
     cpu_set_t caller_affinity; /* first_runner's affinity before pinning */
+    uint64_t id;               /* unique per pool (pin_runner) */
     pool_worker *workers;      /* n_threads - 1 of them; thread 0 is the caller */
 };
+
+static _Atomic uint64_t pool_ids;          /* the last id given (pin_runner) */
+static _Thread_local uint64_t pinned_for; /* the id of the pool this thread is pinned for */
 
 static long futex(_Atomic uint32_t *addr, int op, uint32_t val)
 {
@@ -157,6 +160,7 @@ int td_pool_create(td_pool **out, int n_threads, bool pin, td_err *err)
     td_pool *pool = td_aligned_alloc(sizeof(*pool));
     if (!pool) return td_err_set(err, TD_ENOMEM, "thread pool: out of memory");
     pool->n_threads = n_threads;
+    pool->id = atomic_fetch_add(&pool_ids, 1) + 1;
 
     cpu_set_t allowed;
     CPU_ZERO(&allowed);
@@ -234,12 +238,16 @@ bool td_thread_avoid_cpus(const cpu_set_t *busy)
 /*
  * Thread 0 is whichever thread runs the pool, and it is pinned when it first does: the
  * thread that created the pool (a server's I/O thread, say) may never run it, and must
- * not be left sharing the first CPU with the one that does.
+ * not be left sharing the first CPU with the one that does. Which pool a thread was last
+ * pinned for is thread-local, by the pool's id: a pthread_t is no test, since glibc hands
+ * a new thread the descriptor (and so the pthread_t) of one that has exited, and a thread
+ * taking over from an exited runner would then run unpinned.
  */
 static void pin_runner(td_pool *pool)
 {
     pthread_t self = pthread_self();
-    if (pool->caller_pinned && pthread_equal(pool->runner, self)) return;
+    if (pinned_for == pool->id) return;
+    pinned_for = pool->id;
     cpu_set_t mine;
     if (pthread_getaffinity_np(self, sizeof(mine), &mine) != 0) return;
     if (!pool->caller_pinned) {
@@ -247,7 +255,6 @@ static void pin_runner(td_pool *pool)
         pool->first_runner = self;
     }
     pool->caller_pinned = true;
-    pool->runner = self;
     pin_self(&pool->allowed, 0);
 }
 

@@ -191,6 +191,57 @@ static void test_pins_the_running_thread(void **state)
     assert_int_equal(my_cpu_count(), before);
 }
 
+/* Each new thread that runs the pool is pinned, though glibc gives a new thread the
+ * pthread_t of one that has exited: successive threads, each started on another CPU than
+ * the pool's, each end on the pool's CPU (a benchmark that steps an engine on a new thread
+ * every round ran its later rounds unpinned, on whatever CPU its maker had). */
+static void *run_and_report(void *arg)
+{
+    pin_job *j = arg;
+    td_pool_run(j->pool, noop_fn, NULL);
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    pthread_getaffinity_np(pthread_self(), sizeof(set), &set);
+    j->cpus_while_running = CPU_COUNT(&set) == 1 ? -1 : 0;
+    for (int c = 0; c < CPU_SETSIZE && j->cpus_while_running == -1; c++)
+        if (CPU_ISSET(c, &set)) j->cpus_while_running = c; /* the one CPU, by number */
+    return NULL;
+}
+
+static void test_pins_each_new_runner(void **state)
+{
+    (void)state;
+    cpu_set_t allowed;
+    CPU_ZERO(&allowed);
+    assert_int_equal(pthread_getaffinity_np(pthread_self(), sizeof(allowed), &allowed), 0);
+    if (CPU_COUNT(&allowed) < 2) skip(); /* no other CPU to start the threads on */
+    td_pool *pool;
+    assert_int_equal(td_pool_create(&pool, 1, true, NULL), 0);
+    cpu_set_t mine;
+    assert_int_equal(td_pool_cpus(pool, &mine), 1);
+    int pool_cpu = -1, other = -1;
+    for (int c = 0; c < CPU_SETSIZE; c++) {
+        if (CPU_ISSET(c, &mine) && pool_cpu < 0) pool_cpu = c;
+        else if (CPU_ISSET(c, &allowed) && other < 0) other = c;
+    }
+    assert_true(pool_cpu >= 0 && other >= 0);
+    cpu_set_t start;
+    CPU_ZERO(&start);
+    CPU_SET(other, &start);
+    for (int i = 0; i < 5; i++) {
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setaffinity_np(&attr, sizeof(start), &start);
+        pin_job j = {pool, -2};
+        pthread_t t;
+        assert_int_equal(pthread_create(&t, &attr, run_and_report, &j), 0);
+        pthread_join(t, NULL);
+        pthread_attr_destroy(&attr);
+        assert_int_equal(j.cpus_while_running, pool_cpu);
+    }
+    td_pool_free(pool);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -199,6 +250,7 @@ int main(void)
         cmocka_unit_test(test_barrier),
         cmocka_unit_test(test_null_pool_and_errors),
         cmocka_unit_test(test_pins_the_running_thread),
+        cmocka_unit_test(test_pins_each_new_runner),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
