@@ -273,12 +273,6 @@ __device__ inline void mk_load_vec(const __nv_bfloat16 *g, __nv_bfloat16 *s, int
     __syncthreads();
 }
 
-/* Element i of the QKV projection. */
-__device__ inline float mk_qkv(const mk_args &A, size_t i)
-{
-    return __ldcg(A.qkv + i);
-}
-
 /* DPL consecutive 16-bit KV elements, raw (DPL / 2 words), and as f32 (kv_type 2 bf16, 1 f16). */
 template <int DPL>
 __device__ inline void mk_load_raw(const uint8_t *p, uint32_t u[DPL / 2])
@@ -376,7 +370,7 @@ __device__ void mk_attn_item(const mk_args &A, const uint8_t *layer, const int32
     if (warp < GROUP) { /* query head h * GROUP + warp */
         float q[DPL];
 #pragma unroll
-        for (int j = 0; j < DPL; j++) q[j] = mk_qkv(A, (size_t)(h * GROUP + warp) * hd + lane * DPL + j);
+        for (int j = 0; j < DPL; j++) q[j] = __ldcg(A.qkv + (size_t)(h * GROUP + warp) * hd + lane * DPL + j);
         mk_rope<DPL>(q, cs_p, A.neox);
 #pragma unroll
         for (int j = 0; j < DPL; j++) s_q[warp * hd + lane * DPL + j] = q[j] * scale;
@@ -385,8 +379,8 @@ __device__ void mk_attn_item(const mk_args &A, const uint8_t *layer, const int32
     float kc[DPL], vc[DPL];
 #pragma unroll
     for (int j = 0; j < DPL; j++) {
-        kc[j] = mk_qkv(A, A.qd + (size_t)h * hd + lane * DPL + j);
-        vc[j] = mk_qkv(A, A.qd + A.kd + (size_t)h * hd + lane * DPL + j);
+        kc[j] = __ldcg(A.qkv + A.qd + (size_t)h * hd + lane * DPL + j);
+        vc[j] = __ldcg(A.qkv + A.qd + A.kd + (size_t)h * hd + lane * DPL + j);
     }
     mk_rope<DPL>(kc, cs_p, A.neox);
     __syncthreads();

@@ -336,19 +336,30 @@ static void test_deadline(void **state)
     expect_copied(f, b, b, 2);
 }
 
-/* A transfer queued behind a busy worker still ends by its own deadline. */
-static void test_deadline_while_queued(void **state)
+/* A client with one worker (and qp connections per peer, 0 = the default), so that
+ * transfers queue behind a slow one: to test deadlines while queued, and pipelining (their
+ * READs in one send on one connection, the answers read in turn). */
+static kvx_client *one_worker_client(fixture *f, int qp)
 {
-    fixture *f = *state;
     kvx_client_opts o;
     kvx_client_opts_default(&o);
     o.layout = layout();
     o.region = f->cons.region;
     o.num_worker_threads = 1;
-    o.qp_per_transfer = 1;
+    o.qp_per_transfer = qp;
+    o.transfer_timeout_ms = 5000;
     kvx_client *c;
     td_err err;
     assert_int_equal(kvx_client_create(&c, &o, &err), 0);
+    return c;
+}
+
+/* A transfer queued behind a busy worker still ends by its own deadline. */
+static void test_deadline_while_queued(void **state)
+{
+    fixture *f = *state;
+    kvx_client *c = one_worker_client(f, 1);
+    td_err err;
     int32_t a[] = {1}, b[] = {2};
     char ta[KVX_ID_HEX], tb[KVX_ID_HEX];
     assert_int_equal(kvx_agent_register(f->agent, a, 1, 0, NULL, ta, &err), 0);
@@ -710,22 +721,6 @@ static void test_bad_requests(void **state)
     assert_int_equal(atomic_load(&f->rel.reason), KVX_RELEASED_CANCELED);
 }
 
-/* A client with one worker, so that transfers queue behind a slow one and then go out
- * pipelined: their READs in one send on one connection, the answers read in turn. */
-static kvx_client *one_worker_client(fixture *f)
-{
-    kvx_client_opts o;
-    kvx_client_opts_default(&o);
-    o.layout = layout();
-    o.region = f->cons.region;
-    o.num_worker_threads = 1;
-    o.transfer_timeout_ms = 5000;
-    kvx_client *c;
-    td_err err;
-    assert_int_equal(kvx_client_create(&c, &o, &err), 0);
-    return c;
-}
-
 /* Wait until the producer has begun its n-th delayed send since `from`. */
 static void wait_delayed_sends(int from, int n)
 {
@@ -756,7 +751,7 @@ static kvx_xfer *start_read(fixture *f, kvx_client *c, const char *tid, const in
 static void test_pipelined_pieces(void **state)
 {
     fixture *f = *state;
-    kvx_client *c = one_worker_client(f);
+    kvx_client *c = one_worker_client(f, 0);
     enum { N = 12, PER = 2, GUESSED = 5, CORRUPT = 1 };
     int32_t src[N][PER], dst[N][PER];
     char tid[N][KVX_ID_HEX];
@@ -817,7 +812,7 @@ static void test_pipelined_pieces(void **state)
 static void test_pipelined_producer_closes(void **state)
 {
     fixture *f = *state;
-    kvx_client *c = one_worker_client(f);
+    kvx_client *c = one_worker_client(f, 0);
     enum { N = 6 };
     int32_t b[N][1];
     char tid[N][KVX_ID_HEX];
