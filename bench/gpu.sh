@@ -2,7 +2,7 @@
 # On the GPU machine, in one run: unpack the kit (scripts/gpu_kit.sh made it on the CPU
 # machine), build with -DTANDEM_CUDA=ON, run the GPU tests, then the benchmarks whose
 # figures BENCHMARKS.md records (each with the floor measured in the same run).
-#   bench/gpu.sh [all | a comma list of test,bench,xfer,xfertcp,pd,pdtcp,dec,mega,gpus,profile]   (default all; logs
+#   bench/gpu.sh [all | a comma list of test,bench,xfer,xfertcp,xferucx,pd,pdtcp,pducx,dec,mega,gpus,profile]   (default all; logs
 #   also go to $OUT if set)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,7 +16,7 @@ if [ ! -d "$root" ]; then
     for f in "$kit"/debs/*.deb; do dpkg -x "$f" "$root"; done
     # -dev packages link to sonames that the image may already have (libssl, libcurl)
     for l in "$lib"/*.so; do [ -e "$l" ] || ln -sf "/usr/lib/x86_64-linux-gnu/$(basename "$(readlink "$l")")" "$l"; done
-    sed -i -e "s|^prefix=.*|prefix=$root/usr|" -e "s|=/usr/|=$root/usr/|g" -e "s| -I/usr/| -I$root/usr/|g" \
+    sed -i -e "s|^prefix *=.*|prefix=$root/usr|" -e "s|=/usr/|=$root/usr/|g" -e "s| -I/usr/| -I$root/usr/|g" \
         -e "s| -L/usr/| -L$root/usr/|g" "$lib"/pkgconfig/*.pc "$root"/usr/share/pkgconfig/*.pc 2>/dev/null || true
 fi
 export PKG_CONFIG_PATH=$lib/pkgconfig:$root/usr/share/pkgconfig LD_LIBRARY_PATH=$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
@@ -67,6 +67,13 @@ if want xfertcp; then # the cross-host path on one host: tcp through pinned host
         done
     done
 fi
+if want xferucx; then # the cross-host path by ucx: gets between registered pinned staging
+    for tls in tcp sm; do
+        echo "== ucx with GPU memory, UCX_TLS=$tls" | log
+        UCX_TLS=$tls build-gpu/tandem bench-xfer-cuda --protocol ucx --tokens 2048 \
+            --concurrency 1,4 --reps 5 2>&1 | log
+    done
+fi
 # 1P1D on the one GPU through the router (each engine with its share of the memory),
 # then the aggregated engine alone, the same tandem bench at concurrency 1, 4 and 16.
 eng=(--model llama3-8b --load-format dummy --dtype bf16 --device cuda --kv-cache-dtype bf16
@@ -92,7 +99,7 @@ run_1p1d() { # PROTOCOL PORT
         echo "1P1D did not come up" | log; tail -30 "$out"/pd-work/*.log | log
     fi
     kill $up_pid; wait $up_pid || true
-    grep -hE "cuda_ipc|error" "$out"/pd-work/*.log | head -10 | log || true
+    grep -hE "cuda_ipc|ucx|error" "$out"/pd-work/*.log | head -10 | log || true
 }
 if want pd; then
     run_1p1d cuda_ipc 8300
@@ -109,6 +116,11 @@ if want pdtcp; then # the same 1P1D with tcp: GPU memory through pinned host sta
     run_1p1d tcp 8302
     build-gpu/tandem bench --compare "$out"/pd-1p1d-tcp-c1.json "$out"/pd-1p1d-tcp-c4.json \
         "$out"/pd-1p1d-tcp-c16.json 2>&1 | log || true
+fi
+if want pducx; then # the same 1P1D with ucx (over TCP): GPU memory through registered pinned staging
+    (export UCX_TLS=tcp; run_1p1d ucx 8303)
+    build-gpu/tandem bench --compare "$out"/pd-1p1d-ucx-c1.json "$out"/pd-1p1d-ucx-c4.json \
+        "$out"/pd-1p1d-ucx-c16.json 2>&1 | log || true
 fi
 if want dec; then # small-batch decode alone (quick A/B of decode kernels)
     echo "== decode at batch 1, 2 and 8 from 1024-token contexts" | log

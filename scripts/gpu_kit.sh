@@ -10,12 +10,15 @@ cd "$(dirname "$0")/.."
 shared=${TD_SHARED_DIR:-$(cd .. && pwd)/shared}
 kit=.gpu-kit
 mkdir -p "$kit/debs" "$kit/shared/models" "$kit/shared/golden"
-# cJSON and cmocka are missing there; pkgconf finds them; libevent, PCRE2, libcurl and
+# cJSON, cmocka and UCX are missing there; pkgconf finds them; libevent, PCRE2, libcurl and
 # OpenSSL headers are brought too, so that the build does not depend on what the image has.
+# UCX (with the libraries it links: rdmacm, numa) builds the ucx transport, which moves GPU
+# memory through pinned host staging.
 pkgs=(libcjson1 libcjson-dev libcmocka0 libcmocka-dev pkgconf pkgconf-bin libpkgconf3
       libevent-dev libevent-2.1-7 libevent-core-2.1-7 libevent-extra-2.1-7
       libevent-openssl-2.1-7 libevent-pthreads-2.1-7 libpcre2-dev libpcre2-8-0 libpcre2-16-0
-      libpcre2-32-0 libpcre2-posix3 libcurl4-openssl-dev libssl-dev)
+      libpcre2-32-0 libpcre2-posix3 libcurl4-openssl-dev libssl-dev libucx0 libucx-dev librdmacm1
+      libnuma1)
 (cd "$kit/debs" && apt-get download "${pkgs[@]}" >/dev/null)
 cp "$shared/models/stories260K.gguf" "$kit/shared/models/"
 cp "$shared"/golden/stories260K* "$kit/shared/golden/"

@@ -11,7 +11,9 @@
  * completion, best and median of --reps. The floor is cudaMemcpy device to device of a
  * 1 GiB buffer, counted the same way (payload bytes per second, not read plus written).
  * With --protocol tcp the same transfers go over loopback TCP through pinned host staging
- * on both sides (the cross-host path); the D2D floor is then only a reference.
+ * on both sides (the cross-host path), and with --protocol ucx by UCX gets between the two
+ * sides' registered pinned staging (UCX's own transports: UCX_TLS); the D2D floor is then
+ * only a reference.
  * The figures are printed, never asserted.
  */
 #include <signal.h>
@@ -158,7 +160,8 @@ int cli_bench_xfer_cuda(int argc, char **argv)
     const char *conc_s = "1,4,16", *proto_s = "cuda_ipc";
     cli_flag flags[] = {
         CLI_FLAG("protocol", CLI_FLAG_STR, &proto_s,
-                 "cuda_ipc, or tcp (GPU memory through pinned host staging on both sides)"),
+                 "cuda_ipc, or tcp or ucx (GPU memory through pinned host staging on both "
+                 "sides)"),
         CLI_FLAG("tokens", CLI_FLAG_INT, &tokens, "prompt tokens per transfer (2048)"),
         CLI_FLAG("layers", CLI_FLAG_INT, &layers, "layers (32: the Llama-3-8B shape)"),
         CLI_FLAG("kv-heads", CLI_FLAG_INT, &kv_heads, "KV heads (8)"),
@@ -172,9 +175,11 @@ int cli_bench_xfer_cuda(int argc, char **argv)
     int prc = cli_flags_parse(flags, (int)TD_ARRAY_LEN(flags), argc, argv,
                               "tandem bench-xfer-cuda [options]");
     if (prc) return prc == 1 ? 0 : 2;
-    bool tcp = !strcmp(proto_s, "tcp");
+    bool ucx = !strcmp(proto_s, "ucx");
+    bool tcp = !strcmp(proto_s, "tcp") || ucx; /* staged: no ratio to the D2D floor */
     if (!tcp && strcmp(proto_s, "cuda_ipc")) {
-        fprintf(stderr, "bench-xfer-cuda: --protocol must be cuda_ipc or tcp, got '%s'\n", proto_s);
+        fprintf(stderr, "bench-xfer-cuda: --protocol must be cuda_ipc, tcp or ucx, got '%s'\n",
+                proto_s);
         return 2;
     }
     int concs[16], n_conc = 0, max_conc = 0;
@@ -241,7 +246,7 @@ int cli_bench_xfer_cuda(int argc, char **argv)
                             .block_bytes = g.block_bytes,
                             .n_blocks = (uint32_t)(max_conc * g.blocks),
                             .device = true};
-    o.protocol = tcp ? KVX_PROTO_TCP : KVX_PROTO_CUDA_IPC;
+    o.protocol = ucx ? KVX_PROTO_UCX : tcp ? KVX_PROTO_TCP : KVX_PROTO_CUDA_IPC;
     o.num_worker_threads = (int)threads;
     o.qp_per_transfer = (int)qp;
     o.transfer_timeout_ms = 60000;
@@ -257,7 +262,8 @@ int cli_bench_xfer_cuda(int argc, char **argv)
            "KiB per layer) = %.1f MiB; %lld worker threads, %lld pieces per transfer%s\n",
            prop.name, proto_s, (long long)tokens, g.layers, g.blocks, (double)g.block_bytes / 1024,
            (double)xfer_bytes / (1 << 20), (long long)threads, (long long)qp,
-           tcp ? (getenv("TD_KVX_STAGE_OVERLAP") && !strcmp(getenv("TD_KVX_STAGE_OVERLAP"), "0")
+           ucx ? "; staged through registered pinned host memory"
+           : tcp ? (getenv("TD_KVX_STAGE_OVERLAP") && !strcmp(getenv("TD_KVX_STAGE_OVERLAP"), "0")
                       ? "; staging copies synchronous (TD_KVX_STAGE_OVERLAP=0)"
                       : "; staging copies overlapped")
                : "");

@@ -204,13 +204,13 @@ int cli_serve(int argc, char **argv)
         if (have_kv) srv_kv_config_free(&kv);
         return 2;
     }
-    /* A GPU engine's KV moves by cuda_ipc (same host) or by tcp through pinned host
+    /* A GPU engine's KV moves by cuda_ipc (same host) or by tcp or ucx through pinned host
      * staging, in read mode; cuda_ipc moves only GPU memory. */
     bool on_gpu = td_device_gpu(cfg.device) >= 0;
     const char *why = NULL;
-    if (have_kv && on_gpu && kv.protocol != SRV_KV_CUDA_IPC && kv.protocol != SRV_KV_TCP)
+    if (have_kv && on_gpu && kv.protocol == SRV_KV_SHM)
         why = "with --device cuda the KV pool is in GPU memory: use protocol cuda_ipc (same "
-              "host) or tcp";
+              "host), tcp or ucx";
     else if (have_kv && on_gpu && kv.write_mode)
         why = "with --device cuda transfers read (transfer_mode read): push is not served from "
               "GPU memory";

@@ -121,7 +121,7 @@ static int check_config(const td_engine_config *c, td_err *err)
             return td_err_set(err, TD_EUNSUPPORTED,
                               "--device cuda: the KV pool is in GPU memory, so it is neither "
                               "shared through a memfd (protocol shm) nor checksummed by the "
-                              "host; KV transfers use protocol cuda_ipc or tcp");
+                              "host; KV transfers use protocol cuda_ipc, tcp or ucx");
     }
     const char *lf = c->load_format ? c->load_format : "auto";
     if (strcmp(lf, "auto") && strcmp(lf, "gguf") && strcmp(lf, "dummy"))

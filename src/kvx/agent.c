@@ -59,6 +59,9 @@ typedef struct conn {
     bool pinned; /* holds a grant's pin (under agent->mu): kvx_agent_destroy waits for it */
     int rail;    /* the rail engine that accepted it, -1 for the handshake listener */
     struct listener *listener; /* that engine */
+    /* A ucx channel to a staging UCX engine (its UCX_INFO was answered with a staging
+     * area): its grants are copied into a staging slot (ucx.c). */
+    struct kvx__ucx_agent *ucx_stage;
 } conn;
 
 /* A listening socket and its accept thread: the handshake listener (rail -1), or a rail's
@@ -623,7 +626,19 @@ static int serve_read(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m)
 typedef struct ucx_pin {
     lease *l;
     uint64_t bytes, until_ns;
+    struct kvx__ucx_agent *su; /* a staged grant: its slot, at stage_off */
+    uint64_t stage_off;
 } ucx_pin;
+
+/* End a pin: the lease (counting bytes as read), and a staged grant's slot. */
+static void pin_end(kvx_agent *a, ucx_pin *pin, uint64_t bytes)
+{
+#ifdef TD_HAVE_UCX
+    if (pin->su) kvx__ucx_agent_unstage(pin->su, pin->stage_off);
+#endif
+    lease_unpin(a, pin->l, bytes);
+    *pin = (ucx_pin){0};
+}
 
 static int serve_ucx_grant(kvx_agent *a, conn *c, int fd, conn_bufs *b, const kvx_msg *m,
                            ucx_pin *pin)
@@ -632,19 +647,33 @@ static int serve_ucx_grant(kvx_agent *a, conn *c, int fd, conn_bufs *b, const kv
     lease *l = lease_pin(a, m->u.read.transfer_id);
     if (!l) return send_error(fd, b, tag, TD_ENOTFOUND, "unknown or expired transfer id");
     const kvx_region *r = &a->opts.region;
-    /* GPU memory is never read here: no checksums for it (the consumer then sees none) */
-    bool want_crc = (m->u.read.flags & KVX_READ_CHECKSUMS) && a->opts.checksums && !r->device;
-    uint64_t total, n_blocks;
+    /* GPU memory is never read here except through ucx's staging, whose staged bytes get
+     * checksums; a cuda_ipc grant gets none (the consumer then expects none). */
+    struct kvx__ucx_agent *su = c->ucx_stage;
+    bool want_crc =
+        (m->u.read.flags & KVX_READ_CHECKSUMS) && a->opts.checksums && (!r->device || su);
+    uint64_t total, n_blocks, off = KVX_NOT_STAGED;
     char msg[200];
     if (!ranges_ok(a, l, m, want_crc, &total, &n_blocks, msg, sizeof(msg))) {
         lease_unpin(a, l, 0);
         return send_error(fd, b, tag, TD_ERANGE, msg);
     }
     uint32_t n_crc = want_crc ? (uint32_t)n_blocks : 0, at = 0;
-    for (uint32_t k = 0; k < m->u.read.n_desc && want_crc; k++) {
-        kvx_wire_desc d = kvx_wire_get_desc(m, k);
-        region_crcs(r, d.segment, d.block, d.n_blocks, b->crc + at);
-        at += d.n_blocks;
+    if (su) {
+#ifdef TD_HAVE_UCX
+        td_err se;
+        int rc = kvx__ucx_agent_stage(su, m, total, want_crc ? b->crc : NULL, &off, &se);
+        if (rc) {
+            lease_unpin(a, l, 0);
+            return send_error(fd, b, tag, rc, se.msg);
+        }
+#endif
+    } else {
+        for (uint32_t k = 0; k < m->u.read.n_desc && want_crc; k++) {
+            kvx_wire_desc d = kvx_wire_get_desc(m, k);
+            region_crcs(r, d.segment, d.block, d.n_blocks, b->crc + at);
+            at += d.n_blocks;
+        }
     }
     int delay = atomic_load(&kvx__test_send_delay_ms);
     if (delay > 0) usleep((useconds_t)delay * 1000);
@@ -655,14 +684,16 @@ static int serve_ucx_grant(kvx_agent *a, conn *c, int fd, conn_bufs *b, const kv
     bool stopping = a->stopping;
     if (!stopping) c->pinned = true;
     pthread_mutex_unlock(&a->mu);
+    *pin = (ucx_pin){l, total, td_now_ns() + UCX_PIN_MS * 1000000ull, off != KVX_NOT_STAGED ? su : NULL,
+                     off};
     if (stopping) {
-        lease_unpin(a, l, 0);
+        pin_end(a, pin, 0);
         send_error(fd, b, tag, TD_ECONN, "producer is shutting down");
         return -1;
     }
-    *pin = (ucx_pin){l, total, td_now_ns() + UCX_PIN_MS * 1000000ull};
     td_err e;
-    size_t n = kvx_wire_encode_ucx_granted(b->out, b->out_cap, tag, UCX_PIN_MS, b->crc, n_crc);
+    size_t n =
+        kvx_wire_encode_ucx_granted(b->out, b->out_cap, tag, UCX_PIN_MS, off, b->crc, n_crc);
     return kvx__send_all(fd, b->out, n, td_now_ns() + SEND_TIMEOUT_NS, &e);
 }
 
@@ -699,7 +730,7 @@ static int serve_cuda_info(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m)
 }
 
 /* UCX_INFO: the producer's UCX worker address, region and packed rkey (ucx.c). */
-static int serve_ucx_info(kvx_agent *a, const conn *c, int fd, conn_bufs *b, const kvx_msg *m)
+static int serve_ucx_info(kvx_agent *a, conn *c, int fd, conn_bufs *b, const kvx_msg *m)
 {
 #ifdef TD_HAVE_UCX
     /* The agent's own UCX engine, or on a rail's connection that rail's. */
@@ -732,6 +763,7 @@ static int serve_ucx_info(kvx_agent *a, const conn *c, int fd, conn_bufs *b, con
     snprintf(why, sizeof(why), "%s", error);
     pthread_mutex_unlock(&a->mu);
     if (!u) return send_error(fd, b, m->hdr.tag, TD_EUNSUPPORTED, why);
+    c->ucx_stage = kvx__ucx_agent_staged(u) ? u : NULL;
     size_t n = kvx__ucx_agent_info(u, b->out, b->out_cap, m->hdr.tag);
     if (!n)
         return send_error(fd, b, m->hdr.tag, TD_EUNSUPPORTED,
@@ -1261,15 +1293,16 @@ static void *conn_main(void *arg)
         case KVX_MSG_SHM_INFO:
         case KVX_MSG_UCX_INFO:
         case KVX_MSG_CUDA_INFO:
-            /* GPU memory moves by cuda_ipc, or by tcp through host staging where CUDA is
-             * built; host memory never by cuda_ipc */
+            /* GPU memory moves by cuda_ipc, or by tcp or ucx through host staging where
+             * CUDA is built; host memory never by cuda_ipc */
             if (a->opts.region.device != (m.hdr.type == KVX_MSG_CUDA_INFO) &&
                 m.hdr.type != KVX_MSG_UCX_GRANT &&
-                !(m.hdr.type == KVX_MSG_READ && kvx_protocol_available(KVX_PROTO_CUDA_IPC))) {
+                !((m.hdr.type == KVX_MSG_READ || m.hdr.type == KVX_MSG_UCX_INFO) &&
+                  kvx_protocol_available(KVX_PROTO_CUDA_IPC))) {
                 send_error(c->fd, &b, m.hdr.tag, TD_EUNSUPPORTED,
                            a->opts.region.device
                                ? "this producer's KV lives in GPU memory: use protocol cuda_ipc "
-                                 "(same host) or tcp"
+                                 "(same host), tcp or ucx"
                                : "this producer's KV lives in host memory: use protocol tcp, shm "
                                  "or ucx");
                 rc = -1;
@@ -1323,8 +1356,7 @@ static void *conn_main(void *arg)
                 rc = -1;
                 break;
             }
-            lease_unpin(a, pin.l, pin.bytes);
-            pin = (ucx_pin){0};
+            pin_end(a, &pin, pin.bytes);
             pthread_mutex_lock(&a->mu);
             c->pinned = false;
             if (a->stopping) rc = -1; /* kvx_agent_destroy waited for this copy: hang up */
@@ -1338,7 +1370,7 @@ static void *conn_main(void *arg)
     }
     /* A consumer that closed, timed out or broke the protocol holding a pin has stopped
      * its gets first (it closes its UCX endpoint before this connection). */
-    if (pin.l) lease_unpin(a, pin.l, 0);
+    if (pin.l) pin_end(a, &pin, 0);
     free(b.in);
     free(b.out);
     free(b.iov);

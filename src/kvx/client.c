@@ -26,7 +26,7 @@
 #include "kvx/kvx_internal.h"
 
 #define MIN_PIECE_BYTES (64u << 10)
-#define MAX_PIECE_BYTES (8u << 20)
+#define MAX_PIECE_BYTES KVX__MAX_PIECE_BYTES
 #define BATCH_BYTES (256u << 10) /* bytes received between checksum passes */
 
 typedef struct kvx__session {
@@ -1136,15 +1136,17 @@ int kvx_client_create(kvx_client **out, const kvx_client_opts *opts, td_err *err
     kvx__hello_fill(&c->hello, id, &c->opts.layout, &c->opts.region);
     c->transport = &tcp_transport;
     if (c->opts.protocol == KVX_PROTO_SHM) c->transport = &kvx__shm_transport;
-    /* GPU memory moves by cuda_ipc, or by tcp through pinned host staging (CUDA builds) */
+    /* GPU memory moves by cuda_ipc, or by tcp or ucx through pinned host staging (CUDA
+     * builds) */
     bool dev_ok = c->opts.protocol == KVX_PROTO_CUDA_IPC ||
-                  (c->opts.protocol == KVX_PROTO_TCP && kvx_protocol_available(KVX_PROTO_CUDA_IPC));
+                  ((c->opts.protocol == KVX_PROTO_TCP || c->opts.protocol == KVX_PROTO_UCX) &&
+                   kvx_protocol_available(KVX_PROTO_CUDA_IPC));
     if (c->opts.region.device ? !dev_ok : c->opts.protocol == KVX_PROTO_CUDA_IPC) {
         bool dev = c->opts.region.device;
         free(c);
         return td_err_set(err, TD_EUNSUPPORTED,
                           dev ? "kvx: this consumer's KV lives in GPU memory: use protocol "
-                                "cuda_ipc (same host) or tcp, in a build with CUDA"
+                                "cuda_ipc (same host), tcp or ucx, in a build with CUDA"
                               : "kvx: protocol cuda_ipc moves GPU memory, and this consumer's KV "
                                 "lives in host memory");
     }

@@ -27,6 +27,9 @@ _Atomic int kvx__test_pieces_grouped;
 _Atomic int kvx__test_sends_delayed;
 _Atomic int kvx__test_rail_fail;
 _Atomic int kvx__test_slow_rail;
+_Atomic int kvx__test_ucx_stage;
+_Atomic int kvx__test_ucx_grants_staged;
+_Atomic int kvx__test_ucx_pieces_unstaged;
 
 /* ---------------------------------------------------------------- ids, layouts, runs */
 

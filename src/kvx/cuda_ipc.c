@@ -232,6 +232,24 @@ int kvx__stage_copy(int device, void *dst, const void *src, size_t n, bool to_de
     return 0;
 }
 
+int kvx__pinned_alloc(int device, size_t bytes, void **out, td_err *err)
+{
+    *out = NULL;
+    cudaError_t e = cudaSetDevice(device);
+    if (e == cudaSuccess) e = cudaMallocHost(out, bytes);
+    if (e != cudaSuccess) {
+        *out = NULL;
+        return td_err_set(err, TD_ENOMEM, "kvx: cannot pin %zu bytes of host staging: %s", bytes,
+                          cudaGetErrorString(e));
+    }
+    return 0;
+}
+
+void kvx__pinned_free(void *p)
+{
+    if (p) cudaFreeHost(p);
+}
+
 /* TD_KVX_STAGE_OVERLAP=0: every started copy is waited for at once (A/B runs of one binary) */
 static bool stage_overlap(void)
 {
@@ -427,6 +445,18 @@ static int cuda_run_piece(struct kvx__session *s, struct kvx__piece *p, td_err *
 const kvx__transport kvx__cuda_transport = {"cuda_ipc", cuda_run_piece, kvx__session_control,
                                             cuda_session_free};
 #else /* no CUDA: GPU memory cannot be staged */
+
+int kvx__pinned_alloc(int device, size_t bytes, void **out, td_err *err)
+{
+    (void)device, (void)bytes;
+    *out = NULL;
+    return td_err_set(err, TD_EUNSUPPORTED, "kvx: GPU memory needs the CUDA backend");
+}
+
+void kvx__pinned_free(void *p)
+{
+    (void)p;
+}
 
 int kvx__stage_buf(int device, size_t bytes, uint8_t **buf, td_err *err)
 {

@@ -133,10 +133,11 @@ int kvx__grant_pin(struct kvx__session *s, kvx__grant_pool *gp, struct kvx__piec
     }
     uint32_t want_n_crc = want_crc ? (uint32_t)pi.blocks : 0;
     if (g->m.hdr.type != KVX_MSG_UCX_GRANTED || g->m.hdr.tag != pi.tag ||
-        g->m.u.ucx_granted.n_crc != want_n_crc) {
+        g->m.u.ucx_granted.n_crc != want_n_crc ||
+        g->m.u.ucx_granted.stage_off != KVX_NOT_STAGED) { /* these copy in place */
         rc = td_err_set(err, TD_EPROTO,
                         "kvx %s: producer %s:%u answered the grant with %s (tag %u, %u "
-                        "checksums; expected UCX_GRANTED, tag %u, %u checksums)",
+                        "checksums; expected UCX_GRANTED in place, tag %u, %u checksums)",
                         what, host, port, kvx_wire_type_name(g->m.hdr.type), g->m.hdr.tag,
                         g->m.u.ucx_granted.n_crc, pi.tag, want_n_crc);
         goto out;

@@ -25,6 +25,11 @@ static inline uint32_t kvx__batch_blocks(uint64_t block_bytes, uint64_t batch_by
     return n ? (uint32_t)n : 1;
 }
 
+/** The largest piece a consumer asks for at once (client.c cuts transfers into pieces of
+ *  at most this many bytes, or one block where a block is larger); the ucx transport's
+ *  staging slots are this large. */
+#define KVX__MAX_PIECE_BYTES (8u << 20)
+
 /* ---- authentication (kvx_auth.c) ---- */
 #define KVX_AUTH_MAC_BYTES 32
 /** HELLO_ACK features: the producer requires the challenge-response. */
@@ -145,6 +150,16 @@ int kvx__ucx_agent_create(struct kvx__ucx_agent **out, const kvx_region *r, cons
 void kvx__ucx_agent_destroy(struct kvx__ucx_agent *u); /* NULL is fine */
 /** Encode UCX_INFO_ACK into buf; 0 if it does not fit. */
 size_t kvx__ucx_agent_info(struct kvx__ucx_agent *u, uint8_t *buf, size_t cap, uint32_t tag);
+/** Whether grants read from its staging area (a region in GPU memory; kvx__test_ucx_stage). */
+bool kvx__ucx_agent_staged(const struct kvx__ucx_agent *u);
+/**
+ * Copy a UCX_GRANT's ranges (bytes in all, at most KVX__MAX_PIECE_BYTES) into a free
+ * staging slot, packed in request order, with their checksums into crc when it is not
+ * NULL; *off says where in the area. Hold the slot until kvx__ucx_agent_unstage(off).
+ */
+int kvx__ucx_agent_stage(struct kvx__ucx_agent *u, const kvx_msg *grant, uint64_t bytes,
+                         uint32_t *crc, uint64_t *off, td_err *err);
+void kvx__ucx_agent_unstage(struct kvx__ucx_agent *u, uint64_t off);
 
 struct kvx__ucx_client;
 int kvx__ucx_client_create(struct kvx__ucx_client **out, const kvx_client_opts *opts,
@@ -255,6 +270,10 @@ int kvx__stage_copy(int device, void *dst, const void *src, size_t n, bool to_de
 int kvx__stage_copy_start(int device, int slot, void *dst, const void *src, size_t n, bool to_device,
                           td_err *err);
 int kvx__stage_wait(int device, int slot, td_err *err);
+/** Page-locked host memory that GPU `device` copies to and from at full speed (the ucx
+ *  transport's registered staging areas); TD_EUNSUPPORTED without CUDA. */
+int kvx__pinned_alloc(int device, size_t bytes, void **out, td_err *err);
+void kvx__pinned_free(void *p); /* NULL is fine */
 
 /* Test hooks (tests only; zero in production). */
 /* When > 0, the consumer flips one received byte of the next that many pieces. */
@@ -263,6 +282,13 @@ extern _Atomic int kvx__test_corrupt_pieces;
  * counting each such sleep that begins in kvx__test_sends_delayed. */
 extern _Atomic int kvx__test_send_delay_ms;
 extern _Atomic int kvx__test_sends_delayed;
+/* When > 0, ucx producers and consumers made from now on stage host regions as they do
+ * GPU memory (ucx.c: copied through a registered staging area, memcpy for cudaMemcpy),
+ * and a producer's area has this many slots: the staged path without a GPU. */
+extern _Atomic int kvx__test_ucx_stage;
+/* Grants a ucx producer staged, and pieces a ucx consumer copied out of its staging. */
+extern _Atomic int kvx__test_ucx_grants_staged;
+extern _Atomic int kvx__test_ucx_pieces_unstaged;
 /* Pieces the consumer sent pipelined, in groups of two or more on one connection. */
 extern _Atomic int kvx__test_pieces_grouped;
 /* When > 0, the shm consumer sleeps this many ms between a grant and its copy (shm.c),

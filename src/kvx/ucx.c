@@ -104,15 +104,77 @@ static int worker_create(ucp_context_h ctx, ucp_worker_h *w, int *efd, td_err *e
     return 0;
 }
 
-static int map_region(ucp_context_h ctx, const kvx_region *r, ucp_mem_h *memh, td_err *err)
+static int map_mem(ucp_context_h ctx, void *addr, size_t len, ucp_mem_h *memh, td_err *err)
 {
     ucp_mem_map_params_t mp = {.field_mask =
                                    UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH,
-                               .address = r->base,
-                               .length = region_bytes(r)};
+                               .address = addr,
+                               .length = len};
     ucs_status_t st = ucp_mem_map(ctx, &mp, memh);
-    if (st != UCS_OK) return ucx_fail(err, TD_EIO, "cannot register the region", st);
+    if (st != UCS_OK) return ucx_fail(err, TD_EIO, "cannot register memory", st);
     return 0;
+}
+
+/*
+ * Staging. The UCX this is built with (Debian's) cannot read or write GPU memory, so a
+ * region on the GPU is never registered: its bytes go through page-locked host memory
+ * that is. On the producer a grant's ranges are copied off the device into one slot of a
+ * registered staging area (packed in request order) before UCX_GRANTED, which says where;
+ * the consumer gets them from there and, if its own region is on the GPU too, into its
+ * channel's registered staging buffer, then copies them up. The checksums are computed on
+ * the staged bytes, as tcp's staging does. kvx__test_ucx_stage runs the same path over host
+ * regions (memcpy for the device copies), so CI without a GPU tests the protocol.
+ */
+#define STAGE_SLOTS 8
+#define STAGE_WAIT_NS (5000ull * 1000000ull) /* for a free slot, before the grant fails */
+
+static bool region_staged(const kvx_region *r)
+{
+    return r->device || atomic_load(&kvx__test_ucx_stage) > 0;
+}
+
+/* Page-locked where the region is on a GPU, plain (page-aligned) for the test hook. */
+static int stage_alloc(const kvx_region *r, size_t bytes, uint8_t **out, td_err *err)
+{
+    *out = NULL;
+    if (r->device) return kvx__pinned_alloc(r->device_id, bytes, (void **)out, err);
+    if (posix_memalign((void **)out, 4096, bytes)) {
+        *out = NULL;
+        return td_err_set(err, TD_ENOMEM, "kvx: ucx: out of memory for %zu bytes of staging", bytes);
+    }
+    return 0;
+}
+
+static void stage_free(const kvx_region *r, uint8_t *p)
+{
+    if (r->device) kvx__pinned_free(p);
+    else free(p);
+}
+
+/* Copy n ranges between the region (on the GPU, or host memory under the test hook) and
+ * packed staging at stage: to_region says which way. Returns once every copy is done. */
+static int stage_copy(const kvx_region *r, uint8_t *stage, const kvx__piece_range *rg, uint32_t n,
+                      bool to_region, td_err *err)
+{
+    int rc = 0;
+    uint64_t at = 0;
+    for (uint32_t k = 0; k < n && !rc; k++) {
+        uint8_t *dev = (uint8_t *)r->base +
+                       kvx__offset(r, rg[k].seg, to_region ? rg[k].dst : rg[k].src);
+        size_t len = (size_t)rg[k].n * r->block_bytes;
+        if (!r->device)
+            memcpy(to_region ? dev : stage + at, to_region ? stage + at : dev, len);
+        else
+            rc = kvx__stage_copy_start(r->device_id, 0, to_region ? (void *)dev : stage + at,
+                                       to_region ? stage + at : dev, len, to_region, err);
+        at += len;
+    }
+    if (r->device) {
+        td_err e2;
+        int w = kvx__stage_wait(r->device_id, 0, rc ? &e2 : err);
+        if (!rc) rc = w;
+    }
+    return rc;
 }
 
 /*
@@ -138,12 +200,19 @@ struct kvx__ucx_agent {
     ucp_context_h ctx;
     ucp_worker_h worker;
     int efd;
-    ucp_mem_h memh;
+    ucp_mem_h memh; /* the region, or the staging area */
     void *rkey;
     size_t rkey_len;
     ucp_address_t *addr;
     size_t addr_len;
     kvx_region region;
+    /* Staging (region_staged): n_slots slots of KVX__MAX_PIECE_BYTES, busy ones in
+     * slot_busy (under smu); a grant waits up to STAGE_WAIT_NS for one. */
+    uint8_t *stage;
+    int n_slots;
+    uint64_t slot_busy;
+    pthread_mutex_t smu;
+    pthread_cond_t scv;
     int wake[2]; /* a pipe: destroy wakes the progress thread */
     _Atomic bool stop;
     pthread_t thread;
@@ -176,6 +245,9 @@ void kvx__ucx_agent_destroy(struct kvx__ucx_agent *u)
     if (u->worker) ucp_worker_destroy(u->worker);
     if (u->memh) ucp_mem_unmap(u->ctx, u->memh);
     if (u->ctx) ucp_cleanup(u->ctx);
+    if (u->stage) stage_free(&u->region, u->stage);
+    pthread_mutex_destroy(&u->smu);
+    pthread_cond_destroy(&u->scv);
     free(u);
 }
 
@@ -187,9 +259,23 @@ int kvx__ucx_agent_create(struct kvx__ucx_agent **out, const kvx_region *r, cons
     if (!u) return td_err_set(err, TD_ENOMEM, "kvx: out of memory");
     u->region = *r;
     u->wake[0] = u->wake[1] = -1;
+    pthread_mutex_init(&u->smu, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&u->scv, &ca);
+    pthread_condattr_destroy(&ca);
+    int hook = atomic_load(&kvx__test_ucx_stage);
+    if (region_staged(r)) u->n_slots = hook > 0 ? TD_MIN(hook, 64) : STAGE_SLOTS;
     int rc = context_create(&u->ctx, false, device, err);
     if (!rc) rc = worker_create(u->ctx, &u->worker, &u->efd, err);
-    if (!rc) rc = map_region(u->ctx, r, &u->memh, err);
+    if (!rc && u->n_slots) {
+        size_t bytes = (size_t)u->n_slots * KVX__MAX_PIECE_BYTES;
+        rc = stage_alloc(r, bytes, &u->stage, err);
+        if (!rc) rc = map_mem(u->ctx, u->stage, bytes, &u->memh, err);
+    } else if (!rc) {
+        rc = map_mem(u->ctx, r->base, region_bytes(r), &u->memh, err);
+    }
     ucs_status_t st;
     if (!rc && (st = ucp_rkey_pack(u->ctx, u->memh, &u->rkey, &u->rkey_len)) != UCS_OK)
         rc = ucx_fail(err, TD_EIO, "cannot pack the region's rkey", st);
@@ -212,16 +298,88 @@ int kvx__ucx_agent_create(struct kvx__ucx_agent **out, const kvx_region *r, cons
 size_t kvx__ucx_agent_info(struct kvx__ucx_agent *u, uint8_t *buf, size_t cap, uint32_t tag)
 {
     if (u->addr_len > KVX_MAX_UCX_BLOB || u->rkey_len > KVX_MAX_UCX_BLOB) return 0;
+    if (u->stage)
+        return kvx_wire_encode_ucx_info(buf, cap, tag, (uint64_t)(uintptr_t)u->stage,
+                                        KVX__MAX_PIECE_BYTES,
+                                        (uint64_t)u->n_slots * KVX__MAX_PIECE_BYTES,
+                                        KVX__MAX_PIECE_BYTES, u->addr, (uint32_t)u->addr_len,
+                                        u->rkey, (uint32_t)u->rkey_len);
     return kvx_wire_encode_ucx_info(buf, cap, tag, (uint64_t)(uintptr_t)u->region.base,
-                                    u->region.segment_stride, region_bytes(&u->region), u->addr,
+                                    u->region.segment_stride, region_bytes(&u->region), 0, u->addr,
                                     (uint32_t)u->addr_len, u->rkey, (uint32_t)u->rkey_len);
+}
+
+bool kvx__ucx_agent_staged(const struct kvx__ucx_agent *u)
+{
+    return u->stage != NULL;
+}
+
+int kvx__ucx_agent_stage(struct kvx__ucx_agent *u, const kvx_msg *grant, uint64_t bytes,
+                         uint32_t *crc, uint64_t *off, td_err *err)
+{
+    const kvx_region *r = &u->region;
+    if (bytes > KVX__MAX_PIECE_BYTES)
+        return td_err_set(err, TD_ERANGE,
+                          "kvx: ucx: a grant of %llu bytes is larger than a staging slot (%u)",
+                          (unsigned long long)bytes, KVX__MAX_PIECE_BYTES);
+    uint32_t n = grant->u.read.n_desc;
+    kvx__piece_range *rg = malloc((n ? n : 1) * sizeof(*rg));
+    if (!rg) return td_err_set(err, TD_ENOMEM, "kvx: out of memory");
+    for (uint32_t k = 0; k < n; k++) {
+        kvx_wire_desc d = kvx_wire_get_desc(grant, k);
+        rg[k] = (kvx__piece_range){d.segment, d.block, 0, d.n_blocks};
+    }
+    /* a free slot, waiting a bounded time for one */
+    int slot = -1;
+    struct timespec until;
+    clock_gettime(CLOCK_MONOTONIC, &until);
+    until.tv_sec += (time_t)(STAGE_WAIT_NS / 1000000000ull);
+    pthread_mutex_lock(&u->smu);
+    for (;;) {
+        for (int i = 0; i < u->n_slots && slot < 0; i++)
+            if (!(u->slot_busy >> i & 1)) slot = i;
+        if (slot >= 0 || pthread_cond_timedwait(&u->scv, &u->smu, &until) == ETIMEDOUT) break;
+    }
+    if (slot >= 0) u->slot_busy |= 1ull << slot;
+    pthread_mutex_unlock(&u->smu);
+    int rc = 0;
+    if (slot < 0) {
+        rc = td_err_set(err, TD_ETIMEDOUT,
+                        "kvx: ucx: all %d staging slots stayed busy for %llu ms", u->n_slots,
+                        (unsigned long long)(STAGE_WAIT_NS / 1000000ull));
+    } else {
+        uint8_t *at = u->stage + (size_t)slot * KVX__MAX_PIECE_BYTES;
+        rc = stage_copy(r, at, rg, n, false, err);
+        for (uint32_t k = 0; k < n && !rc && crc; k++) {
+            td_crc32c_blocks(at, r->block_bytes, rg[k].n, crc);
+            at += (size_t)rg[k].n * r->block_bytes;
+            crc += rg[k].n;
+        }
+        if (rc) {
+            kvx__ucx_agent_unstage(u, (uint64_t)slot * KVX__MAX_PIECE_BYTES);
+        } else {
+            *off = (uint64_t)slot * KVX__MAX_PIECE_BYTES;
+            atomic_fetch_add(&kvx__test_ucx_grants_staged, 1);
+        }
+    }
+    free(rg);
+    return rc;
+}
+
+void kvx__ucx_agent_unstage(struct kvx__ucx_agent *u, uint64_t off)
+{
+    pthread_mutex_lock(&u->smu);
+    u->slot_busy &= ~(1ull << (off / KVX__MAX_PIECE_BYTES));
+    pthread_cond_signal(&u->scv);
+    pthread_mutex_unlock(&u->smu);
 }
 
 /* ---------------------------------------------------------------- consumer */
 
 struct kvx__ucx_client {
     ucp_context_h ctx;
-    ucp_mem_h memh;     /* the consumer's whole region */
+    ucp_mem_h memh;     /* the consumer's whole region; NULL when it is staged */
+    bool staged;        /* region_staged: gets land in each channel's staging buffer */
     pthread_mutex_t mu; /* creates sessions' channel pools */
     /* Set once an endpoint with peer failure detection was unreachable (UCX's
      * shared-memory transports lack it): later endpoints go without. */
@@ -238,6 +396,13 @@ typedef struct chan {
     bool peer_mode;         /* UCP_ERR_HANDLING_MODE_PEER: errors reported, force close */
     ucs_status_t ep_status; /* set by the error handler (on this channel's thread) */
     uint64_t base, stride, bytes;
+    uint64_t stage_slot; /* the producer's staging slot size (0: it is read in place) */
+    /* A staged consumer's buffer, registered with the client's context, grown on use. */
+    uint8_t *stage;
+    size_t stage_cap;
+    ucp_mem_h stage_memh;
+    ucp_context_h ctx;
+    const kvx_region *region;
 } chan;
 
 typedef struct chan_pool {
@@ -254,7 +419,10 @@ int kvx__ucx_client_create(struct kvx__ucx_client **out, const kvx_client_opts *
     struct kvx__ucx_client *u = calloc(1, sizeof(*u));
     if (!u) return td_err_set(err, TD_ENOMEM, "kvx: out of memory");
     int rc = context_create(&u->ctx, true, device, err);
-    if (!rc && (rc = map_region(u->ctx, &opts->region, &u->memh, err))) ucp_cleanup(u->ctx);
+    u->staged = region_staged(&opts->region);
+    if (!rc && !u->staged &&
+        (rc = map_mem(u->ctx, opts->region.base, region_bytes(&opts->region), &u->memh, err)))
+        ucp_cleanup(u->ctx);
     if (rc) {
         free(u);
         return rc;
@@ -267,7 +435,7 @@ int kvx__ucx_client_create(struct kvx__ucx_client **out, const kvx_client_opts *
 void kvx__ucx_client_destroy(struct kvx__ucx_client *u)
 {
     if (!u) return;
-    ucp_mem_unmap(u->ctx, u->memh);
+    if (u->memh) ucp_mem_unmap(u->ctx, u->memh);
     ucp_cleanup(u->ctx);
     pthread_mutex_destroy(&u->mu);
     free(u);
@@ -301,8 +469,28 @@ static void chan_close(chan *ch)
     }
     if (ch->rkey) ucp_rkey_destroy(ch->rkey);
     if (ch->worker) ucp_worker_destroy(ch->worker);
+    if (ch->stage_memh) ucp_mem_unmap(ch->ctx, ch->stage_memh);
+    if (ch->stage) stage_free(ch->region, ch->stage);
     if (ch->fd >= 0) close(ch->fd);
     free(ch);
+}
+
+/* A staged consumer's channel buffer of at least `bytes`, registered. */
+static int chan_stage(chan *ch, size_t bytes, td_err *err)
+{
+    if (ch->stage_cap >= bytes) return 0;
+    if (ch->stage_memh) ucp_mem_unmap(ch->ctx, ch->stage_memh);
+    if (ch->stage) stage_free(ch->region, ch->stage);
+    ch->stage_memh = NULL;
+    ch->stage_cap = 0;
+    bytes = TD_MAX(bytes, (size_t)KVX__MAX_PIECE_BYTES);
+    int rc = stage_alloc(ch->region, bytes, &ch->stage, err);
+    if (!rc && (rc = map_mem(ch->ctx, ch->stage, bytes, &ch->stage_memh, err))) {
+        stage_free(ch->region, ch->stage);
+        ch->stage = NULL;
+    }
+    if (!rc) ch->stage_cap = bytes;
+    return rc;
 }
 
 static void pool_free(void *state)
@@ -358,6 +546,8 @@ static int chan_open(struct kvx__session *s, uint64_t deadline_ns, chan **out, t
     }
     ch->fd = -1;
     ch->efd = -1;
+    ch->ctx = u->ctx;
+    ch->region = &kvx__session_opts(s)->region;
     int rc = kvx__session_connect(s, deadline_ns, &ch->fd, err);
     if (rc) ch->fd = -1;
     kvx_msg m;
@@ -377,6 +567,7 @@ static int chan_open(struct kvx__session *s, uint64_t deadline_ns, chan **out, t
         ch->base = m.u.ucx_info.base;
         ch->stride = m.u.ucx_info.segment_stride;
         ch->bytes = m.u.ucx_info.bytes;
+        ch->stage_slot = m.u.ucx_info.stage_slot;
         ch->ep_status = UCS_OK;
         /* Peer failure detection where the transports have it (tcp, RDMA): a dead
          * producer then fails the gets at once instead of at the deadline. */
@@ -523,7 +714,8 @@ static int gets_run(struct kvx__session *s, chan *ch, struct kvx__ucx_client *u,
                     uint64_t block_bytes, const uint8_t *want_crc, uint32_t *crc, uint64_t until_ns,
                     td_err *err)
 {
-    ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_MEMH, .memh = u->memh};
+    ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_MEMH,
+                               .memh = u->staged ? ch->stage_memh : u->memh};
     bool corrupt = atomic_load(&kvx__test_corrupt_pieces) > 0 &&
                    atomic_fetch_sub(&kvx__test_corrupt_pieces, 1) > 0;
     int mismatch = 0;
@@ -646,21 +838,40 @@ static int ucx_run_piece(struct kvx__session *s, struct kvx__piece *p, td_err *e
     /* The pin lasts valid_ms from the producer's send: stop well before it ends. */
     uint64_t until =
         TD_MIN(pi.deadline_ns, td_now_ns() + (uint64_t)m.u.ucx_granted.valid_ms * 750000ull);
+    /* A staging producer says where in its area the ranges lie (packed, in order). */
+    uint64_t soff = m.u.ucx_granted.stage_off;
+    bool from_stage = ch->stage_slot != 0;
+    if (from_stage ? soff == KVX_NOT_STAGED || pi.bytes > ch->stage_slot || soff > ch->bytes ||
+                         pi.bytes > ch->bytes - soff
+                   : soff != KVX_NOT_STAGED) {
+        rc = td_err_set(err, TD_EPROTO,
+                        "kvx: producer %s:%u staged a %llu-byte grant at offset %lld of a "
+                        "%llu-byte area with %llu-byte slots",
+                        host, port, (unsigned long long)pi.bytes,
+                        soff == KVX_NOT_STAGED ? -1ll : (long long)soff,
+                        (unsigned long long)ch->bytes, (unsigned long long)ch->stage_slot);
+        goto out; /* closes the channel: nothing was read */
+    }
+    if (u->staged && (rc = chan_stage(ch, pi.bytes, err))) goto out;
 
-    /* The gets go straight into the registered consumer region, in chunks. */
+    /* The gets go straight into the registered consumer region (or its staging), in
+     * chunks. */
     uint32_t crc_at = 0;
+    uint64_t packed = 0; /* where range k starts in packed (staged) order */
     for (uint32_t k = 0; k < pi.count && !rc; k++) {
         kvx__piece_range d = kvx__piece_get_range(p, k);
         uint64_t len = (uint64_t)d.n * r->block_bytes;
-        uint64_t off = (uint64_t)d.seg * ch->stride + (uint64_t)d.src * r->block_bytes;
-        if (off > ch->bytes || len > ch->bytes - off) {
+        uint64_t off = from_stage ? soff + packed
+                                  : (uint64_t)d.seg * ch->stride + (uint64_t)d.src * r->block_bytes;
+        if (!from_stage && (off > ch->bytes || len > ch->bytes - off)) {
             rc = td_err_set(err, TD_EPROTO,
                             "kvx: producer %s:%u's region (%llu bytes) does not hold segment "
                             "%u, blocks %u+%u",
                             host, port, (unsigned long long)ch->bytes, d.seg, d.src, d.n);
             break;
         }
-        uint8_t *dst = (uint8_t *)r->base + kvx__offset(r, d.seg, d.dst);
+        uint8_t *dst =
+            u->staged ? ch->stage + packed : (uint8_t *)r->base + kvx__offset(r, d.seg, d.dst);
         for (uint32_t j = 0; j < d.n; j += per_chunk) {
             uint32_t cn = TD_MIN(d.n - j, per_chunk);
             g.c[g.n++] = (get_chunk){.dst = dst + (uint64_t)j * r->block_bytes,
@@ -672,11 +883,21 @@ static int ucx_run_piece(struct kvx__session *s, struct kvx__piece *p, td_err *e
                                      .crc_at = crc_at};
             crc_at += cn;
         }
+        packed += len;
     }
     if (rc) goto out; /* closes the channel: nothing was read */
     rc = gets_run(s, ch, u, &g, r->block_bytes, want_crc ? m.u.ucx_granted.crc : NULL, crc, until,
                   err);
     if (rc && g.done < g.n) goto out; /* closes the channel, stopping any get still running */
+    if (!rc && u->staged) { /* checked in staging: now up to the blocks */
+        kvx__piece_range *rg = malloc(pi.count * sizeof(*rg));
+        if (!rg) rc = td_err_set(err, TD_ENOMEM, "kvx: out of memory");
+        for (uint32_t k = 0; rg && k < pi.count; k++)
+            rg[k] = kvx__piece_get_range(p, k);
+        if (rg) rc = stage_copy(r, ch->stage, rg, pi.count, true, err);
+        if (!rc) atomic_fetch_add(&kvx__test_ucx_pieces_unstaged, 1);
+        free(rg);
+    }
 
     /* The gets are over: unpin. The channel stays usable after a checksum mismatch. If
      * UCX_DONE cannot be sent, the channel closes, which unpins too; the bytes are in. */

@@ -333,12 +333,13 @@ int kvx_wire_decode(const kvx_hdr *h, const uint8_t *p, size_t len, kvx_msg *m, 
                               m->u.shm_info.pid, m->u.shm_info.fd);
         return 0;
     case KVX_MSG_UCX_INFO_ACK: {
-        if (len < 32) return bad_len(err, h, 32);
+        if (len < 40) return bad_len(err, h, 40);
         m->u.ucx_info.base = get64(p);
         m->u.ucx_info.segment_stride = get64(p + 8);
         m->u.ucx_info.bytes = get64(p + 16);
-        m->u.ucx_info.addr_len = get32(p + 24);
-        m->u.ucx_info.rkey_len = get32(p + 28);
+        m->u.ucx_info.stage_slot = get64(p + 24);
+        m->u.ucx_info.addr_len = get32(p + 32);
+        m->u.ucx_info.rkey_len = get32(p + 36);
         if (m->u.ucx_info.addr_len == 0 || m->u.ucx_info.addr_len > KVX_MAX_UCX_BLOB ||
             m->u.ucx_info.rkey_len == 0 || m->u.ucx_info.rkey_len > KVX_MAX_UCX_BLOB)
             return td_err_set(err, TD_EFORMAT,
@@ -348,23 +349,29 @@ int kvx_wire_decode(const kvx_hdr *h, const uint8_t *p, size_t len, kvx_msg *m, 
         if (m->u.ucx_info.bytes == 0 ||
             m->u.ucx_info.base + m->u.ucx_info.bytes < m->u.ucx_info.base)
             return td_err_set(err, TD_EFORMAT, "kvx: UCX_INFO_ACK with an empty or wrapping region");
-        size_t want = 32 + (size_t)m->u.ucx_info.addr_len + m->u.ucx_info.rkey_len;
+        if (m->u.ucx_info.stage_slot > m->u.ucx_info.bytes)
+            return td_err_set(err, TD_EFORMAT,
+                              "kvx: UCX_INFO_ACK with %llu-byte staging slots in a %llu-byte area",
+                              (unsigned long long)m->u.ucx_info.stage_slot,
+                              (unsigned long long)m->u.ucx_info.bytes);
+        size_t want = 40 + (size_t)m->u.ucx_info.addr_len + m->u.ucx_info.rkey_len;
         if (len != want) return bad_len(err, h, want);
-        m->u.ucx_info.addr = p + 32;
-        m->u.ucx_info.rkey = p + 32 + m->u.ucx_info.addr_len;
+        m->u.ucx_info.addr = p + 40;
+        m->u.ucx_info.rkey = p + 40 + m->u.ucx_info.addr_len;
         return 0;
     }
     case KVX_MSG_UCX_GRANTED: {
-        if (len < 8) return bad_len(err, h, 8);
+        if (len < 16) return bad_len(err, h, 16);
         m->u.ucx_granted.valid_ms = get32(p);
         m->u.ucx_granted.n_crc = get32(p + 4);
+        m->u.ucx_granted.stage_off = get64(p + 8);
         if (m->u.ucx_granted.valid_ms == 0 || m->u.ucx_granted.n_crc > KVX_MAX_CRC)
             return td_err_set(err, TD_EFORMAT,
                               "kvx: UCX_GRANTED valid for %u ms with %u checksums (limit %u)",
                               m->u.ucx_granted.valid_ms, m->u.ucx_granted.n_crc, KVX_MAX_CRC);
-        size_t want = 8 + 4 * (size_t)m->u.ucx_granted.n_crc;
+        size_t want = 16 + 4 * (size_t)m->u.ucx_granted.n_crc;
         if (len != want) return bad_len(err, h, want);
-        m->u.ucx_granted.crc = p + 8;
+        m->u.ucx_granted.crc = p + 16;
         return 0;
     }
     case KVX_MSG_ACK:
@@ -553,34 +560,37 @@ size_t kvx_wire_encode_cuda_info(uint8_t *buf, size_t cap, uint32_t tag, uint32_
 }
 
 size_t kvx_wire_encode_ucx_info(uint8_t *buf, size_t cap, uint32_t tag, uint64_t base,
-                                uint64_t segment_stride, uint64_t bytes, const void *addr,
-                                uint32_t addr_len, const void *rkey, uint32_t rkey_len)
+                                uint64_t segment_stride, uint64_t bytes, uint64_t stage_slot,
+                                const void *addr, uint32_t addr_len, const void *rkey,
+                                uint32_t rkey_len)
 {
     if (addr_len == 0 || addr_len > KVX_MAX_UCX_BLOB || rkey_len == 0 ||
-        rkey_len > KVX_MAX_UCX_BLOB)
+        rkey_len > KVX_MAX_UCX_BLOB || stage_slot > bytes)
         return 0;
-    size_t n = put_hdr(buf, cap, KVX_MSG_UCX_INFO_ACK, tag, 32 + (size_t)addr_len + rkey_len);
+    size_t n = put_hdr(buf, cap, KVX_MSG_UCX_INFO_ACK, tag, 40 + (size_t)addr_len + rkey_len);
     if (!n) return 0;
     uint8_t *p = buf + KVX_HDR_BYTES;
     put64(p, base);
     put64(p + 8, segment_stride);
     put64(p + 16, bytes);
-    put32(p + 24, addr_len);
-    put32(p + 28, rkey_len);
-    memcpy(p + 32, addr, addr_len);
-    memcpy(p + 32 + addr_len, rkey, rkey_len);
+    put64(p + 24, stage_slot);
+    put32(p + 32, addr_len);
+    put32(p + 36, rkey_len);
+    memcpy(p + 40, addr, addr_len);
+    memcpy(p + 40 + addr_len, rkey, rkey_len);
     return n;
 }
 
 size_t kvx_wire_encode_ucx_granted(uint8_t *buf, size_t cap, uint32_t tag, uint32_t valid_ms,
-                                   const uint32_t *crcs, uint32_t n_crc)
+                                   uint64_t stage_off, const uint32_t *crcs, uint32_t n_crc)
 {
     if (n_crc > KVX_MAX_CRC || valid_ms == 0) return 0;
-    size_t n = put_hdr(buf, cap, KVX_MSG_UCX_GRANTED, tag, 8 + 4 * (size_t)n_crc);
+    size_t n = put_hdr(buf, cap, KVX_MSG_UCX_GRANTED, tag, 16 + 4 * (size_t)n_crc);
     if (!n) return 0;
     put32(buf + KVX_HDR_BYTES, valid_ms);
     put32(buf + KVX_HDR_BYTES + 4, n_crc);
-    kvx_wire_trailer_put(buf + KVX_HDR_BYTES + 8, crcs, n_crc);
+    put64(buf + KVX_HDR_BYTES + 8, stage_off);
+    kvx_wire_trailer_put(buf + KVX_HDR_BYTES + 16, crcs, n_crc);
     return n;
 }
 

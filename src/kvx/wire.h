@@ -28,7 +28,7 @@
 #include "kvx/kvx.h"
 
 #define KVX_MAGIC 0x3158564Bu
-#define KVX_VERSION 1
+#define KVX_VERSION 2 /* 2: UCX_INFO_ACK's stage_slot, UCX_GRANTED's stage_off */
 #define KVX_HDR_BYTES 16
 #define KVX_MAX_PAYLOAD (1u << 20)
 #define KVX_MAX_DESC 16384
@@ -37,6 +37,7 @@
 #define KVX_MAX_ERRMSG 255
 #define KVX_DESC_BYTES 12
 #define KVX_MAX_UCX_BLOB 65536 /* a UCX worker address or packed rkey, bytes */
+#define KVX_NOT_STAGED UINT64_MAX /* UCX_GRANTED: the ranges are read in place */
 #define KVX_MAX_RAIL 63        /* bytes of a rail (device) name or a rail's address */
 
 
@@ -133,6 +134,11 @@ typedef struct kvx_msg {
         } ack;
         struct {
             uint64_t base, segment_stride, bytes; /* the producer's region (addresses) */
+            /* 0: base..bytes is the region itself, read in place. Else the producer's KV
+             * is in GPU memory and base..bytes is its pinned host staging area, in slots
+             * of stage_slot bytes: a grant of at most stage_slot bytes is copied into a
+             * slot and read from there (UCX_GRANTED's stage_off). */
+            uint64_t stage_slot;
             uint32_t addr_len, rkey_len;
             const uint8_t *addr, *rkey; /* inside the decoded buffer */
         } ucx_info;
@@ -155,6 +161,9 @@ typedef struct kvx_msg {
         struct {
             uint32_t valid_ms; /* the pin ends this long after the answer was sent */
             uint32_t n_crc;    /* 0, or one per block of the GRANT, in request order */
+            /* KVX_NOT_STAGED, or where in the staging area (UCX_INFO_ACK) the granted
+             * ranges lie, packed in request order */
+            uint64_t stage_off;
             const uint8_t *crc; /* n_crc little-endian u32, inside the decoded buffer */
         } ucx_granted;
         struct {
@@ -227,7 +236,8 @@ size_t kvx_wire_encode_grant(uint8_t *buf, size_t cap, uint32_t tag,
                              const uint8_t transfer_id[KVX_ID_BYTES], uint32_t flags,
                              const kvx_wire_desc *descs, uint32_t n_desc);
 size_t kvx_wire_encode_ucx_info(uint8_t *buf, size_t cap, uint32_t tag, uint64_t base,
-                                uint64_t segment_stride, uint64_t bytes, const void *addr,
+                                uint64_t segment_stride, uint64_t bytes, uint64_t stage_slot,
+                                const void *addr,
                                 uint32_t addr_len, const void *rkey, uint32_t rkey_len);
 size_t kvx_wire_encode_shm_info(uint8_t *buf, size_t cap, uint32_t tag, uint32_t pid, uint32_t fd,
                                 uint64_t offset, uint64_t bytes, uint64_t segment_stride,
@@ -236,7 +246,7 @@ size_t kvx_wire_encode_cuda_info(uint8_t *buf, size_t cap, uint32_t tag, uint32_
                                  uint64_t bytes, uint64_t segment_stride, const uint8_t uuid[16],
                                  const uint8_t handle[64]);
 size_t kvx_wire_encode_ucx_granted(uint8_t *buf, size_t cap, uint32_t tag, uint32_t valid_ms,
-                                   const uint32_t *crcs, uint32_t n_crc);
+                                   uint64_t stage_off, const uint32_t *crcs, uint32_t n_crc);
 
 /* Push frames (see KVX_MSG_WRITE). PUSH_READY carries at most KVX_MAX_DESC ids. */
 size_t kvx_wire_encode_write(uint8_t *buf, size_t cap, uint32_t tag,

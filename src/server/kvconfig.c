@@ -273,9 +273,9 @@ int srv_kv_config_parse(srv_kv_config *c, const char *json, char *err, size_t ca
                   "'kv_buffer_device' must be cuda for protocol cuda_ipc (its KV lives in GPU "
                   "memory)",
                   NULL);
-    } else if (!strcmp(c->buffer_device, "cuda") && c->protocol != SRV_KV_CUDA_IPC &&
-               c->protocol != SRV_KV_TCP) {
-        rc = fail(err, cap, "'kv_buffer_device' cuda goes with protocol cuda_ipc or tcp", NULL);
+    } else if (!strcmp(c->buffer_device, "cuda") && c->protocol == SRV_KV_SHM) {
+        rc = fail(err, cap, "'kv_buffer_device' cuda goes with protocol cuda_ipc, tcp or ucx",
+                  NULL);
     } else if (c->protocol == SRV_KV_CUDA_IPC && c->write_mode && mode_set) {
         rc = fail(err, cap, "'transfer_mode' write is not served from GPU memory: protocol "
                   "cuda_ipc reads (transfer_mode read)", NULL);

@@ -51,7 +51,7 @@ static size_t reencode(const kvx_msg *m, uint8_t *out, size_t cap)
     case KVX_MSG_UCX_INFO_ACK:
         return kvx_wire_encode_ucx_info(out, cap, m->hdr.tag, m->u.ucx_info.base,
                                         m->u.ucx_info.segment_stride, m->u.ucx_info.bytes,
-                                        m->u.ucx_info.addr,
+                                        m->u.ucx_info.stage_slot, m->u.ucx_info.addr,
                                         m->u.ucx_info.addr_len, m->u.ucx_info.rkey,
                                         m->u.ucx_info.rkey_len);
     case KVX_MSG_UCX_GRANTED: {
@@ -59,7 +59,8 @@ static size_t reencode(const kvx_msg *m, uint8_t *out, size_t cap)
         for (uint32_t i = 0; i < m->u.ucx_granted.n_crc; i++)
             crc[i] = kvx_wire_trailer_get(m->u.ucx_granted.crc, i);
         size_t n = kvx_wire_encode_ucx_granted(out, cap, m->hdr.tag, m->u.ucx_granted.valid_ms,
-                                               crc, m->u.ucx_granted.n_crc);
+                                               m->u.ucx_granted.stage_off, crc,
+                                               m->u.ucx_granted.n_crc);
         free(crc);
         return n;
     }

@@ -16,11 +16,11 @@ expect_flag_error "'kv_bogus' is not a known key" --kv-transfer-config '{"kv_rol
 expect_flag_error "'handshake_port' must be an integer port" --kv-transfer-config '{"kv_role":"kv_both","handshake_port":"x"}'
 expect_flag_error "'kv_connector_extra_config' must be an object" --kv-transfer-config '{"kv_role":"kv_both","kv_connector_extra_config":[]}'
 expect_flag_error "is not valid JSON" --kv-transfer-config '{kv_role'
-# GPU memory moves only by cuda_ipc, and cuda_ipc moves only GPU memory
+# GPU memory moves by cuda_ipc, tcp or ucx (never shm), and cuda_ipc moves only GPU memory
 expect_flag_error "protocol cuda_ipc moves GPU memory: it needs --device cuda" --kv-transfer-config '{"kv_role":"kv_both","protocol":"cuda_ipc"}'
-expect_flag_error "with --device cuda the KV pool is in GPU memory: use protocol cuda_ipc (same host) or tcp" --device cuda --kv-transfer-config '{"kv_role":"kv_consumer","protocol":"shm"}'
+expect_flag_error "with --device cuda the KV pool is in GPU memory: use protocol cuda_ipc (same host), tcp or ucx" --device cuda --kv-transfer-config '{"kv_role":"kv_consumer","protocol":"shm"}'
 expect_flag_error "with --device cuda transfers read" --device cuda --kv-transfer-config '{"kv_role":"kv_consumer","kv_connector":"mooncake"}'
-expect_flag_error "'kv_buffer_device' cuda goes with protocol cuda_ipc or tcp" --kv-transfer-config '{"kv_role":"kv_both","kv_buffer_device":"cuda","protocol":"shm"}'
+expect_flag_error "'kv_buffer_device' cuda goes with protocol cuda_ipc, tcp or ucx" --kv-transfer-config '{"kv_role":"kv_both","kv_buffer_device":"cuda","protocol":"shm"}'
 expect_flag_error "'transfer_mode' write is not served from GPU memory" --kv-transfer-config '{"kv_role":"kv_both","protocol":"cuda_ipc","transfer_mode":"write"}'
 expect_flag_error "--chat-template must be chatml" --chat-template jinja
 expect_flag_error "--device must be cpu, cuda or cuda:N (GPU N, 0..63), got 'cuda:64'" --device cuda:64

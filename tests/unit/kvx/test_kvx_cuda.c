@@ -6,7 +6,8 @@
  * pipe. The consumer copies out of it device to device, by several transfers at once,
  * and the bytes are checked on the host. Then: a guessed transfer id copies nothing, a
  * wrong token is refused, tcp between the two GPU pools through pinned host staging (with
- * checksums, a corrupted byte caught), and a producer killed mid-session ends the next
+ * checksums, a corrupted byte caught), the same over ucx (staged on both sides: Debian's
+ * UCX cannot touch GPU memory), and a producer killed mid-session ends the next
  * transfer with an error (never a hang). Last, a consumer in the producer's own process (the pointer
  * path: a process cannot open its own IPC handle).
  */
@@ -274,6 +275,42 @@ static void test_tcp_staging(void **state)
     cudaFree(pool);
 }
 
+/* ucx between the two GPU pools (UCX_TLS=tcp, set in main): the producer copies each grant
+ * into a registered pinned staging slot, the consumer gets it into its channel's pinned
+ * staging and copies it up, with checksums on the staged bytes. */
+static void test_ucx_staging(void **state)
+{
+    (void)state;
+    if (!kvx_protocol_available(KVX_PROTO_UCX)) {
+        printf("  (built without UCX: ucx from GPU memory not tested here)\n");
+        skip();
+    }
+    uint8_t *pool;
+    kvx_region r;
+    kvx_client *k = consumer_proto(TOKEN, &pool, &r, KVX_PROTO_UCX);
+    int unstaged0 = atomic_load(&kvx__test_ucx_pieces_unstaged);
+    td_err res;
+    kvx_xfer *xs[3];
+    for (int i = 0; i < 3; i++)
+        xs[i] = read_start(k, g_info.port, g_info.engine_id, g_info.tid[i], 40 * i, 230 - 60 * i, 20);
+    for (int i = 0; i < 3; i++) {
+        int rc = kvx_xfer_wait(xs[i], &res);
+        if (rc) fprintf(stderr, "ucx transfer %d: %s\n", i, res.msg);
+        assert_int_equal(rc, 0);
+        kvx_xfer_free(xs[i]);
+        assert_true(holds(pool, 40 * i, 230 - 60 * i, 20, 11));
+    }
+    assert_true(atomic_load(&kvx__test_ucx_pieces_unstaged) >= unstaged0 + 3);
+    atomic_store(&kvx__test_corrupt_pieces, 1);
+    kvx_xfer *x = read_start(k, g_info.port, g_info.engine_id, g_info.tid[3], 120, 0, 40);
+    assert_int_equal(kvx_xfer_wait(x, &res), TD_EPROTO);
+    assert_non_null(strstr(res.msg, "checksum mismatch"));
+    kvx_xfer_free(x);
+    atomic_store(&kvx__test_corrupt_pieces, 0);
+    kvx_client_destroy(k);
+    cudaFree(pool);
+}
+
 /* The producer dies between two transfers of one session: the second ends, with an error. */
 static void test_producer_dies(void **state)
 {
@@ -354,7 +391,9 @@ static void test_same_process(void **state)
 
 int main(void)
 {
-    /* Fork the producer before this process touches CUDA. */
+    /* Fork the producer before this process touches CUDA. ucx (where built) runs over TCP
+     * here, on both sides: a GPU machine need not have RDMA devices. */
+    setenv("UCX_TLS", "tcp", 1);
     int up[2], down[2];
     if (pipe(up) || pipe(down)) return 1;
     g_child = fork();
@@ -377,6 +416,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_cross_process),
         cmocka_unit_test(test_tcp_staging),
+        cmocka_unit_test(test_ucx_staging),
         cmocka_unit_test(test_producer_dies),
         cmocka_unit_test(test_same_process),
     };

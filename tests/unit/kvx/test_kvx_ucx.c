@@ -6,7 +6,8 @@
  * memory: gets by cross-memory attach). Covers: data equal at several sizes and at 16
  * concurrent transfers, checksum corruption, an unknown transfer id, an expired lease, a
  * lease that expires while a grant is pinned, deadlines, the producer destroyed mid-way,
- * and a consumer whose UCX shares no transport with the producer.
+ * and a consumer whose UCX shares no transport with the producer. A third run takes the
+ * staged path of GPU memory (kvx__test_ucx_stage) over host pools.
  *
  * Built without UCX, only the check that a ucx consumer is refused at creation runs.
  */
@@ -197,6 +198,8 @@ static void test_ucx_sizes(void **state)
     fixture *f = *state;
     int32_t src[N_BLOCKS], dst[N_BLOCKS];
     int sizes[] = {1, 9, 64, N_BLOCKS};
+    int staged0 = atomic_load(&kvx__test_ucx_grants_staged);
+    int unstaged0 = atomic_load(&kvx__test_ucx_pieces_unstaged);
     for (size_t t = 0; t < TD_ARRAY_LEN(sizes); t++) {
         int n = sizes[t];
         for (int i = 0; i < n; i++) {
@@ -223,6 +226,17 @@ static void test_ucx_sizes(void **state)
     kvx_agent_stats st;
     kvx_agent_get_stats(f->agent, &st);
     assert_true(st.reads >= TD_ARRAY_LEN(sizes));
+    /* Staged: every grant went through a staging slot, every piece through the consumer's
+     * staging buffer (at least one each per transfer); else neither. */
+    int staged = atomic_load(&kvx__test_ucx_grants_staged) - staged0;
+    int unstaged = atomic_load(&kvx__test_ucx_pieces_unstaged) - unstaged0;
+    if (atomic_load(&kvx__test_ucx_stage)) {
+        assert_true(staged >= (int)TD_ARRAY_LEN(sizes));
+        assert_int_equal(unstaged, staged);
+    } else {
+        assert_int_equal(staged, 0);
+        assert_int_equal(unstaged, 0);
+    }
 }
 
 /* 16 transfers at once, of different sizes, into disjoint consumer blocks. */
@@ -450,7 +464,7 @@ static void test_ucx_unavailable(void **state)
 static void test_ucx_frames(void **state)
 {
     (void)state;
-    static uint8_t buf[KVX_HDR_BYTES + 32 + 2 * KVX_MAX_UCX_BLOB + 16];
+    static uint8_t buf[KVX_HDR_BYTES + 40 + 2 * KVX_MAX_UCX_BLOB + 16];
     kvx_msg m;
     td_err err;
     size_t n = kvx_wire_encode_empty(buf, sizeof(buf), KVX_MSG_UCX_INFO, 3);
@@ -468,13 +482,14 @@ static void test_ucx_frames(void **state)
         addr[i] = (uint8_t)i;
     for (size_t i = 0; i < sizeof(rkey); i++)
         rkey[i] = (uint8_t)(200 - i);
-    n = kvx_wire_encode_ucx_info(buf, sizeof(buf), 5, 0x7f0000001000ull, 4096, 1 << 20, addr,
-                                 sizeof(addr), rkey, sizeof(rkey));
-    assert_int_equal(n, KVX_HDR_BYTES + 32 + sizeof(addr) + sizeof(rkey));
+    n = kvx_wire_encode_ucx_info(buf, sizeof(buf), 5, 0x7f0000001000ull, 4096, 1 << 20, 1 << 18,
+                                 addr, sizeof(addr), rkey, sizeof(rkey));
+    assert_int_equal(n, KVX_HDR_BYTES + 40 + sizeof(addr) + sizeof(rkey));
     assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), 0);
     assert_int_equal(m.u.ucx_info.base, 0x7f0000001000ull);
     assert_int_equal(m.u.ucx_info.segment_stride, 4096);
     assert_int_equal(m.u.ucx_info.bytes, 1 << 20);
+    assert_int_equal(m.u.ucx_info.stage_slot, 1 << 18);
     assert_int_equal(m.u.ucx_info.addr_len, sizeof(addr));
     assert_memory_equal(m.u.ucx_info.addr, addr, sizeof(addr));
     assert_memory_equal(m.u.ucx_info.rkey, rkey, sizeof(rkey));
@@ -483,14 +498,22 @@ static void test_ucx_frames(void **state)
     buf[8]++; /* payload_len one larger than what follows */
     assert_int_equal(kvx_wire_decode_frame(buf, n + 1, &m, &err), TD_EFORMAT);
     buf[8]--;
-    assert_int_equal(kvx_wire_encode_ucx_info(buf, sizeof(buf), 5, 1, 1, 1, addr, 1, rkey, 0), 0);
-    assert_int_equal(
-        kvx_wire_encode_ucx_info(buf, sizeof(buf), 5, 1, 1, 1, addr, KVX_MAX_UCX_BLOB + 1, rkey, 1),
-        0);
-    n = kvx_wire_encode_ucx_info(buf, sizeof(buf), 5, 1, 1, 1, addr, 8, rkey, 8);
-    buf[KVX_HDR_BYTES + 28] = 0; /* rkey_len 0 */
+    assert_int_equal(kvx_wire_encode_ucx_info(buf, sizeof(buf), 5, 1, 1, 1, 0, addr, 1, rkey, 0),
+                     0);
+    assert_int_equal(kvx_wire_encode_ucx_info(buf, sizeof(buf), 5, 1, 1, 1, 0, addr,
+                                              KVX_MAX_UCX_BLOB + 1, rkey, 1),
+                     0);
+    assert_int_equal(kvx_wire_encode_ucx_info(buf, sizeof(buf), 5, 1, 1, 100, 101, addr, 8, rkey, 8),
+                     0); /* a staging slot larger than the area */
+    n = kvx_wire_encode_ucx_info(buf, sizeof(buf), 5, 1, 1, 1, 0, addr, 8, rkey, 8);
+    buf[KVX_HDR_BYTES + 36] = 0; /* rkey_len 0 */
     assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), TD_EFORMAT);
-    n = kvx_wire_encode_ucx_info(buf, sizeof(buf), 5, UINT64_MAX - 10, 1, 100, addr, 8, rkey, 8);
+    n = kvx_wire_encode_ucx_info(buf, sizeof(buf), 5, 1, 1, 100, 100, addr, 8, rkey, 8);
+    assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), 0);
+    buf[KVX_HDR_BYTES + 24] = 101; /* stage_slot 101 > bytes 100 */
+    assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), TD_EFORMAT);
+    assert_non_null(strstr(err.msg, "staging slots"));
+    n = kvx_wire_encode_ucx_info(buf, sizeof(buf), 5, UINT64_MAX - 10, 1, 100, 0, addr, 8, rkey, 8);
     assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), TD_EFORMAT); /* wraps */
 
     uint8_t id[KVX_ID_BYTES] = {1, 2, 3};
@@ -504,17 +527,22 @@ static void test_ucx_frames(void **state)
     assert_int_equal(kvx_wire_encode_grant(buf, sizeof(buf), 6, id, 0, d, 0), 0);
 
     uint32_t crc[4] = {0xdeadbeef, 1, 2, 0xffffffff};
-    n = kvx_wire_encode_ucx_granted(buf, sizeof(buf), 7, 30000, crc, 4);
+    n = kvx_wire_encode_ucx_granted(buf, sizeof(buf), 7, 30000, 3u << 20, crc, 4);
     assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), 0);
     assert_int_equal(m.u.ucx_granted.valid_ms, 30000);
     assert_int_equal(m.u.ucx_granted.n_crc, 4);
+    assert_int_equal(m.u.ucx_granted.stage_off, 3u << 20);
     assert_int_equal(kvx_wire_trailer_get(m.u.ucx_granted.crc, 3), 0xffffffff);
-    assert_int_equal(kvx_wire_encode_ucx_granted(buf, sizeof(buf), 7, 0, crc, 4), 0);
-    assert_int_equal(kvx_wire_encode_ucx_granted(buf, sizeof(buf), 7, 1, crc, KVX_MAX_CRC + 1), 0);
-    n = kvx_wire_encode_ucx_granted(buf, sizeof(buf), 7, 30000, crc, 4);
+    n = kvx_wire_encode_ucx_granted(buf, sizeof(buf), 7, 30000, KVX_NOT_STAGED, crc, 0);
+    assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), 0);
+    assert_true(m.u.ucx_granted.stage_off == KVX_NOT_STAGED);
+    assert_int_equal(kvx_wire_encode_ucx_granted(buf, sizeof(buf), 7, 0, 0, crc, 4), 0);
+    assert_int_equal(
+        kvx_wire_encode_ucx_granted(buf, sizeof(buf), 7, 1, 0, crc, KVX_MAX_CRC + 1), 0);
+    n = kvx_wire_encode_ucx_granted(buf, sizeof(buf), 7, 30000, 0, crc, 4);
     assert_int_equal(kvx_wire_decode_frame(buf, n - 4, &m, &err), TD_EFORMAT);
     /* UCX_INFO with a payload; an unknown type between the ranges. */
-    n = kvx_wire_encode_ucx_granted(buf, sizeof(buf), 7, 30000, crc, 1);
+    n = kvx_wire_encode_ucx_granted(buf, sizeof(buf), 7, 30000, 0, crc, 1);
     buf[6] = KVX_MSG_UCX_INFO;
     assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), TD_EFORMAT);
     buf[6] = 19;
@@ -545,5 +573,14 @@ int main(void)
     failed += cmocka_run_group_tests_name("kvx_ucx_over_tcp", tests, NULL, NULL);
     setenv("UCX_TLS", "sm", 1);
     failed += cmocka_run_group_tests_name("kvx_ucx_over_sm", tests, NULL, NULL);
+    /* The staged path that GPU memory takes, over host pools: the producer copies each
+     * grant into a registered staging slot, the consumer gets into its channel's staging
+     * buffer and copies to its blocks. One slot only: the 16 concurrent transfers queue
+     * for it, and a slot that a failed grant (the deadline test) did not give back would
+     * fail every later read. */
+    setenv("UCX_TLS", "tcp", 1);
+    atomic_store(&kvx__test_ucx_stage, 1);
+    failed += cmocka_run_group_tests_name("kvx_ucx_staged_over_tcp", tests, NULL, NULL);
+    atomic_store(&kvx__test_ucx_stage, 0);
     return failed;
 }
