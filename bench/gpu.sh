@@ -128,21 +128,30 @@ if want dec; then # small-batch decode alone (quick A/B of decode kernels)
     echo "== whole steps on the GPU (TD_CUDA_PROFILE=2)" | log
     TD_CUDA_PROFILE=2 "${b8[@]}" --prompt-len 128 --gen-len 64 --batch 1 --context 1024 --reps 1 --no-floor 2>&1 | log
 fi
-if want mega; then # batch-1 decode: one kernel per step (k_mega) against the separate kernels, alternating
+if want mega; then # batch-1 decode as one kernel per step (k_mega): this version against the first
+    # (TD_CUDA_MEGA_PLAIN=1: a barrier after QKV, no early K/V loads, k_argmax after it), alternating
     for i in 1 2 3; do
-        for v in TD_CUDA_MEGA=0 TD_CUDA_MEGA_TIMES=1; do
+        for v in TD_CUDA_MEGA_PLAIN=1 TD_CUDA_MEGA_PLAIN=0; do
             echo "== decode at batch 1 from 1024-token contexts, $v (run $i)" | log
             env $v "${b8[@]}" --prompt-len 128 --context 1024 --gen-len 64 --batch 1 --max-num-batched-tokens 2048 \
-                2>&1 | grep -E "^(tg|floor|machine|  floor)|one-kernel" | log
+                2>&1 | grep -E "^(tg|floor|machine|  floor)" | log
         done
     done
-    echo "== the same from 3968-token contexts" | log
-    for v in TD_CUDA_MEGA=0 TD_CUDA_MEGA_TIMES=1; do
-        env $v "${b8[@]}" --prompt-len 128 --context 3968 --gen-len 64 --batch 1 --max-num-batched-tokens 2048 \
-            --no-floor 2>&1 | grep -E "^tg|one-kernel" | log
+    echo "== where the time goes (TD_CUDA_MEGA_TIMES=1, which keeps a barrier after QKV): first version, then this" | log
+    for v in TD_CUDA_MEGA_PLAIN=1 TD_CUDA_MEGA_PLAIN=0; do
+        env $v TD_CUDA_MEGA_TIMES=1 "${b8[@]}" --prompt-len 128 --context 1024 --gen-len 64 --batch 1 \
+            --max-num-batched-tokens 2048 --no-floor 2>&1 | grep -E "^tg|one-kernel" | log
     done
-    echo "== llama-1b (TinyLlama shape), batch 1, TD_CUDA_MEGA=0 then 1" | log
-    for v in TD_CUDA_MEGA=0 TD_CUDA_MEGA=1; do
+    echo "== separate kernels (TD_CUDA_MEGA=0)" | log
+    TD_CUDA_MEGA=0 "${b8[@]}" --prompt-len 128 --context 1024 --gen-len 64 --batch 1 --max-num-batched-tokens 2048 \
+        --no-floor 2>&1 | grep -E "^tg" | log
+    echo "== from 3968-token contexts, first version then this" | log
+    for v in TD_CUDA_MEGA_PLAIN=1 TD_CUDA_MEGA_PLAIN=0; do
+        env $v "${b8[@]}" --prompt-len 128 --context 3968 --gen-len 64 --batch 1 --max-num-batched-tokens 2048 \
+            --no-floor 2>&1 | grep -E "^tg" | log
+    done
+    echo "== llama-1b (TinyLlama shape), batch 1: separate kernels, first version, this" | log
+    for v in TD_CUDA_MEGA=0 TD_CUDA_MEGA_PLAIN=1 TD_CUDA_MEGA_PLAIN=0; do
         env $v build-gpu/tandem bench-engine --model llama-1b --load-format dummy --dtype bf16 --device cuda \
             --kv-cache-dtype bf16 --prompt-len 512 --context 512 --gen-len 32 --batch 1 --reps 2 \
             --max-model-len 2048 2>&1 | grep -E "^(tg|floor|  floor)" | log

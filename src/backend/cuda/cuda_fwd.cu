@@ -77,6 +77,12 @@ struct td_cuda_fwd {
     long mk_steps;
     float *mk_x;
     unsigned long long *mk_bar; /* mk_sync's counter; the attention counters follow */
+    /* TD_CUDA_MEGA_PLAIN=1: the first version's step (a barrier after QKV, no early K/V
+     * loads, k_argmax after the kernel, the staged integers in several copies), for A/B. */
+    bool mk_plain;
+    unsigned long long *mk_hcnt; /* per KV head: QKV rows written, ever */
+    unsigned long long *mk_am, *mk_h_am; /* the packed greedy token, on the device and pinned */
+    int32_t *mk_in, *mk_h_in; /* token, position, 0, 0, then the block table: one copy */
     bool tile_attr;  /* the tile kernels' shared-memory limit has been raised */
     size_t token_bytes, block_bytes, layer_bytes, device_bytes;
     cudaStream_t stream;
@@ -1256,6 +1262,8 @@ void td_cuda_fwd_free(td_cuda_fwd *f)
     mk_times_report(f);
     if (f->mk_times) cudaFree(f->mk_times);
     if (f->mk_h_times) cudaFreeHost(f->mk_h_times);
+    if (f->mk_h_am) cudaFreeHost(f->mk_h_am);
+    if (f->mk_h_in) cudaFreeHost(f->mk_h_in);
     if (f->layers)
         for (int l = 0; l < f->n_layer; l++) {
             dev_layer *L = &f->layers[l];
@@ -1408,7 +1416,11 @@ static int mk_setup(td_cuda_fwd *f, td_err *err)
                         (const __nv_bfloat16 *)L->gu.p, (const __nv_bfloat16 *)L->down.p, L->attn_norm,
                         L->ffn_norm};
     }
-    size_t lb = (size_t)f->n_layer * sizeof(mk_layer), xb = 2 * (size_t)f->d * 4 + 8 + (size_t)f->n_kv * 4;
+    /* mk_x: the residual's two buffers (xa, xb), the barrier count, the attention item
+     * counters, then the packed greedy token, the QKV row counts and the staged integers */
+    const size_t off_bar = 2 * (size_t)f->d * 4, off_am = (off_bar + 8 + (size_t)f->n_kv * 4 + 7) / 8 * 8,
+                 off_hcnt = off_am + 8, off_in = (off_hcnt + (size_t)f->n_kv * 8 + 15) / 16 * 16;
+    size_t lb = (size_t)f->n_layer * sizeof(mk_layer), xb = off_in + (4 + (size_t)f->max_blocks) * 4;
     cudaError_t e = cudaMalloc(&f->mk_layers, lb);
     if (e == cudaSuccess) e = cudaMemcpy(f->mk_layers, h, lb, cudaMemcpyHostToDevice);
     if (e == cudaSuccess) e = cudaMalloc((void **)&f->mk_x, xb);
@@ -1416,7 +1428,16 @@ static int mk_setup(td_cuda_fwd *f, td_err *err)
     free(h);
     if (e != cudaSuccess) return td_err_set(err, TD_EIO, "cuda: one-kernel decode setup: %s", cudaGetErrorString(e));
     f->device_bytes += lb + xb;
-    f->mk_bar = (unsigned long long *)(f->mk_x + 2 * (size_t)f->d);
+    f->mk_bar = (unsigned long long *)((uint8_t *)f->mk_x + off_bar);
+    f->mk_am = (unsigned long long *)((uint8_t *)f->mk_x + off_am);
+    f->mk_hcnt = (unsigned long long *)((uint8_t *)f->mk_x + off_hcnt);
+    f->mk_in = (int32_t *)((uint8_t *)f->mk_x + off_in);
+    if (cudaMallocHost((void **)&f->mk_h_am, 8) != cudaSuccess ||
+        cudaMallocHost((void **)&f->mk_h_in, (4 + (size_t)f->max_blocks) * 4) != cudaSuccess)
+        return td_err_set(err, TD_ENOMEM, "cuda: cannot allocate the one-kernel decode's pinned staging");
+    memset(f->mk_h_in, 0, (4 + (size_t)f->max_blocks) * 4);
+    const char *plain = getenv("TD_CUDA_MEGA_PLAIN");
+    f->mk_plain = plain && !strcmp(plain, "1");
     f->mk_fn = fn;
     f->mk_blocks = per_sm * f->n_sm;
     f->mk_smem = smem;
@@ -1701,17 +1722,21 @@ static int enqueue(td_cuda_fwd *f, int T, int ns, int n_logits, int n_list, int 
                  {ST_SEQ, (size_t)T},       {ST_ROWS, (size_t)n_logits},
                  {ST_TAB, (size_t)ns * f->max_blocks}, {ST_LIST, (size_t)n_list},
                  {ST_TILES, 2 * (size_t)n_tiles}};
-    for (auto &p : parts)
-        if (p.n)
-            CK(cudaMemcpyAsync(f->dints + stage_off(f, p.which), f->h_ints + stage_off(f, p.which), p.n * 4,
-                               cudaMemcpyHostToDevice, st));
+    const bool mega = f->mk_fn && T == 1 && n_logits == 1, mk_fast = mega && !f->mk_plain;
+    if (mk_fast) /* k_mega's integers, staged together by td_cuda_fwd_run */
+        CK(cudaMemcpyAsync(f->mk_in, f->mk_h_in, (4 + (size_t)f->max_blocks) * 4, cudaMemcpyHostToDevice, st));
+    else
+        for (auto &p : parts)
+            if (p.n)
+                CK(cudaMemcpyAsync(f->dints + stage_off(f, p.which), f->h_ints + stage_off(f, p.which), p.n * 4,
+                                   cudaMemcpyHostToDevice, st));
     const int32_t *di = f->dints;
     const int32_t *d_tok = di + stage_off(f, ST_TOK), *d_pos = di + stage_off(f, ST_POS),
                   *d_seq = di + stage_off(f, ST_SEQ), *d_tab = di + stage_off(f, ST_TAB),
                   *d_rows = di + stage_off(f, ST_ROWS);
     int d = f->d;
     float eps = s->rms_eps;
-    if (f->mk_fn && T == 1 && n_logits == 1) { /* one decode row: one kernel (mega.cuh) */
+    if (mega) { /* one decode row: one kernel (mega.cuh) */
         mk_args A;
         A.layers = (const mk_layer *)f->mk_layers;
         A.n_layer = f->n_layer;
@@ -1727,10 +1752,10 @@ static int enqueue(td_cuda_fwd *f, int T, int ns, int n_logits, int n_list, int 
         A.embd = (const __nv_bfloat16 *)f->embd.p;
         A.out_w = (const __nv_bfloat16 *)f->output.p;
         A.out_norm = f->output_norm;
-        A.tok = d_tok;
-        A.pos = d_pos;
-        A.seq = d_seq;
-        A.tables = d_tab;
+        A.tok = mk_fast ? f->mk_in : d_tok;
+        A.pos = mk_fast ? f->mk_in + 1 : d_pos;
+        A.seq = mk_fast ? f->mk_in + 2 : d_seq;
+        A.tables = mk_fast ? f->mk_in + 4 : d_tab;
         A.max_blocks = f->max_blocks;
         A.block_size = f->block_size;
         A.kv_type = f->kv_type;
@@ -1751,12 +1776,20 @@ static int enqueue(td_cuda_fwd *f, int T, int ns, int n_logits, int n_list, int 
         A.bar = f->mk_bar;
         A.cnt = (unsigned *)(f->mk_bar + 1);
         A.times = f->mk_times;
+        /* the phase clocks need a barrier after QKV to say where attention begins */
+        A.hcnt = mk_fast && !f->mk_times ? f->mk_hcnt : nullptr;
+        A.am = mk_fast ? f->mk_am : nullptr;
+        A.preload = mk_fast;
         void *args[] = {&A};
         mark(f, PROF_GEMM);
         CK(cudaLaunchKernel(f->mk_fn, dim3((unsigned)f->mk_blocks), dim3(MK_THREADS), args, f->mk_smem, st));
         mark(f, PROF_OTHER);
-        k_argmax<<<1, 1024, 0, st>>>(f->logits, f->vocab, f->d_argmax);
-        CK(cudaMemcpyAsync(f->h_argmax, f->d_argmax, 4, cudaMemcpyDeviceToHost, st));
+        if (mk_fast) {
+            CK(cudaMemcpyAsync(f->mk_h_am, f->mk_am, 8, cudaMemcpyDeviceToHost, st));
+        } else {
+            k_argmax<<<1, 1024, 0, st>>>(f->logits, f->vocab, f->d_argmax);
+            CK(cudaMemcpyAsync(f->h_argmax, f->d_argmax, 4, cudaMemcpyDeviceToHost, st));
+        }
         if (f->mk_times)
             CK(cudaMemcpyAsync(f->mk_h_times, f->mk_times, ((size_t)f->n_layer * 5 + 2) * 8, cudaMemcpyDeviceToHost,
                                st));
@@ -1834,6 +1867,13 @@ int td_cuda_fwd_run(td_cuda_fwd *f, int n_tokens, const int32_t *tokens, const i
         if (b > need[seq[t]]) need[seq[t]] = b;
     }
     for (int i = 0; i < ns; i++) memcpy(tab + (size_t)i * mb, block_tables[i], (size_t)need[i] * 4);
+    const bool mk_fast = f->mk_fn && !f->mk_plain && T == 1 && n_logits == 1;
+    if (mk_fast) { /* k_mega's own copy: token, position, sequence 0, its block table */
+        f->mk_h_in[0] = tokens[0];
+        f->mk_h_in[1] = pos[0];
+        f->mk_h_in[2] = 0;
+        memcpy(f->mk_h_in + 4, block_tables[seq[0]], (size_t)need[seq[0]] * 4);
+    }
     /* Attention plan: runs of >= 2 rows of one sequence at consecutive positions go to the
      * tile kernel in tiles of 16 (where it applies); every other row to split-K. */
     int32_t *list = h + stage_off(f, ST_LIST), *tiles = h + stage_off(f, ST_TILES);
@@ -1901,6 +1941,10 @@ int td_cuda_fwd_run(td_cuda_fwd *f, int n_tokens, const int32_t *tokens, const i
     }
     CK(cudaStreamSynchronize(st));
     CK(cudaGetLastError());
+    if (mk_fast) { /* mk_am_pack: the row in the low half, inverted; 0 when none */
+        unsigned long long v = *f->mk_h_am;
+        f->h_argmax[0] = v ? (int32_t)(0xffffffffu - (uint32_t)v) : 0;
+    }
     if (f->mk_times && T == 1 && n_logits == 1) {
         const unsigned long long *t = f->mk_h_times;
         for (int l = 0; l < f->n_layer; l++)

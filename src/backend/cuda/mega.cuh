@@ -60,6 +60,49 @@ struct mk_args {
     unsigned long long *bar;                       /* arrivals at barriers, ever (mk_sync) */
     unsigned *cnt;                                 /* per KV head: its attention items done */
     unsigned long long *times; /* TD_CUDA_MEGA_TIMES: the GPU clock after each phase, or NULL */
+    /* Per KV head: QKV rows written, ever (grow-only, like bar); NULL: a barrier after QKV
+     * instead (TD_CUDA_MEGA_TIMES, TD_CUDA_MEGA_PLAIN). */
+    unsigned long long *hcnt;
+    /* The greedy token, packed (mk_am_pack) and maxed by every block; NULL: k_argmax after
+     * the kernel (TD_CUDA_MEGA_PLAIN). */
+    unsigned long long *am;
+    int preload; /* attention's first K/V loads issued before the wait for QKV */
+};
+
+/* A logit and its row as one 64-bit key whose maximum is the largest logit at its lowest
+ * row (k_argmax's choice); NaN and -inf rows are never chosen, -0 counts as +0. 0: none. */
+__device__ inline unsigned long long mk_am_pack(float v, int row)
+{
+    if (!(v > -INFINITY)) return 0ull;
+    unsigned u = __float_as_uint(v + 0.0f);
+    u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+    return ((unsigned long long)u << 32) | (0xffffffffu - (unsigned)row);
+}
+
+/* Which KV head QKV row r belongs to (its q, k or v part). */
+__device__ inline int mk_head_of(int r, int qd, int kd, int hd, int group)
+{
+    return r < qd ? r / (group * hd) : r < qd + kd ? (r - qd) / hd : (r - qd - kd) / hd;
+}
+
+/* n consecutive QKV rows from r0 are written (by this thread): count them for their KV
+ * heads, a release each, so that a reader that sees the count sees the rows. */
+__device__ inline void mk_rows_done(unsigned long long *hc, int r0, int n, int qd, int kd, int hd, int group)
+{
+    for (int i = 0; i < n;) {
+        const int h = mk_head_of(r0 + i, qd, kd, hd, group);
+        int j = i + 1;
+        while (j < n && mk_head_of(r0 + j, qd, kd, hd, group) == h) j++;
+        asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(hc + h), "l"((unsigned long long)(j - i))
+                     : "memory");
+        i = j;
+    }
+}
+
+/* The QKV rows' counting for mk_gemv (hc NULL: none). */
+struct mk_count {
+    unsigned long long *hc;
+    int qd, kd, hd, group;
 };
 
 /*
@@ -187,8 +230,11 @@ __device__ inline void mk_dot3(const __nv_bfloat16 *w, int cols, const __nv_bflo
 
 /* out[r] = W[r] . xs for r < rows (cols each): rows 2i and 2i + 1 go together (twice the
  * loads in flight), the pairs dealt to the warps; or rows in threes where the pairs would
- * take two rounds of the warps and the threes one (the QKV projection on 132 SMs). */
-__device__ inline void mk_gemv(const __nv_bfloat16 *W, const __nv_bfloat16 *xs, int cols, int rows, float *out)
+ * take two rounds of the warps and the threes one (the QKV projection on 132 SMs). With
+ * cnt.hc, written rows are counted per KV head (mk_rows_done); with am, *am is the warp's
+ * best row (mk_am_pack), else untouched. */
+__device__ inline void mk_gemv(const __nv_bfloat16 *W, const __nv_bfloat16 *xs, int cols, int rows, float *out,
+                               mk_count cnt = mk_count{nullptr, 0, 0, 0, 0}, unsigned long long *am = nullptr)
 {
     const int nw = gridDim.x * MK_WARPS;
     if (rows % 3 == 0 && rows / 3 <= nw && rows / 2 > nw) {
@@ -201,7 +247,10 @@ __device__ inline void mk_gemv(const __nv_bfloat16 *W, const __nv_bfloat16 *xs, 
                 out[r] = a[0];
                 out[r + 1] = a[1];
                 out[r + 2] = a[2];
+                if (cnt.hc) mk_rows_done(cnt.hc, r, 3, cnt.qd, cnt.kd, cnt.hd, cnt.group);
             }
+            if (am)
+                for (int k = 0; k < 3; k++) *am = max(*am, mk_am_pack(a[k], r + k));
         }
         return;
     }
@@ -217,10 +266,16 @@ __device__ inline void mk_gemv(const __nv_bfloat16 *W, const __nv_bfloat16 *xs, 
             if (lane == 0) {
                 out[r0] = a0;
                 out[r1] = a1;
+                if (cnt.hc) mk_rows_done(cnt.hc, r0, 2, cnt.qd, cnt.kd, cnt.hd, cnt.group);
             }
+            if (am) *am = max(*am, max(mk_am_pack(a0, r0), mk_am_pack(a1, r1)));
         } else {
             float a0 = mk_dot(W + (size_t)r0 * cols, xs, cols / 8);
-            if (lane == 0) out[r0] = a0;
+            if (lane == 0) {
+                out[r0] = a0;
+                if (cnt.hc) mk_rows_done(cnt.hc, r0, 1, cnt.qd, cnt.kd, cnt.hd, cnt.group);
+            }
+            if (am) *am = max(*am, mk_am_pack(a0, r0));
         }
     }
 }
@@ -340,33 +395,58 @@ __device__ inline void mk_rope(float v[DPL], const float2 *cs_p, bool neox)
  */
 #define MK_KPW 5
 
+/* This warp's keys of an item: a contiguous share of [t0, t1), MK_KPW per pass. */
+__device__ inline void mk_warp_keys(int t0, int t1, int *w0, int *w1)
+{
+    const int share = (t1 - t0 + MK_WARPS - 1) / MK_WARPS;
+    *w0 = t0 + (int)(threadIdx.x / 32) * share;
+    *w1 = *w0 + share < t1 ? *w0 + share : t1;
+}
+
+/* One pass's K and V loads (keys [tb, tb + MK_KPW) of [.., w1), the new token p's skipped),
+ * raw into kr and vr: they need only the block table. */
+template <int DPL>
+__device__ inline void mk_kv_pass(const mk_args &A, const uint8_t *layer, const int32_t *tab, int p, int h, int tb,
+                                  int w1, uint32_t (&kr)[MK_KPW][DPL / 2], uint32_t (&vr)[MK_KPW][DPL / 2])
+{
+    const int lane = threadIdx.x % 32, hd = 32 * DPL;
+    const size_t vhalf = (size_t)A.block_size * A.token_bytes, lane_off = ((size_t)h * hd + lane * DPL) * 2;
+#pragma unroll
+    for (int k = 0; k < MK_KPW; k++) {
+        const int t = tb + k;
+        if (t < w1 && t != p) {
+            const uint8_t *kb = layer + (size_t)tab[t / A.block_size] * A.block_bytes +
+                                (size_t)(t % A.block_size) * A.token_bytes + lane_off;
+            mk_load_raw<DPL>(kb, kr[k]);
+            mk_load_raw<DPL>(kb + vhalf, vr[k]);
+        }
+    }
+}
+
+/* kr and vr hold the first pass's loads (mk_kv_pass at the warp's first key), issued by
+ * the caller before it waited for QKV. hc: wait here until the KV head's QKV rows reach
+ * hc_want (NULL: a barrier came before). */
 template <int DPL, int GROUP>
 __device__ void mk_attn_item(const mk_args &A, const uint8_t *layer, const int32_t *tab, int p, int h, int s,
-                             int S, int t0, int t1, float *s_q, float *s_w, unsigned *cnt)
+                             int S, int t0, int t1, float *s_q, float *s_w, unsigned *cnt,
+                             uint32_t (&kr)[MK_KPW][DPL / 2], uint32_t (&vr)[MK_KPW][DPL / 2],
+                             const unsigned long long *hc, unsigned long long hc_want)
 {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, hd = 32 * DPL;
     const float2 *cs_p = A.rope_cs + (size_t)p * (hd / 2);
     const float scale = 1.0f / sqrtf((float)hd);
-    const size_t vhalf = (size_t)A.block_size * A.token_bytes, lane_off = ((size_t)h * hd + lane * DPL) * 2;
-    /* this warp's keys: a contiguous share of [t0, t1), MK_KPW per pass */
-    const int share = (t1 - t0 + MK_WARPS - 1) / MK_WARPS;
-    const int w0 = t0 + warp * share, w1 = w0 + share < t1 ? w0 + share : t1;
-    /* The first pass's K and V loads go out before anything else: they need only the block
-     * table, while the queries need qkv and the RoPE table. */
-    uint32_t kr[MK_KPW][DPL / 2], vr[MK_KPW][DPL / 2]; /* raw: half the registers */
-    auto load_pass = [&](int tb) {
-#pragma unroll
-        for (int k = 0; k < MK_KPW; k++) {
-            const int t = tb + k;
-            if (t < w1 && t != p) {
-                const uint8_t *kb = layer + (size_t)tab[t / A.block_size] * A.block_bytes +
-                                    (size_t)(t % A.block_size) * A.token_bytes + lane_off;
-                mk_load_raw<DPL>(kb, kr[k]);
-                mk_load_raw<DPL>(kb + vhalf, vr[k]);
-            }
+    const size_t vhalf = (size_t)A.block_size * A.token_bytes;
+    int w0, w1;
+    mk_warp_keys(t0, t1, &w0, &w1);
+    if (hc) { /* the head's q, k and v rows are in (acquire) */
+        if (threadIdx.x == 0) {
+            unsigned long long v;
+            do {
+                asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(hc + h) : "memory");
+            } while (v < hc_want);
         }
-    };
-    load_pass(w0);
+        __syncthreads();
+    }
     if (warp < GROUP) { /* query head h * GROUP + warp */
         float q[DPL];
 #pragma unroll
@@ -398,7 +478,7 @@ __device__ void mk_attn_item(const mk_args &A, const uint8_t *layer, const int32
         for (int j = 0; j < DPL; j++) o[g][j] = 0.0f;
     }
     for (int tb = w0; tb < w1; tb += MK_KPW) {
-        if (tb != w0) load_pass(tb);
+        if (tb != w0) mk_kv_pass<DPL>(A, layer, tab, p, h, tb, w1, kr, vr);
 #pragma unroll
         for (int k = 0; k < MK_KPW; k++) {
             const int t = tb + k;
@@ -550,17 +630,33 @@ __global__ void __launch_bounds__(MK_THREADS, 1) k_mega(mk_args A)
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
         A.times[0] = t;
     }
+    /* QKV to attention: per-KV-head row counts instead of a barrier, where given. */
+    const bool flow = A.hcnt != nullptr;
+    const int per_layer = flow ? 4 : 5; /* barriers */
     /* Every launch passes the same number of barriers, so the count at this launch's start
      * is the count now rounded down to a multiple of a launch's arrivals (no block can have
-     * passed this launch's first barrier before this block arrives at it). */
-    unsigned long long bar_next = 0;
+     * passed this launch's first barrier before this block arrives at it). The launches
+     * before this one each added n_layer * rows_per_head to every head's row count. */
+    unsigned long long bar_next = 0, launches = 0;
     if (threadIdx.x == 0) {
-        const unsigned long long per = (unsigned long long)(A.n_layer * 5 + (A.times ? 1 : 0)) * gridDim.x;
+        const unsigned long long per = (unsigned long long)(A.n_layer * per_layer + (A.times ? 1 : 0)) * gridDim.x;
         const unsigned long long now = *(volatile unsigned long long *)A.bar;
         bar_next = now - now % per + gridDim.x;
+        launches = now / per;
+        if (A.am && blockIdx.x == 0) *A.am = 0ull; /* before this block's first arrival */
     }
+    const unsigned long long head_rows = (unsigned long long)(GROUP + 2) * hd;
+    const mk_count qkv_count = flow ? mk_count{A.hcnt, A.qd, A.kd, hd, GROUP} : mk_count{nullptr, 0, 0, 0, 0};
+    /* this block's attention item (one at most: n_kv * S <= blocks), and its keys */
+    const int it = blockIdx.x < A.n_kv * S ? (int)blockIdx.x : -1;
+    const int it_h = it / S, it_s = it % S, it_t0 = it_s * chunk;
+    int it_t1 = it_t0 + chunk < L ? it_t0 + chunk : L;
+    if (it_t1 < it_t0) it_t1 = it_t0;
+    int it_w0 = 0, it_w1 = 0;
+    mk_warp_keys(it_t0, it_t1, &it_w0, &it_w1);
     /* the sequence's block table, for attention's lookups */
     for (int i = threadIdx.x; i <= p / A.block_size; i += blockDim.x) s_tab[i] = tab[i];
+    __syncthreads();
     for (int li = 0; li < A.n_layer; li++) {
         const mk_layer *Ly = &A.layers[li];
         const uint8_t *layer = A.pool + (size_t)li * A.layer_bytes;
@@ -570,12 +666,16 @@ __global__ void __launch_bounds__(MK_THREADS, 1) k_mega(mk_args A)
                        A.eps);
         else
             mk_norm_in(A.xb, A.dn, nullptr, Ly->attn_norm, A.xa, s_in, s_v, s_red, d, A.eps);
-        mk_gemv(Ly->qkv, s_in, d, rows_qkv, A.qkv);
-        mk_sync(A.bar, &bar_next, A.times, li * 5 + 1);
-        /* attention, each KV head's items merged by the block that ends them */
-        for (int it = blockIdx.x; it < A.n_kv * S; it += gridDim.x) {
-            int h = it / S, sp = it % S, t0 = sp * chunk, t1 = t0 + chunk < L ? t0 + chunk : L;
-            mk_attn_item<DPL, GROUP>(A, layer, s_tab, p, h, sp, S, t0, t1 < t0 ? t0 : t1, s_q, s_w, A.cnt);
+        mk_gemv(Ly->qkv, s_in, d, rows_qkv, A.qkv, qkv_count);
+        /* attention, each KV head's items merged by the block that ends them; the item's
+         * first K/V loads go out before the wait for QKV (they read only the cache) */
+        uint32_t kr[MK_KPW][DPL / 2], vr[MK_KPW][DPL / 2];
+        if (it >= 0 && A.preload) mk_kv_pass<DPL>(A, layer, s_tab, p, it_h, it_w0, it_w1, kr, vr);
+        if (!flow) mk_sync(A.bar, &bar_next, A.times, li * 5 + 1);
+        if (it >= 0) {
+            if (!A.preload) mk_kv_pass<DPL>(A, layer, s_tab, p, it_h, it_w0, it_w1, kr, vr);
+            mk_attn_item<DPL, GROUP>(A, layer, s_tab, p, it_h, it_s, S, it_t0, it_t1, s_q, s_w, A.cnt, kr, vr,
+                                     flow ? A.hcnt : nullptr, (launches * A.n_layer + li + 1) * head_rows);
             __syncthreads();
         }
         mk_sync(A.bar, &bar_next, A.times, li * 5 + 2);
@@ -601,9 +701,20 @@ __global__ void __launch_bounds__(MK_THREADS, 1) k_mega(mk_args A)
         mk_gemv(Ly->down, s_in, A.ff, d, A.dn);
         mk_sync(A.bar, &bar_next, A.times, li * 5 + 5);
     }
-    /* the final RMSNorm and the output matrix */
+    /* the final RMSNorm and the output matrix, and the greedy token: each warp's best row,
+     * the block's best of those, one atomic max per block into *am (reset at the start) */
     mk_norm_in(A.xb, A.dn, nullptr, A.out_norm, nullptr, s_in, s_v, s_red, d, A.eps);
-    mk_gemv(A.out_w, s_in, d, A.vocab, A.logits);
+    unsigned long long best = 0ull;
+    mk_gemv(A.out_w, s_in, d, A.vocab, A.logits, mk_count{nullptr, 0, 0, 0, 0}, A.am ? &best : nullptr);
+    if (A.am) {
+        unsigned long long *s_best = (unsigned long long *)s_red; /* MK_WARPS of them: 128 bytes */
+        __syncthreads();
+        if (lane == 0) s_best[threadIdx.x / 32] = best;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            for (int w = 1; w < MK_WARPS; w++) best = max(best, s_best[w]);
+            if (best) atomicMax(A.am, best);
+        }
+    }
     if (A.times) mk_sync(A.bar, &bar_next, A.times, A.n_layer * 5 + 1);
 }
-
