@@ -40,6 +40,10 @@
  * and session. A channel per connection keeps tcp's pool logic and its failure rule: a
  * channel that saw any error is closed, never reused.
  *
+ * GPU memory (region->device) is never registered with UCX: it moves through registered
+ * pinned host staging on whichever side has it (see "Staging" below). UCX_INFO_ACK's
+ * stage_slot tells a consumer that the producer stages, UCX_GRANTED's stage_off where.
+ *
  * Configuration is UCX's own (UCX_TLS, UCX_NET_DEVICES, ...), read when the context is
  * created; a consumer that shares no transport with the producer gets a clear error.
  */

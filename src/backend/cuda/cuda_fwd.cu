@@ -80,6 +80,7 @@ struct td_cuda_fwd {
     /* TD_CUDA_MEGA_PLAIN=1: the first version's step (a barrier after QKV, no early K/V
      * loads, k_argmax after the kernel, the staged integers in several copies), for A/B. */
     bool mk_plain;
+    bool mk_no_flow; /* TD_CUDA_MEGA_FLOW=0: the barrier after QKV, with the rest of this version */
     unsigned long long *mk_hcnt; /* per KV head: QKV rows written, ever */
     unsigned long long *mk_am, *mk_h_am; /* the packed greedy token, on the device and pinned */
     int32_t *mk_in, *mk_h_in; /* token, position, 0, 0, then the block table: one copy */
@@ -1438,6 +1439,8 @@ static int mk_setup(td_cuda_fwd *f, td_err *err)
     memset(f->mk_h_in, 0, (4 + (size_t)f->max_blocks) * 4);
     const char *plain = getenv("TD_CUDA_MEGA_PLAIN");
     f->mk_plain = plain && !strcmp(plain, "1");
+    const char *flow = getenv("TD_CUDA_MEGA_FLOW");
+    f->mk_no_flow = flow && !strcmp(flow, "0");
     f->mk_fn = fn;
     f->mk_blocks = per_sm * f->n_sm;
     f->mk_smem = smem;
@@ -1777,7 +1780,7 @@ static int enqueue(td_cuda_fwd *f, int T, int ns, int n_logits, int n_list, int 
         A.cnt = (unsigned *)(f->mk_bar + 1);
         A.times = f->mk_times;
         /* the phase clocks need a barrier after QKV to say where attention begins */
-        A.hcnt = mk_fast && !f->mk_times ? f->mk_hcnt : nullptr;
+        A.hcnt = mk_fast && !f->mk_times && !f->mk_no_flow ? f->mk_hcnt : nullptr;
         A.am = mk_fast ? f->mk_am : nullptr;
         A.preload = mk_fast;
         void *args[] = {&A};
