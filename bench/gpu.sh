@@ -129,16 +129,15 @@ if want dec; then # small-batch decode alone (quick A/B of decode kernels)
     TD_CUDA_PROFILE=2 "${b8[@]}" --prompt-len 128 --gen-len 64 --batch 1 --context 1024 --reps 1 --no-floor 2>&1 | log
 fi
 if want mega; then # batch-1 decode as one kernel per step (k_mega): this version against the first
-    # (TD_CUDA_MEGA_PLAIN=1: a barrier after QKV, no early K/V loads, k_argmax after it) and this
-    # one with the barrier after QKV (TD_CUDA_MEGA_FLOW=0), alternating
+    # (TD_CUDA_MEGA_PLAIN=1: no early K/V loads, k_argmax after it, five copies in), alternating
     for i in 1 2 3; do
-        for v in TD_CUDA_MEGA_PLAIN=1 TD_CUDA_MEGA_FLOW=0 TD_CUDA_MEGA_PLAIN=0; do
+        for v in TD_CUDA_MEGA_PLAIN=1 TD_CUDA_MEGA_PLAIN=0; do
             echo "== decode at batch 1 from 1024-token contexts, $v (run $i)" | log
             env $v "${b8[@]}" --prompt-len 128 --context 1024 --gen-len 64 --batch 1 --max-num-batched-tokens 2048 \
                 2>&1 | grep -E "^(tg|floor|machine|  floor)" | log
         done
     done
-    echo "== where the time goes (TD_CUDA_MEGA_TIMES=1, which keeps a barrier after QKV): first version, then this" | log
+    echo "== where the time goes (TD_CUDA_MEGA_TIMES=1): first version, then this" | log
     for v in TD_CUDA_MEGA_PLAIN=1 TD_CUDA_MEGA_PLAIN=0; do
         env $v TD_CUDA_MEGA_TIMES=1 "${b8[@]}" --prompt-len 128 --context 1024 --gen-len 64 --batch 1 \
             --max-num-batched-tokens 2048 --no-floor 2>&1 | grep -E "^tg|one-kernel" | log

@@ -77,11 +77,9 @@ struct td_cuda_fwd {
     long mk_steps;
     float *mk_x;
     unsigned long long *mk_bar; /* mk_sync's counter; the attention counters follow */
-    /* TD_CUDA_MEGA_PLAIN=1: the first version's step (a barrier after QKV, no early K/V
-     * loads, k_argmax after the kernel, the staged integers in several copies), for A/B. */
+    /* TD_CUDA_MEGA_PLAIN=1: the first version's step (no early K/V loads, k_argmax after
+     * the kernel, the staged integers in several copies), for A/B. */
     bool mk_plain;
-    bool mk_no_flow; /* TD_CUDA_MEGA_FLOW=0: the barrier after QKV, with the rest of this version */
-    unsigned long long *mk_hcnt; /* per KV head: QKV rows written, ever */
     unsigned long long *mk_am, *mk_h_am; /* the packed greedy token, on the device and pinned */
     int32_t *mk_in, *mk_h_in; /* token, position, 0, 0, then the block table: one copy */
     bool tile_attr;  /* the tile kernels' shared-memory limit has been raised */
@@ -1418,9 +1416,9 @@ static int mk_setup(td_cuda_fwd *f, td_err *err)
                         L->ffn_norm};
     }
     /* mk_x: the residual's two buffers (xa, xb), the barrier count, the attention item
-     * counters, then the packed greedy token, the QKV row counts and the staged integers */
+     * counters, then the packed greedy token and the staged integers */
     const size_t off_bar = 2 * (size_t)f->d * 4, off_am = (off_bar + 8 + (size_t)f->n_kv * 4 + 7) / 8 * 8,
-                 off_hcnt = off_am + 8, off_in = (off_hcnt + (size_t)f->n_kv * 8 + 15) / 16 * 16;
+                 off_in = (off_am + 8 + 15) / 16 * 16;
     size_t lb = (size_t)f->n_layer * sizeof(mk_layer), xb = off_in + (4 + (size_t)f->max_blocks) * 4;
     cudaError_t e = cudaMalloc(&f->mk_layers, lb);
     if (e == cudaSuccess) e = cudaMemcpy(f->mk_layers, h, lb, cudaMemcpyHostToDevice);
@@ -1431,7 +1429,6 @@ static int mk_setup(td_cuda_fwd *f, td_err *err)
     f->device_bytes += lb + xb;
     f->mk_bar = (unsigned long long *)((uint8_t *)f->mk_x + off_bar);
     f->mk_am = (unsigned long long *)((uint8_t *)f->mk_x + off_am);
-    f->mk_hcnt = (unsigned long long *)((uint8_t *)f->mk_x + off_hcnt);
     f->mk_in = (int32_t *)((uint8_t *)f->mk_x + off_in);
     if (cudaMallocHost((void **)&f->mk_h_am, 8) != cudaSuccess ||
         cudaMallocHost((void **)&f->mk_h_in, (4 + (size_t)f->max_blocks) * 4) != cudaSuccess)
@@ -1439,8 +1436,6 @@ static int mk_setup(td_cuda_fwd *f, td_err *err)
     memset(f->mk_h_in, 0, (4 + (size_t)f->max_blocks) * 4);
     const char *plain = getenv("TD_CUDA_MEGA_PLAIN");
     f->mk_plain = plain && !strcmp(plain, "1");
-    const char *flow = getenv("TD_CUDA_MEGA_FLOW");
-    f->mk_no_flow = flow && !strcmp(flow, "0");
     f->mk_fn = fn;
     f->mk_blocks = per_sm * f->n_sm;
     f->mk_smem = smem;
@@ -1779,8 +1774,6 @@ static int enqueue(td_cuda_fwd *f, int T, int ns, int n_logits, int n_list, int 
         A.bar = f->mk_bar;
         A.cnt = (unsigned *)(f->mk_bar + 1);
         A.times = f->mk_times;
-        /* the phase clocks need a barrier after QKV to say where attention begins */
-        A.hcnt = mk_fast && !f->mk_times && !f->mk_no_flow ? f->mk_hcnt : nullptr;
         A.am = mk_fast ? f->mk_am : nullptr;
         A.preload = mk_fast;
         void *args[] = {&A};

@@ -15,7 +15,11 @@
  *              output projection                           | barrier
  *              residual + RMSNorm, gate and up with SiLU    | barrier
  *              down projection                             | barrier
- *   then the final RMSNorm and the output matrix.
+ *   then the final RMSNorm and the output matrix, whose warps also keep their best logit:
+ *   one atomic max per block gives the greedy token (no second kernel).
+ *
+ * Each block's attention item is fixed for the step, so its first K/V loads (they read
+ * only the cache) go out before the barrier after QKV.
  *
  * A GEMV phase deals whole rows to warps (the k_gemv loop, two rows at a time), the warps
  * spread over all blocks, each warp the same number of rows: no atomics, so the sums are
@@ -23,11 +27,12 @@
  * the block that writes the new one never races the blocks that still read the old. Data
  * written in the kernel is read with __ldcg (the L1 is not coherent across SMs).
  *
- * Measured on the H200 (BENCHMARKS.md): 1.25x the floor per token; the large GEMV phases at
- * 1.07x the copy-rate floor; what is left is attention (latency chains: K/V, merge),
- * the barriers (five a layer) and the small QKV and output GEMVs. Tried and dropped: L2
- * prefetch of the next rows before a barrier, and of the output projection during
- * attention; the next rows' first loads held in registers across a barrier.
+ * Measured on the H200 (BENCHMARKS.md): 1.24-1.26x the floor per token; the large GEMV
+ * phases at 1.07x the copy-rate floor; what is left is attention (latency chains: queries,
+ * merge), the barriers (five a layer) and the small QKV and output GEMVs. Tried and
+ * dropped: L2 prefetch of the next rows before a barrier, and of the output projection
+ * during attention; the next rows' first loads held in registers across a barrier; per-KV-
+ * head counts of the QKV rows written instead of the barrier after QKV (within 0.02 ms).
  *
  * Limits (else the step runs as separate kernels): bf16 weights without biases, a bf16 or
  * f16 KV cache, head_dim 64 or 128, 1, 2, 4 or 8 query heads per KV head.
@@ -60,13 +65,10 @@ struct mk_args {
     unsigned long long *bar;                       /* arrivals at barriers, ever (mk_sync) */
     unsigned *cnt;                                 /* per KV head: its attention items done */
     unsigned long long *times; /* TD_CUDA_MEGA_TIMES: the GPU clock after each phase, or NULL */
-    /* Per KV head: QKV rows written, ever (grow-only, like bar); NULL: a barrier after QKV
-     * instead (TD_CUDA_MEGA_TIMES, TD_CUDA_MEGA_PLAIN). */
-    unsigned long long *hcnt;
     /* The greedy token, packed (mk_am_pack) and maxed by every block; NULL: k_argmax after
      * the kernel (TD_CUDA_MEGA_PLAIN). */
     unsigned long long *am;
-    int preload; /* attention's first K/V loads issued before the wait for QKV */
+    int preload; /* attention's first K/V loads issued before the barrier after QKV */
 };
 
 /* A logit and its row as one 64-bit key whose maximum is the largest logit at its lowest
@@ -78,32 +80,6 @@ __device__ inline unsigned long long mk_am_pack(float v, int row)
     u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
     return ((unsigned long long)u << 32) | (0xffffffffu - (unsigned)row);
 }
-
-/* Which KV head QKV row r belongs to (its q, k or v part). */
-__device__ inline int mk_head_of(int r, int qd, int kd, int hd, int group)
-{
-    return r < qd ? r / (group * hd) : r < qd + kd ? (r - qd) / hd : (r - qd - kd) / hd;
-}
-
-/* n consecutive QKV rows from r0 are written (by this thread): count them for their KV
- * heads, a release each, so that a reader that sees the count sees the rows. */
-__device__ inline void mk_rows_done(unsigned long long *hc, int r0, int n, int qd, int kd, int hd, int group)
-{
-    for (int i = 0; i < n;) {
-        const int h = mk_head_of(r0 + i, qd, kd, hd, group);
-        int j = i + 1;
-        while (j < n && mk_head_of(r0 + j, qd, kd, hd, group) == h) j++;
-        asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(hc + h), "l"((unsigned long long)(j - i))
-                     : "memory");
-        i = j;
-    }
-}
-
-/* The QKV rows' counting for mk_gemv (hc NULL: none). */
-struct mk_count {
-    unsigned long long *hc;
-    int qd, kd, hd, group;
-};
 
 /*
  * All blocks meet. Data written before it by any block is visible after it (activations
@@ -231,10 +207,9 @@ __device__ inline void mk_dot3(const __nv_bfloat16 *w, int cols, const __nv_bflo
 /* out[r] = W[r] . xs for r < rows (cols each): rows 2i and 2i + 1 go together (twice the
  * loads in flight), the pairs dealt to the warps; or rows in threes where the pairs would
  * take two rounds of the warps and the threes one (the QKV projection on 132 SMs). With
- * cnt.hc, written rows are counted per KV head (mk_rows_done); with am, *am is the warp's
- * best row (mk_am_pack), else untouched. */
+ * am, *am is maxed with the warp's rows (mk_am_pack). */
 __device__ inline void mk_gemv(const __nv_bfloat16 *W, const __nv_bfloat16 *xs, int cols, int rows, float *out,
-                               mk_count cnt = mk_count{nullptr, 0, 0, 0, 0}, unsigned long long *am = nullptr)
+                               unsigned long long *am = nullptr)
 {
     const int nw = gridDim.x * MK_WARPS;
     if (rows % 3 == 0 && rows / 3 <= nw && rows / 2 > nw) {
@@ -247,7 +222,6 @@ __device__ inline void mk_gemv(const __nv_bfloat16 *W, const __nv_bfloat16 *xs, 
                 out[r] = a[0];
                 out[r + 1] = a[1];
                 out[r + 2] = a[2];
-                if (cnt.hc) mk_rows_done(cnt.hc, r, 3, cnt.qd, cnt.kd, cnt.hd, cnt.group);
             }
             if (am)
                 for (int k = 0; k < 3; k++) *am = max(*am, mk_am_pack(a[k], r + k));
@@ -266,15 +240,11 @@ __device__ inline void mk_gemv(const __nv_bfloat16 *W, const __nv_bfloat16 *xs, 
             if (lane == 0) {
                 out[r0] = a0;
                 out[r1] = a1;
-                if (cnt.hc) mk_rows_done(cnt.hc, r0, 2, cnt.qd, cnt.kd, cnt.hd, cnt.group);
             }
             if (am) *am = max(*am, max(mk_am_pack(a0, r0), mk_am_pack(a1, r1)));
         } else {
             float a0 = mk_dot(W + (size_t)r0 * cols, xs, cols / 8);
-            if (lane == 0) {
-                out[r0] = a0;
-                if (cnt.hc) mk_rows_done(cnt.hc, r0, 1, cnt.qd, cnt.kd, cnt.hd, cnt.group);
-            }
+            if (lane == 0) out[r0] = a0;
             if (am) *am = max(*am, mk_am_pack(a0, r0));
         }
     }
@@ -423,14 +393,12 @@ __device__ inline void mk_kv_pass(const mk_args &A, const uint8_t *layer, const 
     }
 }
 
-/* kr and vr hold the first pass's loads (mk_kv_pass at the warp's first key), issued by
- * the caller before it waited for QKV. hc: wait here until the KV head's QKV rows reach
- * hc_want (NULL: a barrier came before). */
+/* kr and vr hold the first pass's loads (mk_kv_pass at the warp's first key), which the
+ * caller may issue before the barrier after QKV. */
 template <int DPL, int GROUP>
 __device__ void mk_attn_item(const mk_args &A, const uint8_t *layer, const int32_t *tab, int p, int h, int s,
                              int S, int t0, int t1, float *s_q, float *s_w, unsigned *cnt,
-                             uint32_t (&kr)[MK_KPW][DPL / 2], uint32_t (&vr)[MK_KPW][DPL / 2],
-                             const unsigned long long *hc, unsigned long long hc_want)
+                             uint32_t (&kr)[MK_KPW][DPL / 2], uint32_t (&vr)[MK_KPW][DPL / 2])
 {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, hd = 32 * DPL;
     const float2 *cs_p = A.rope_cs + (size_t)p * (hd / 2);
@@ -438,15 +406,6 @@ __device__ void mk_attn_item(const mk_args &A, const uint8_t *layer, const int32
     const size_t vhalf = (size_t)A.block_size * A.token_bytes;
     int w0, w1;
     mk_warp_keys(t0, t1, &w0, &w1);
-    if (hc) { /* the head's q, k and v rows are in (acquire) */
-        if (threadIdx.x == 0) {
-            unsigned long long v;
-            do {
-                asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(hc + h) : "memory");
-            } while (v < hc_want);
-        }
-        __syncthreads();
-    }
     if (warp < GROUP) { /* query head h * GROUP + warp */
         float q[DPL];
 #pragma unroll
@@ -630,23 +589,16 @@ __global__ void __launch_bounds__(MK_THREADS, 1) k_mega(mk_args A)
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
         A.times[0] = t;
     }
-    /* QKV to attention: per-KV-head row counts instead of a barrier, where given. */
-    const bool flow = A.hcnt != nullptr;
-    const int per_layer = flow ? 4 : 5; /* barriers */
     /* Every launch passes the same number of barriers, so the count at this launch's start
      * is the count now rounded down to a multiple of a launch's arrivals (no block can have
-     * passed this launch's first barrier before this block arrives at it). The launches
-     * before this one each added n_layer * rows_per_head to every head's row count. */
-    unsigned long long bar_next = 0, launches = 0;
+     * passed this launch's first barrier before this block arrives at it). */
+    unsigned long long bar_next = 0;
     if (threadIdx.x == 0) {
-        const unsigned long long per = (unsigned long long)(A.n_layer * per_layer + (A.times ? 1 : 0)) * gridDim.x;
+        const unsigned long long per = (unsigned long long)(A.n_layer * 5 + (A.times ? 1 : 0)) * gridDim.x;
         const unsigned long long now = *(volatile unsigned long long *)A.bar;
         bar_next = now - now % per + gridDim.x;
-        launches = now / per;
         if (A.am && blockIdx.x == 0) *A.am = 0ull; /* before this block's first arrival */
     }
-    const unsigned long long head_rows = (unsigned long long)(GROUP + 2) * hd;
-    const mk_count qkv_count = flow ? mk_count{A.hcnt, A.qd, A.kd, hd, GROUP} : mk_count{nullptr, 0, 0, 0, 0};
     /* this block's attention item (one at most: n_kv * S <= blocks), and its keys */
     const int it = blockIdx.x < A.n_kv * S ? (int)blockIdx.x : -1;
     const int it_h = it / S, it_s = it % S, it_t0 = it_s * chunk;
@@ -666,16 +618,15 @@ __global__ void __launch_bounds__(MK_THREADS, 1) k_mega(mk_args A)
                        A.eps);
         else
             mk_norm_in(A.xb, A.dn, nullptr, Ly->attn_norm, A.xa, s_in, s_v, s_red, d, A.eps);
-        mk_gemv(Ly->qkv, s_in, d, rows_qkv, A.qkv, qkv_count);
+        mk_gemv(Ly->qkv, s_in, d, rows_qkv, A.qkv);
         /* attention, each KV head's items merged by the block that ends them; the item's
-         * first K/V loads go out before the wait for QKV (they read only the cache) */
+         * first K/V loads go out before the barrier (they read only the cache) */
         uint32_t kr[MK_KPW][DPL / 2], vr[MK_KPW][DPL / 2];
         if (it >= 0 && A.preload) mk_kv_pass<DPL>(A, layer, s_tab, p, it_h, it_w0, it_w1, kr, vr);
-        if (!flow) mk_sync(A.bar, &bar_next, A.times, li * 5 + 1);
+        mk_sync(A.bar, &bar_next, A.times, li * 5 + 1);
         if (it >= 0) {
             if (!A.preload) mk_kv_pass<DPL>(A, layer, s_tab, p, it_h, it_w0, it_w1, kr, vr);
-            mk_attn_item<DPL, GROUP>(A, layer, s_tab, p, it_h, it_s, S, it_t0, it_t1, s_q, s_w, A.cnt, kr, vr,
-                                     flow ? A.hcnt : nullptr, (launches * A.n_layer + li + 1) * head_rows);
+            mk_attn_item<DPL, GROUP>(A, layer, s_tab, p, it_h, it_s, S, it_t0, it_t1, s_q, s_w, A.cnt, kr, vr);
             __syncthreads();
         }
         mk_sync(A.bar, &bar_next, A.times, li * 5 + 2);
@@ -705,7 +656,7 @@ __global__ void __launch_bounds__(MK_THREADS, 1) k_mega(mk_args A)
      * the block's best of those, one atomic max per block into *am (reset at the start) */
     mk_norm_in(A.xb, A.dn, nullptr, A.out_norm, nullptr, s_in, s_v, s_red, d, A.eps);
     unsigned long long best = 0ull;
-    mk_gemv(A.out_w, s_in, d, A.vocab, A.logits, mk_count{nullptr, 0, 0, 0, 0}, A.am ? &best : nullptr);
+    mk_gemv(A.out_w, s_in, d, A.vocab, A.logits, A.am ? &best : nullptr);
     if (A.am) {
         unsigned long long *s_best = (unsigned long long *)s_red; /* MK_WARPS of them: 128 bytes */
         __syncthreads();
