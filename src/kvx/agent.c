@@ -1609,11 +1609,7 @@ int kvx_agent_create(kvx_agent **out, const kvx_agent_opts *opts, td_err *err)
                                              : ((struct sockaddr_in *)&ss)->sin_port);
 
     pthread_mutex_init(&a->mu, NULL);
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&a->cv, &ca);
-    pthread_condattr_destroy(&ca);
+    kvx__cond_init_monotonic(&a->cv);
     if (pthread_create(&a->lease_thread, NULL, lease_main, a)) {
         close(a->listen_fd);
         free(a);

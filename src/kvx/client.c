@@ -216,11 +216,7 @@ static int session_get(kvx_client *c, const char *host, uint16_t port, const cha
     s->idle = idle;
     s->max_open = c->opts.qp_per_transfer;
     pthread_mutex_init(&s->mu, NULL);
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&s->cv, &ca);
-    pthread_condattr_destroy(&ca);
+    kvx__cond_init_monotonic(&s->cv);
     s->next = c->sessions;
     c->sessions = s;
     pthread_mutex_unlock(&c->mu);
@@ -1191,11 +1187,7 @@ int kvx_client_create(kvx_client **out, const kvx_client_opts *opts, td_err *err
     pthread_mutex_init(&c->mu, NULL);
     pthread_cond_init(&c->work_cv, NULL);
     pthread_cond_init(&c->done_cv, NULL);
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&c->watch_cv, &ca);
-    pthread_condattr_destroy(&ca);
+    kvx__cond_init_monotonic(&c->watch_cv);
     c->watch_next = UINT64_MAX;
     c->has_watchdog = pthread_create(&c->watchdog, NULL, watchdog_main, c) == 0;
     c->workers = calloc((size_t)c->opts.num_worker_threads, sizeof(pthread_t));

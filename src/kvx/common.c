@@ -31,6 +31,15 @@ _Atomic int kvx__test_ucx_stage;
 _Atomic int kvx__test_ucx_grants_staged;
 _Atomic int kvx__test_ucx_pieces_unstaged;
 
+void kvx__cond_init_monotonic(pthread_cond_t *cv)
+{
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(cv, &ca);
+    pthread_condattr_destroy(&ca);
+}
+
 /* ---------------------------------------------------------------- ids, layouts, runs */
 
 int kvx__random_id(uint8_t out[KVX_ID_BYTES])

@@ -43,6 +43,9 @@ bool kvx__auth_equal(const uint8_t a[KVX_AUTH_MAC_BYTES], const uint8_t b[KVX_AU
 /** Wipe a secret. */
 void kvx__auth_wipe(void *p, size_t n);
 
+/** A condition variable whose timed waits take CLOCK_MONOTONIC deadlines. */
+void kvx__cond_init_monotonic(pthread_cond_t *cv);
+
 /** 16 random bytes from getrandom(2); 0 or TD_EIO. */
 int kvx__random_id(uint8_t out[KVX_ID_BYTES]);
 

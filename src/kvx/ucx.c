@@ -264,11 +264,7 @@ int kvx__ucx_agent_create(struct kvx__ucx_agent **out, const kvx_region *r, cons
     u->region = *r;
     u->wake[0] = u->wake[1] = -1;
     pthread_mutex_init(&u->smu, NULL);
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&u->scv, &ca);
-    pthread_condattr_destroy(&ca);
+    kvx__cond_init_monotonic(&u->scv);
     int hook = atomic_load(&kvx__test_ucx_stage);
     if (region_staged(r)) u->n_slots = hook > 0 ? TD_MIN(hook, 64) : STAGE_SLOTS;
     int rc = context_create(&u->ctx, false, device, err);
@@ -522,11 +518,7 @@ static chan_pool *pool_of(struct kvx__session *s)
             p = NULL;
         } else {
             pthread_mutex_init(&p->mu, NULL);
-            pthread_condattr_t ca;
-            pthread_condattr_init(&ca);
-            pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-            pthread_cond_init(&p->cv, &ca);
-            pthread_condattr_destroy(&ca);
+            kvx__cond_init_monotonic(&p->cv);
             *slot = p;
         }
     }
