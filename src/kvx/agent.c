@@ -684,8 +684,8 @@ static int serve_ucx_grant(kvx_agent *a, conn *c, int fd, conn_bufs *b, const kv
     bool stopping = a->stopping;
     if (!stopping) c->pinned = true;
     pthread_mutex_unlock(&a->mu);
-    *pin = (ucx_pin){l, total, td_now_ns() + UCX_PIN_MS * 1000000ull, off != KVX_NOT_STAGED ? su : NULL,
-                     off};
+    *pin = (ucx_pin){l, total, td_now_ns() + UCX_PIN_MS * 1000000ull,
+                     off != KVX_NOT_STAGED ? su : NULL, off};
     if (stopping) {
         pin_end(a, pin, 0);
         send_error(fd, b, tag, TD_ECONN, "producer is shutting down");

@@ -144,7 +144,8 @@ static int stage_alloc(const kvx_region *r, size_t bytes, uint8_t **out, td_err 
     if (r->device) return kvx__pinned_alloc(r->device_id, bytes, (void **)out, err);
     if (posix_memalign((void **)out, 4096, bytes)) {
         *out = NULL;
-        return td_err_set(err, TD_ENOMEM, "kvx: ucx: out of memory for %zu bytes of staging", bytes);
+        return td_err_set(err, TD_ENOMEM, "kvx: ucx: out of memory for %zu bytes of staging",
+                          bytes);
     }
     return 0;
 }

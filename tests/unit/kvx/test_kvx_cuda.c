@@ -257,7 +257,8 @@ static void staged_transfers(int proto, int dst0, int n)
     td_err res;
     kvx_xfer *xs[3];
     for (int i = 0; i < 3; i++)
-        xs[i] = read_start(k, g_info.port, g_info.engine_id, g_info.tid[i], 40 * i, dst0 - 60 * i, n);
+        xs[i] = read_start(k, g_info.port, g_info.engine_id, g_info.tid[i], 40 * i,
+                           dst0 - 60 * i, n);
     for (int i = 0; i < 3; i++) {
         int rc = kvx_xfer_wait(xs[i], &res);
         if (rc) fprintf(stderr, "transfer %d: %s\n", i, res.msg);

@@ -503,8 +503,9 @@ static void test_ucx_frames(void **state)
     assert_int_equal(kvx_wire_encode_ucx_info(buf, sizeof(buf), 5, 1, 1, 1, 0, addr,
                                               KVX_MAX_UCX_BLOB + 1, rkey, 1),
                      0);
-    assert_int_equal(kvx_wire_encode_ucx_info(buf, sizeof(buf), 5, 1, 1, 100, 101, addr, 8, rkey, 8),
-                     0); /* a staging slot larger than the area */
+    /* a staging slot larger than the area */
+    assert_int_equal(
+        kvx_wire_encode_ucx_info(buf, sizeof(buf), 5, 1, 1, 100, 101, addr, 8, rkey, 8), 0);
     n = kvx_wire_encode_ucx_info(buf, sizeof(buf), 5, 1, 1, 1, 0, addr, 8, rkey, 8);
     buf[KVX_HDR_BYTES + 36] = 0; /* rkey_len 0 */
     assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), TD_EFORMAT);
