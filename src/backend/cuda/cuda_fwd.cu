@@ -1407,6 +1407,8 @@ static int mk_setup(td_cuda_fwd *f, td_err *err)
         (void)cudaGetLastError();
         return 0;
     }
+    if (per_sm * f->n_sm < f->n_kv) return 0; /* k_mega runs one attention item per block, and
+                                                 needs a block per KV head at least */
     mk_layer *h = (mk_layer *)calloc((size_t)f->n_layer, sizeof(mk_layer));
     if (!h) return td_err_set(err, TD_ENOMEM, "cuda: out of memory");
     for (int l = 0; l < f->n_layer; l++) {

@@ -35,7 +35,8 @@
  * head counts of the QKV rows written instead of the barrier after QKV (within 0.02 ms).
  *
  * Limits (else the step runs as separate kernels): bf16 weights without biases, a bf16 or
- * f16 KV cache, head_dim 64 or 128, 1, 2, 4 or 8 query heads per KV head.
+ * f16 KV cache, head_dim 64 or 128, 1, 2, 4 or 8 query heads per KV head, at least as many
+ * resident blocks (SMs) as KV heads.
  */
 
 #define MK_THREADS 512 /* one block per SM: 128 registers a thread (2 x 512, 4 x 256 and
