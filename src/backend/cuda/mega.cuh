@@ -31,8 +31,9 @@
  * phases at 1.07x the copy-rate floor; what is left is attention (latency chains: queries,
  * merge), the barriers (five a layer) and the small QKV and output GEMVs. Tried and
  * dropped: L2 prefetch of the next rows before a barrier, and of the output projection
- * during attention; the next rows' first loads held in registers across a barrier; per-KV-
- * head counts of the QKV rows written instead of the barrier after QKV (within 0.02 ms).
+ * during attention (also once a block's attention item is done: the merges slow down);
+ * the next rows' first loads held in registers across a barrier; per-KV-head counts of
+ * the QKV rows written instead of the barrier after QKV (within 0.02 ms).
  *
  * Limits (else the step runs as separate kernels): bf16 weights without biases, a bf16 or
  * f16 KV cache, head_dim 64 or 128, 1, 2, 4 or 8 query heads per KV head, at least as many
