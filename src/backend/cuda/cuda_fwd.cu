@@ -77,8 +77,9 @@ struct td_cuda_fwd {
     long mk_steps;
     float *mk_x;
     unsigned long long *mk_bar; /* mk_sync's counter; the attention counters follow */
-    /* TD_CUDA_MEGA_PLAIN=1: the first version's step (no early K/V loads, k_argmax after
-     * the kernel, the staged integers in several copies), for A/B. */
+    /* TD_CUDA_MEGA_PLAIN=1: the first version's step (no early K/V loads, a fence by every
+     * thread at the end of an attention item, k_argmax after the kernel, the staged
+     * integers in several copies), for A/B. */
     bool mk_plain;
     unsigned long long *mk_am, *mk_h_am; /* the packed greedy token, on the device and pinned */
     int32_t *mk_in, *mk_h_in; /* token, position, 0, 0, then the block table: one copy */
@@ -1778,6 +1779,7 @@ static int enqueue(td_cuda_fwd *f, int T, int ns, int n_logits, int n_list, int 
         A.times = f->mk_times;
         A.am = mk_fast ? f->mk_am : nullptr;
         A.preload = mk_fast;
+        A.full_fence = !mk_fast;
         void *args[] = {&A};
         mark(f, PROF_GEMM);
         CK(cudaLaunchKernel(f->mk_fn, dim3((unsigned)f->mk_blocks), dim3(MK_THREADS), args, f->mk_smem, st));

@@ -27,7 +27,7 @@
  * the block that writes the new one never races the blocks that still read the old. Data
  * written in the kernel is read with __ldcg (the L1 is not coherent across SMs).
  *
- * Measured on the H200 (BENCHMARKS.md): 1.24-1.26x the floor per token; the large GEMV
+ * Measured on the H200 (BENCHMARKS.md): 1.24-1.27x the floor per token; the large GEMV
  * phases at 1.07x the copy-rate floor; what is left is attention (latency chains: queries,
  * merge), the barriers (five a layer) and the small QKV and output GEMVs. Tried and
  * dropped: L2 prefetch of the next rows before a barrier, and of the output projection
@@ -71,6 +71,7 @@ struct mk_args {
      * the kernel (TD_CUDA_MEGA_PLAIN). */
     unsigned long long *am;
     int preload; /* attention's first K/V loads issued before the barrier after QKV */
+    int full_fence; /* attention items end with every thread's fence (the first version) */
 };
 
 /* A logit and its row as one 64-bit key whose maximum is the largest logit at its lowest
@@ -513,16 +514,24 @@ __device__ void mk_attn_item(const mk_args &A, const uint8_t *layer, const int32
         }
     }
     /* the last of the KV head's items merges them */
+    /* Thread 0's count is a release (the block's partials, ordered before it by the
+     * __syncthreads, go with it) and an acquire (the other items' partials, for the
+     * merge), as mk_sync's arrival and poll are: no fence by every thread. */
     __shared__ unsigned s_last;
-    __threadfence();
+    if (A.full_fence) __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {
-        s_last = atomicAdd(cnt + h, 1u) == (unsigned)S - 1;
+        unsigned old;
+        if (A.full_fence)
+            old = atomicAdd(cnt + h, 1u);
+        else
+            asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(cnt + h) : "memory");
+        s_last = old == (unsigned)S - 1;
         if (s_last) atomicExch(cnt + h, 0u);
     }
     __syncthreads();
     if (!s_last) return;
-    __threadfence();
+    if (A.full_fence) __threadfence();
     if (warp < GROUP) { /* lane i holds item i's max and sum (S <= 32) */
         const int hq = h * GROUP + warp;
         const float *pp = A.part + (size_t)hq * S * (hd + 2);
