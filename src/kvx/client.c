@@ -502,6 +502,7 @@ static int tcp_recv_piece(kvx__session *s, kvx__piece *p, int fd, bool *conn_ok,
     }
     bool corrupt = atomic_load(&kvx__test_corrupt_pieces) > 0 &&
                    atomic_fetch_sub(&kvx__test_corrupt_pieces, 1) > 0;
+    atomic_fetch_add(&kvx__test_answers_taken, 1);
     uint32_t per_chunk = kvx__batch_blocks(r->block_bytes, BATCH_BYTES), at = 0;
     int n_iov = 0;
     uint64_t batch = 0;

@@ -22,6 +22,7 @@
 #include "kvx/kvx_internal.h"
 
 _Atomic int kvx__test_corrupt_pieces;
+_Atomic int kvx__test_answers_taken;
 _Atomic int kvx__test_send_delay_ms;
 _Atomic int kvx__test_pieces_grouped;
 _Atomic int kvx__test_sends_delayed;

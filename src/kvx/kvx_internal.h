@@ -281,6 +281,9 @@ void kvx__pinned_free(void *p); /* NULL is fine */
 /* Test hooks (tests only; zero in production). */
 /* When > 0, the consumer flips one received byte of the next that many pieces. */
 extern _Atomic int kvx__test_corrupt_pieces;
+/* DATA answers the tcp consumer has taken up (each after its kvx__test_corrupt_pieces
+ * decision): a test knows from it that a piece can no longer take the corruption. */
+extern _Atomic int kvx__test_answers_taken;
 /* When > 0, the producer sleeps this many ms between sending the header and the data,
  * counting each such sleep that begins in kvx__test_sends_delayed. */
 extern _Atomic int kvx__test_send_delay_ms;

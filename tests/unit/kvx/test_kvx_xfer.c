@@ -769,10 +769,15 @@ static void test_pipelined_pieces(void **state)
     }
     int grouped0 = atomic_load(&kvx__test_pieces_grouped);
     int delayed0 = atomic_load(&kvx__test_sends_delayed);
+    int taken0 = atomic_load(&kvx__test_answers_taken);
     atomic_store(&kvx__test_send_delay_ms, 300);
     x[0] = start_read(f, c, tid[0], src[0], dst[0], PER);
     wait_delayed_sends(delayed0, 1); /* the only worker waits inside transfer 0's answer */
     atomic_store(&kvx__test_send_delay_ms, 0);
+    /* ... past its header, so that the corruption below cannot be transfer 0's */
+    for (int i = 0; i < 5000 && atomic_load(&kvx__test_answers_taken) == taken0; i++)
+        usleep(1000);
+    assert_true(atomic_load(&kvx__test_answers_taken) > taken0);
     for (int t = 1; t < N; t++)
         x[t] = start_read(f, c, tid[t], src[t], dst[t], PER);
     atomic_store(&kvx__test_corrupt_pieces, 1); /* the first piece of the first group */
