@@ -2,7 +2,7 @@
 # On the GPU machine, in one run: unpack the kit (scripts/gpu_kit.sh made it on the CPU
 # machine), build with -DTANDEM_CUDA=ON, run the GPU tests, then the benchmarks whose
 # figures BENCHMARKS.md records (each with the floor measured in the same run).
-#   bench/gpu.sh [all | a comma list of test,bench,xfer,xfertcp,xferucx,pd,pdtcp,pducx,dec,mega,gpus,profile]   (default all; logs
+#   bench/gpu.sh [all | a comma list of test,bench,xfer,xfertcp,xferucx,pd,pdtcp,pducx,dec,sample,mega,gpus,profile]   (default all; logs
 #   also go to $OUT if set)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -127,6 +127,18 @@ if want dec; then # small-batch decode alone (quick A/B of decode kernels)
     "${b8[@]}" --prompt-len 128 --context 1024 --gen-len 64 --batch 1,2,8 --max-num-batched-tokens 2048 2>&1 | log
     echo "== whole steps on the GPU (TD_CUDA_PROFILE=2)" | log
     TD_CUDA_PROFILE=2 "${b8[@]}" --prompt-len 128 --gen-len 64 --batch 1 --context 1024 --reps 1 --no-floor 2>&1 | log
+fi
+if want sample; then # sampled decode: on the GPU, or the logits to the host (TD_CUDA_SAMPLE=0)
+    for i in 1 2; do
+        for v in TD_CUDA_SAMPLE=0 TD_CUDA_SAMPLE=1; do
+            echo "== decode at batch 1 and 16, temperature 0.8, top-p 0.9, $v (run $i)" | log
+            env $v "${b8[@]}" --prompt-len 128 --context 1024 --gen-len 32 --batch 1,16 --max-num-batched-tokens 2048 \
+                --temperature 0.8 --top-p 0.9 --no-floor 2>&1 | grep -E "^(tg|decode samples)" | log
+        done
+    done
+    echo "== the same with top-k 40, on the GPU" | log
+    "${b8[@]}" --prompt-len 128 --context 1024 --gen-len 32 --batch 1,16 --max-num-batched-tokens 2048 \
+        --temperature 0.8 --top-k 40 --no-floor 2>&1 | grep -E "^(tg|decode samples)" | log
 fi
 if want mega; then # batch-1 decode as one kernel per step (k_mega): this version against the first
     # (TD_CUDA_MEGA_PLAIN=1: no early K/V loads, k_argmax after it, five copies in), alternating

@@ -74,12 +74,11 @@ static double run_prefill(td_engine *e, int prompt_len, td_rng *rng)
  * at the middle of the timed steps.
  */
 static double run_decode(td_engine *e, int batch, int gen_len, int context, int max_len,
-                         td_rng *rng, double *mean_ctx, double *experts_per_step)
+                         const td_sampling *sampling, td_rng *rng, double *mean_ctx,
+                         double *experts_per_step)
 {
     int n_vocab = td_engine_model(e)->shape.n_vocab;
-    td_sampling sp;
-    td_sampling_default(&sp);
-    sp.temperature = 0;
+    td_sampling sp = *sampling;
     sp.max_tokens = max_len - context;
     sp.ignore_eos = true;
     td_err err;
@@ -216,6 +215,12 @@ int cli_bench_engine(int argc, char **argv)
     flags[nf++] = CLI_FLAG("context", CLI_FLAG_INT, &context,
                            "prompt tokens before each decode sequence, its starting context (1)");
     flags[nf++] = CLI_FLAG("reps", CLI_FLAG_INT, &reps, "repetitions per test (3)");
+    double temperature = 0, top_p = 1;
+    int64_t top_k = 0;
+    flags[nf++] = CLI_FLAG("temperature", CLI_FLAG_FLOAT, &temperature,
+                           "decode sampling temperature (0: greedy)");
+    flags[nf++] = CLI_FLAG("top-p", CLI_FLAG_FLOAT, &top_p, "decode nucleus sampling (1: off)");
+    flags[nf++] = CLI_FLAG("top-k", CLI_FLAG_INT, &top_k, "decode top-k sampling (0: off)");
     bool no_floor = false;
     flags[nf++] = CLI_FLAG("no-floor", CLI_FLAG_BOOL, &no_floor,
                            "skip measuring the machine's read bandwidth and FMA peak");
@@ -226,6 +231,18 @@ int cli_bench_engine(int argc, char **argv)
     if (rc) return rc == 1 ? 0 : 2;
     if (prompt_len < 1 || gen_len < 2 || reps < 1 || reps > 100 || context < 1) {
         fprintf(stderr, "error: --prompt-len >= 1, --gen-len >= 2, --reps in [1, 100], --context >= 1\n");
+        return 2;
+    }
+    td_sampling dec_sp;
+    td_sampling_default(&dec_sp);
+    dec_sp.temperature = (float)temperature;
+    dec_sp.top_p = (float)top_p;
+    dec_sp.top_k = (int)top_k;
+    dec_sp.has_seed = true;
+    dec_sp.seed = 1;
+    if (!(temperature >= 0 && temperature <= 100) || !(top_p > 0 && top_p <= 1) || top_k < 0 ||
+        top_k > 1000000) {
+        fprintf(stderr, "error: --temperature in [0, 100], --top-p in (0, 1], --top-k >= 0\n");
         return 2;
     }
     eo.no_prefix_caching = true; /* every repetition must really prefill */
@@ -302,6 +319,9 @@ int cli_bench_engine(int argc, char **argv)
                dec_bytes / 1e6, bw * 1e9 / dec_bytes, (long long)prompt_len, pf_flops / 1e9,
                peak * 1e9 / pf_flops * (double)prompt_len);
     }
+    if (temperature > 0)
+        printf("decode samples: temperature %g, top-p %g, top-k %lld (seed 1)\n", temperature, top_p,
+               (long long)top_k);
     printf("%-12s %-8s %10s %12s\n", "test", "tokens", "tok/s", "ms/token");
     td_rng rng;
     td_rng_seed(&rng, 42);
@@ -318,7 +338,7 @@ int cli_bench_engine(int argc, char **argv)
         p = *end ? end + 1 : end;
         double tsum = 0, mean_ctx = 0, experts = 0, experts_sum = 0;
         for (int r = 0; r < reps; r++) {
-            tsum += run_decode(e, b, (int)gen_len, (int)context, ctx, &rng, &mean_ctx, &experts);
+            tsum += run_decode(e, b, (int)gen_len, (int)context, ctx, &dec_sp, &rng, &mean_ctx, &experts);
             experts_sum += experts;
         }
         snprintf(name, sizeof(name), "tg%lld@b%d", (long long)gen_len, b);

@@ -261,8 +261,13 @@ int td_engine_create(td_engine **out, const td_engine_config *cfg, td_err *err)
     e->logits = td_aligned_alloc((size_t)S * (size_t)s->n_vocab * sizeof(float));
     e->b_need = malloc((size_t)S);
     e->b_argmax = malloc((size_t)S * sizeof(int32_t));
+    bool samp_ok = true;
+#ifdef TD_HAVE_CUDA
+    e->b_samp = malloc((size_t)S * sizeof(td_cuda_sample));
+    samp_ok = e->b_samp != NULL;
+#endif
     if (!e->b_tokens || !e->b_pos || !e->b_seq || !e->b_logit_rows || !e->b_tables ||
-        !e->b_reqs || !e->b_n || !e->lp || !e->logits || !e->b_need || !e->b_argmax) {
+        !e->b_reqs || !e->b_n || !e->lp || !e->logits || !e->b_need || !e->b_argmax || !samp_ok) {
         rc = td_err_set(err, TD_ENOMEM, "engine: out of memory for batch buffers");
         goto fail;
     }
@@ -314,6 +319,7 @@ void td_engine_free(td_engine *e)
     free(e->b_logit_rows);
     free(e->b_need);
     free(e->b_argmax);
+    free(e->b_samp);
     free(e->b_tables);
     free(e->b_reqs);
     free(e->b_n);

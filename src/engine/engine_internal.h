@@ -109,7 +109,9 @@ struct td_engine {
     int *b_n;            /* [max_num_seqs] tokens scheduled for each */
     float *logits;       /* [max_num_seqs][n_vocab] */
     uint8_t *b_need;     /* [max_num_seqs] GPU: the host samples this logit row itself */
-    int32_t *b_argmax;   /* [max_num_seqs] GPU: each logit row's greedy token */
+    int32_t *b_argmax;   /* [max_num_seqs] GPU: each logit row's token (greedy or sampled) */
+    /* [max_num_seqs] GPU: how each logit row is sampled there (a td_cuda_sample) */
+    struct td_cuda_sample *b_samp;
 
     out_rec *outs;
     int n_outs, cap_outs, next_out;

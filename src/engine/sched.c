@@ -21,6 +21,20 @@
 #include <stdlib.h>
 #include <string.h>
 
+#ifdef TD_HAVE_CUDA
+/* TD_CUDA_SAMPLE=0: rows that sample (temperature, top-k, top-p) bring their logits to the
+ * host and sample there, as before the device sampler (for A/B runs). */
+static bool device_sampling(void)
+{
+    static int on = -1;
+    if (on < 0) {
+        const char *v = getenv("TD_CUDA_SAMPLE");
+        on = !(v && !strcmp(v, "0"));
+    }
+    return on;
+}
+#endif
+
 /* ---- outputs ---------------------------------------------------------------- */
 
 static int arena_put(td_engine *e, const char *s, size_t n, size_t *off)
@@ -496,8 +510,8 @@ int sched__step(td_engine *e, td_err *err)
         b.kv_stored = step_kv_stored;
         b.kv_user = e;
     }
-    /* On the GPU, greedy rows without logprobs are sampled there (argmax); only the other
-     * rows' logits come to the host. */
+    /* On the GPU, rows without logprobs are sampled there (greedy, or as sampler_sample
+     * with the request's next random draw); only the other rows' logits come to the host. */
     bool device_argmax = false;
 #ifdef TD_HAVE_CUDA
     if (e->cuda) {
@@ -506,11 +520,19 @@ int sched__step(td_engine *e, td_err *err)
             req *r = e->b_reqs[s];
             if (r->n_computed + e->b_n[s] < r->n_tokens) continue;
             bool greedy = r->sp.temperature <= 0.0f || r->sp.top_k == 1;
-            e->b_need[li++] = !(greedy && r->logprobs == 0);
+            e->b_need[li] = r->logprobs > 0 || (!greedy && !device_sampling());
+            /* the one draw sampler_sample would make, in the same place of the stream */
+            float u = !greedy && !e->b_need[li] ? td_rng_float(&r->rng) : 0.0f;
+            e->b_samp[li++] = (td_cuda_sample){.temperature = r->sp.temperature,
+                                               .top_p = r->sp.top_p,
+                                               .min_p = r->sp.min_p,
+                                               .u = u,
+                                               .top_k = r->sp.top_k};
         }
         td_err ce = {0};
         if (td_cuda_fwd_run(e->cuda, T, b.tokens, b.pos, b.seq, b.block_tables, n_sched,
-                            n_logits, b.logit_rows, b.logits, e->b_need, e->b_argmax, &ce)) {
+                            n_logits, b.logit_rows, b.logits, e->b_need, e->b_samp, e->b_argmax,
+                            &ce)) {
             /* A device failure ends the step's requests with the error (never a retry loop
              * that leaves them waiting), and they leave the running list. */
             TD_ERROR("engine: %s", ce.msg);

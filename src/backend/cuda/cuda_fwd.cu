@@ -25,6 +25,7 @@ extern "C" {
 #include "backend/cpu/cpu.h"
 }
 
+#include <cub/device/device_segmented_radix_sort.cuh>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -99,6 +100,15 @@ struct td_cuda_fwd {
     int32_t *h_ints; /* pinned staging for the batch's integers */
     float *h_logits; /* pinned: the logits come back here, then to the caller */
     int32_t *d_argmax, *h_argmax; /* each logit row's greedy token, on the device and pinned */
+    /* Sampling on the device (sample.cuh), made on first use: the rows' parameters (pinned
+     * and on the device), their tokens, and a group's (p, id) pairs before and after the
+     * sort, the segments' offsets and the sort's scratch. */
+    struct samp_row *h_samp, *d_samp;
+    int32_t *d_samp_out, *h_samp_out;
+    float *samp_keys, *samp_keys2;
+    int32_t *samp_vals, *samp_vals2, *samp_off;
+    void *samp_tmp;
+    size_t samp_tmp_bytes;
     void *blas_ws;   /* cuBLAS's workspace, fixed so that GEMMs can be captured in graphs */
     /* Decode steps (every row a sequence's next token) of T rows replay a CUDA graph made
      * on the first such step: graphs[T], or graph_bad[T] if capturing failed. */
@@ -1042,6 +1052,7 @@ k_gemv(const __nv_bfloat16 *__restrict__ W, const __nv_bfloat16 *__restrict__ x,
 /* ---------------------------------------------------------------- batch-1 decode as one kernel */
 
 #include "backend/cuda/mega.cuh"
+#include "backend/cuda/sample.cuh"
 
 /* ---------------------------------------------------------------- greedy sampling */
 
@@ -1283,6 +1294,12 @@ void td_cuda_fwd_free(td_cuda_fwd *f)
     if (f->h_ints) cudaFreeHost(f->h_ints);
     if (f->h_logits) cudaFreeHost(f->h_logits);
     if (f->h_argmax) cudaFreeHost(f->h_argmax);
+    if (f->h_samp) cudaFreeHost(f->h_samp);
+    if (f->h_samp_out) cudaFreeHost(f->h_samp_out);
+    void *samp[] = {f->d_samp, f->d_samp_out, f->samp_keys, f->samp_keys2, f->samp_vals, f->samp_vals2,
+                    f->samp_off, f->samp_tmp};
+    for (void *v : samp)
+        if (v) cudaFree(v);
     for (int i = 0; f->graphs && i <= f->max_logits; i++)
         if (f->graphs[i]) cudaGraphExecDestroy(f->graphs[i]);
     free(f->graphs);
@@ -1838,10 +1855,89 @@ static int enqueue(td_cuda_fwd *f, int T, int ns, int n_logits, int n_list, int 
     return rc;
 }
 
+/* Rows sampled per radix sort: the (p, id) buffers hold this many rows of the vocabulary. */
+#define SAMP_GROUP 8
+
+/* The sampling buffers, on first use. */
+static int samp_setup(td_cuda_fwd *f, td_err *err)
+{
+    if (f->d_samp) return 0;
+    size_t items = (size_t)SAMP_GROUP * f->vocab;
+    int off[SAMP_GROUP + 1];
+    for (int i = 0; i <= SAMP_GROUP; i++) off[i] = i * f->vocab;
+    cudaError_t e = cudaMallocHost((void **)&f->h_samp, (size_t)f->max_logits * sizeof(samp_row));
+    if (e == cudaSuccess) e = cudaMallocHost((void **)&f->h_samp_out, (size_t)f->max_logits * 4);
+    if (e == cudaSuccess) e = cudaMalloc((void **)&f->d_samp, (size_t)f->max_logits * sizeof(samp_row));
+    if (e == cudaSuccess) e = cudaMalloc((void **)&f->d_samp_out, (size_t)f->max_logits * 4);
+    if (e == cudaSuccess) e = cudaMalloc((void **)&f->samp_keys, items * 4);
+    if (e == cudaSuccess) e = cudaMalloc((void **)&f->samp_keys2, items * 4);
+    if (e == cudaSuccess) e = cudaMalloc((void **)&f->samp_vals, items * 4);
+    if (e == cudaSuccess) e = cudaMalloc((void **)&f->samp_vals2, items * 4);
+    if (e == cudaSuccess) e = cudaMalloc((void **)&f->samp_off, sizeof(off));
+    if (e == cudaSuccess) e = cudaMemcpy(f->samp_off, off, sizeof(off), cudaMemcpyHostToDevice);
+    if (e == cudaSuccess)
+        e = cub::DeviceSegmentedRadixSort::SortPairsDescending(
+            nullptr, f->samp_tmp_bytes, f->samp_keys, f->samp_keys2, f->samp_vals, f->samp_vals2, (int)items,
+            SAMP_GROUP, f->samp_off, f->samp_off + 1, 0, 32, f->stream);
+    if (e == cudaSuccess) e = cudaMalloc(&f->samp_tmp, f->samp_tmp_bytes ? f->samp_tmp_bytes : 16);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        return td_err_set(err, TD_ENOMEM, "cuda: cannot allocate the sampling buffers: %s", cudaGetErrorString(e));
+    }
+    f->device_bytes += 4 * items * 4 + f->samp_tmp_bytes;
+    return 0;
+}
+
+/* Queue the sampling of the n rows in f->h_samp (after the step that wrote f->logits):
+ * their tokens end in f->h_samp_out once the stream is synchronised. */
+static int samp_enqueue(td_cuda_fwd *f, int n, td_err *err)
+{
+    int rc = samp_setup(f, err);
+    if (rc) return rc;
+    cudaStream_t st = f->stream;
+    CK(cudaMemcpyAsync(f->d_samp, f->h_samp, (size_t)n * sizeof(samp_row), cudaMemcpyHostToDevice, st));
+    for (int g = 0; g < n; g += SAMP_GROUP) {
+        int m = n - g < SAMP_GROUP ? n - g : SAMP_GROUP;
+        bool sort = false;
+        for (int j = g; j < g + m; j++) sort |= f->h_samp[j].top_k > 0 || f->h_samp[j].top_p < 1.0f;
+        k_samp_prep<<<m, SAMP_THREADS, 0, st>>>(f->logits, f->vocab, f->d_samp + g, f->samp_keys, f->samp_vals);
+        if (sort)
+            CK(cub::DeviceSegmentedRadixSort::SortPairsDescending(
+                f->samp_tmp, f->samp_tmp_bytes, f->samp_keys, f->samp_keys2, f->samp_vals, f->samp_vals2,
+                m * f->vocab, m, f->samp_off, f->samp_off + 1, 0, 32, st));
+        k_samp_pick<<<m, SAMP_THREADS, 0, st>>>(f->vocab, f->d_samp + g, f->samp_keys2, f->samp_vals2,
+                                                f->samp_keys, f->d_samp_out + g);
+    }
+    CK(cudaMemcpyAsync(f->h_samp_out, f->d_samp_out, (size_t)n * 4, cudaMemcpyDeviceToHost, st));
+    return 0;
+}
+
+static void samp_row_set(samp_row *r, const td_cuda_sample *s, int row)
+{
+    *r = samp_row{s->temperature, s->top_p, s->min_p, s->u, s->top_k, row};
+}
+
+int td_cuda_sample_logits(td_cuda_fwd *f, const float *logits, int n_rows, const td_cuda_sample *sample,
+                          int32_t *out, td_err *err)
+{
+    CK(cudaSetDevice(f->dev));
+    if (n_rows < 1 || n_rows > f->max_logits)
+        return td_err_set(err, TD_EINVAL, "cuda: %d rows to sample (1..%d)", n_rows, f->max_logits);
+    int rc = samp_setup(f, err);
+    if (rc) return rc;
+    for (int i = 0; i < n_rows; i++) samp_row_set(&f->h_samp[i], &sample[i], i);
+    CK(cudaMemcpyAsync(f->logits, logits, (size_t)n_rows * f->vocab * 4, cudaMemcpyHostToDevice, f->stream));
+    if ((rc = samp_enqueue(f, n_rows, err))) return rc;
+    CK(cudaStreamSynchronize(f->stream));
+    CK(cudaGetLastError());
+    memcpy(out, f->h_samp_out, (size_t)n_rows * 4);
+    return 0;
+}
+
 int td_cuda_fwd_run(td_cuda_fwd *f, int n_tokens, const int32_t *tokens, const int32_t *pos,
                     const int32_t *seq, const int32_t *const *block_tables, int n_seqs, int n_logits,
                     const int32_t *logit_rows, float *logits, const uint8_t *need_logits,
-                    int32_t *argmax, td_err *err)
+                    const td_cuda_sample *sample, int32_t *argmax, td_err *err)
 {
     CK(cudaSetDevice(f->dev)); /* the engine's thread need not be the one that made it */
     int T = n_tokens, mb = f->max_blocks;
@@ -1925,6 +2021,14 @@ int td_cuda_fwd_run(td_cuda_fwd *f, int n_tokens, const int32_t *tokens, const i
         rc = enqueue(f, T, ns, n_logits, n_list, n_tiles, err);
     }
     if (rc) return rc;
+    /* Rows sampled here (not greedy, their logits not wanted on the host). */
+    int n_samp = 0;
+    for (int i = 0; sample && need_logits && i < n_logits; i++)
+        if (!need_logits[i] && sample[i].temperature > 0.0f && sample[i].top_k != 1) {
+            if (!f->h_samp && (rc = samp_setup(f, err))) return rc;
+            samp_row_set(&f->h_samp[n_samp++], &sample[i], i);
+        }
+    if (n_samp && (rc = samp_enqueue(f, n_samp, err))) return rc;
     if (f->prof_steps_only) cudaEventRecord(f->step_ev[1], st);
     /* The logit rows the host samples from itself: runs of needed rows, one copy each. */
     for (int i = 0; i < n_logits;) {
@@ -1974,6 +2078,7 @@ int td_cuda_fwd_run(td_cuda_fwd *f, int n_tokens, const int32_t *tokens, const i
         if (!need_logits || need_logits[i])
             memcpy(logits + (size_t)i * f->vocab, f->h_logits + (size_t)i * f->vocab, (size_t)f->vocab * 4);
     }
+    for (int j = 0; argmax && j < n_samp; j++) argmax[f->h_samp[j].row] = f->h_samp_out[j];
     return 0;
 }
 

@@ -64,17 +64,36 @@ size_t td_cuda_fwd_device_bytes(const td_cuda_fwd *f);
 bool td_cuda_fwd_one_kernel(const td_cuda_fwd *f);
 
 /**
+ * How a logit row is sampled on the GPU: as sampler_sample (engine/sampler.c) with these
+ * parameters, drawing u (in [0, 1): the request's next td_rng_float) where it draws.
+ * temperature <= 0 or top_k == 1 is greedy.
+ */
+typedef struct td_cuda_sample {
+    float temperature, top_p, min_p, u;
+    int32_t top_k;
+} td_cuda_sample;
+
+/**
  * Run a batch: token t is tokens[t] at position pos[t] of sequence seq[t], whose block ids
  * are block_tables[seq[t]] (n_seqs tables). For the n_logits batch rows logit_rows[]:
  * argmax[i] (when argmax is not NULL) receives row i's greedy token, computed on the GPU
- * (the lowest id of the largest logit, as sampler_argmax), and logits row i (n_vocab f32)
- * is filled where need_logits[i] is set, or for every row when need_logits is NULL; the
- * other rows' logits never leave the GPU. Returns 0, or TD_EIO with a message for a device
- * failure.
+ * (the lowest id of the largest logit, as sampler_argmax), or, where sample is given,
+ * need_logits[i] is not set and sample[i] is not greedy, the token sampled on the GPU
+ * with sample[i]; logits row i (n_vocab f32) is filled where need_logits[i] is set, or for
+ * every row when need_logits is NULL; the other rows' logits never leave the GPU. Returns
+ * 0, or TD_EIO with a message for a device failure.
  */
 int td_cuda_fwd_run(td_cuda_fwd *f, int n_tokens, const int32_t *tokens, const int32_t *pos,
                     const int32_t *seq, const int32_t *const *block_tables, int n_seqs,
                     int n_logits, const int32_t *logit_rows, float *logits,
-                    const uint8_t *need_logits, int32_t *argmax, td_err *err);
+                    const uint8_t *need_logits, const td_cuda_sample *sample, int32_t *argmax,
+                    td_err *err);
+
+/**
+ * Sample n_rows host logit rows (n_vocab f32 each, n_rows <= the plan's logit rows) on the
+ * GPU as td_cuda_fwd_run does, tokens into out: the device sampler alone, for tests.
+ */
+int td_cuda_sample_logits(td_cuda_fwd *f, const float *logits, int n_rows,
+                          const td_cuda_sample *sample, int32_t *out, td_err *err);
 
 #endif

@@ -99,7 +99,7 @@ static void compare_logits(const td_model_shape *shape, const char *kv_name, dou
                        .n_logits = T, .logit_rows = rows, .logits = lc};
         fwd_run(&cf, &b);
         int32_t am[256];
-        if (td_cuda_fwd_run(gf, T, tok, pos, seq, tables, 2, T, rows, lg, NULL, am, &err)) fail_msg("%s", err.msg);
+        if (td_cuda_fwd_run(gf, T, tok, pos, seq, tables, 2, T, rows, lg, NULL, NULL, am, &err)) fail_msg("%s", err.msg);
         for (int r = 0; r < T; r++) assert_int_equal(am[r], sampler_argmax(lg + (size_t)r * V, (int)V));
         for (int r = 0; r < T; r++) {
             double n2 = 0, d2 = 0, mx = 0, dmax = 0;
@@ -276,6 +276,114 @@ static void test_device_choice(void **state)
     g_device = saved;
 }
 
+/* Logit rows of four kinds: peaked random, ties alone, random with NaN and -inf entries, flat. */
+static void sample_rows(float *lg, int V, int kind, td_rng *rng)
+{
+    for (int i = 0; i < V; i++) {
+        float g = 0;
+        for (int k = 0; k < 4; k++) g += td_rng_float(rng) - 0.5f;
+        lg[i] = kind == 3 ? 0.0f : 3.0f * g;
+    }
+    if (kind == 1) /* 330 tokens tie, the rest impossible: p is exactly 1 or 0 on both sides */
+        for (int i = 0; i < V; i++) lg[i] = i % 97 ? -INFINITY : 4.0f;
+    if (kind == 2) {
+        for (int i = 0; i < V; i += 13) lg[i] = -INFINITY;
+        lg[5] = NAN;
+        lg[77] = NAN;
+    }
+}
+
+/*
+ * The GPU's sampler against the host's (sampler_sample) on the same logits and the same
+ * draw: temperature, top-k, top-p and min-p alone and together, and the path without an
+ * order (min-p alone: ids in order). The probabilities are computed by two expf (the
+ * device's is within 2 ulp), and the sums in double in different orders, so a draw that
+ * falls within ~1e-7 of a boundary between two tokens may go either way: rows of ties alone
+ * and flat rows must agree every time, random rows in all but 1% of the draws.
+ */
+static void test_device_sampling(void **state)
+{
+    (void)state;
+    td_err err;
+    td_model_shape shp;
+    assert_int_equal(td_model_preset("tiny", &shp, &err), 0);
+    shp.n_vocab = 32003; /* not a multiple of the block's threads */
+    shp.n_layer = 1;
+    td_model *gm = NULL;
+    if (td_model_load_dummy_deferred(&gm, &shp, TD_TYPE_BF16, 5, &err)) fail_msg("%s", err.msg);
+    const int V = shp.n_vocab, R = 16;
+    td_cuda_fwd *gf = NULL;
+    if (td_cuda_fwd_create(&gf, gm, 0, TD_TYPE_BF16, 16, 8, 64, R, 64, &err)) fail_msg("%s", err.msg);
+    const sampler_params ps[] = {
+        {0.7f, 0, 0.9f, 0.0f}, {1.0f, 40, 1.0f, 0.0f},  {1.3f, 0, 1.0f, 0.05f},
+        {0.8f, 50, 0.95f, 0.02f}, {1.0f, 0, 1.0f, 0.0f}, {0.5f, 0, 0.5f, 0.0f},
+        {2.0f, 0, 1.0f, 0.1f},
+    };
+    float *lg = malloc((size_t)R * V * 4);
+    sampler_scratch sc;
+    assert_int_equal(sampler_scratch_init(&sc, V), 0);
+    td_rng rng, data;
+    td_rng_seed(&rng, 99);
+    td_rng_seed(&data, 7);
+    int draws = 0, off_random = 0;
+    for (size_t pi = 0; pi < TD_ARRAY_LEN(ps); pi++)
+        for (int kind = 0; kind < 4; kind++) {
+            td_cuda_sample cs[16];
+            int32_t host[16], dev[16];
+            for (int r = 0; r < R; r++) {
+                sample_rows(lg + (size_t)r * V, V, kind, &data);
+                td_rng peek = rng;
+                cs[r] = (td_cuda_sample){ps[pi].temperature, ps[pi].top_p, ps[pi].min_p, td_rng_float(&peek),
+                                         ps[pi].top_k};
+                host[r] = sampler_sample(&ps[pi], lg + (size_t)r * V, V, &rng, &sc); /* draws that u */
+            }
+            if (td_cuda_sample_logits(gf, lg, R, cs, dev, &err)) fail_msg("%s", err.msg);
+            for (int r = 0; r < R; r++, draws++) {
+                assert_true(dev[r] >= 0 && dev[r] < V);
+                assert_true(lg[(size_t)r * V + dev[r]] > -INFINITY); /* never NaN or -inf */
+                if (dev[r] == host[r]) continue;
+                if (kind == 1 || kind == 3)
+                    fail_msg("params %zu, row kind %d, draw %d: device %d, host %d", pi, kind, r, dev[r],
+                             host[r]);
+                off_random++;
+            }
+        }
+    printf("  device sampling: %d draws, %d of them (random rows) on the other side of a boundary\n", draws,
+           off_random);
+    assert_true(off_random * 100 <= draws);
+
+    /* Through a step: the sampled token of a prompt's last row, and of a decode row (the
+     * one-kernel step where it runs), is what the host samples from the same logits. */
+    int32_t t0[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+    const int32_t *tables[1] = {t0};
+    int32_t tok[5] = {11, 22, 33, 44, 55}, pos[5] = {0, 1, 2, 3, 4}, seq[5] = {0};
+    int32_t last = 4, first = 0;
+    const sampler_params sp = {0.9f, 30, 0.9f, 0.0f};
+    for (int step = 0; step < 2; step++) {
+        int T = step == 0 ? 5 : 1;
+        const int32_t *tk = step == 0 ? tok : &tok[0], *ps_ = step == 0 ? pos : &pos[4];
+        int32_t row = step == 0 ? last : first, got = -1, want = -2;
+        if (step == 1) {
+            tok[0] = 66;
+            pos[4] = 5;
+        }
+        td_rng peek = rng;
+        td_cuda_sample cs = {sp.temperature, sp.top_p, sp.min_p, td_rng_float(&peek), sp.top_k};
+        uint8_t no = 0, yes = 1;
+        if (td_cuda_fwd_run(gf, T, tk, ps_, seq, tables, 1, 1, &row, lg, &no, &cs, &got, &err))
+            fail_msg("%s", err.msg);
+        int32_t am;
+        if (td_cuda_fwd_run(gf, T, tk, ps_, seq, tables, 1, 1, &row, lg, &yes, &cs, &am, &err))
+            fail_msg("%s", err.msg);
+        want = sampler_sample(&sp, lg, V, &rng, &sc);
+        assert_int_equal(got, want);
+    }
+    sampler_scratch_free(&sc);
+    free(lg);
+    td_cuda_fwd_free(gf);
+    td_model_free(gm);
+}
+
 /* A mixture-of-experts model is refused on the GPU at start-up, with a clear error. */
 static void test_moe_refused(void **state)
 {
@@ -314,6 +422,7 @@ int main(void)
         cmocka_unit_test(test_logits_llama1b),
         cmocka_unit_test(test_logits_groups),
         cmocka_unit_test(test_device_choice),
+        cmocka_unit_test(test_device_sampling),
         cmocka_unit_test(test_moe_refused),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
