@@ -25,7 +25,7 @@ extern "C" {
 #include "backend/cpu/cpu.h"
 }
 
-#include <cub/device/device_segmented_radix_sort.cuh>
+#include <cub/device/device_radix_sort.cuh>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -102,11 +102,11 @@ struct td_cuda_fwd {
     int32_t *d_argmax, *h_argmax; /* each logit row's greedy token, on the device and pinned */
     /* Sampling on the device (sample.cuh), made on first use: the rows' parameters (pinned
      * and on the device), their tokens, and a group's (p, id) pairs before and after the
-     * sort, the segments' offsets and the sort's scratch. */
+     * sort, and the sort's scratch. */
     struct samp_row *h_samp, *d_samp;
     int32_t *d_samp_out, *h_samp_out;
     float *samp_keys, *samp_keys2;
-    int32_t *samp_vals, *samp_vals2, *samp_off;
+    int32_t *samp_vals, *samp_vals2;
     void *samp_tmp;
     size_t samp_tmp_bytes;
     void *blas_ws;   /* cuBLAS's workspace, fixed so that GEMMs can be captured in graphs */
@@ -1297,7 +1297,7 @@ void td_cuda_fwd_free(td_cuda_fwd *f)
     if (f->h_samp) cudaFreeHost(f->h_samp);
     if (f->h_samp_out) cudaFreeHost(f->h_samp_out);
     void *samp[] = {f->d_samp, f->d_samp_out, f->samp_keys, f->samp_keys2, f->samp_vals, f->samp_vals2,
-                    f->samp_off, f->samp_tmp};
+                    f->samp_tmp};
     for (void *v : samp)
         if (v) cudaFree(v);
     for (int i = 0; f->graphs && i <= f->max_logits; i++)
@@ -1855,7 +1855,7 @@ static int enqueue(td_cuda_fwd *f, int T, int ns, int n_logits, int n_list, int 
     return rc;
 }
 
-/* Rows sampled per radix sort: the (p, id) buffers hold this many rows of the vocabulary. */
+/* Rows prepared per group: the (p, id) buffers hold this many rows of the vocabulary. */
 #define SAMP_GROUP 8
 
 /* The sampling buffers, on first use. */
@@ -1863,8 +1863,6 @@ static int samp_setup(td_cuda_fwd *f, td_err *err)
 {
     if (f->d_samp) return 0;
     size_t items = (size_t)SAMP_GROUP * f->vocab;
-    int off[SAMP_GROUP + 1];
-    for (int i = 0; i <= SAMP_GROUP; i++) off[i] = i * f->vocab;
     cudaError_t e = cudaMallocHost((void **)&f->h_samp, (size_t)f->max_logits * sizeof(samp_row));
     if (e == cudaSuccess) e = cudaMallocHost((void **)&f->h_samp_out, (size_t)f->max_logits * 4);
     if (e == cudaSuccess) e = cudaMalloc((void **)&f->d_samp, (size_t)f->max_logits * sizeof(samp_row));
@@ -1873,12 +1871,9 @@ static int samp_setup(td_cuda_fwd *f, td_err *err)
     if (e == cudaSuccess) e = cudaMalloc((void **)&f->samp_keys2, items * 4);
     if (e == cudaSuccess) e = cudaMalloc((void **)&f->samp_vals, items * 4);
     if (e == cudaSuccess) e = cudaMalloc((void **)&f->samp_vals2, items * 4);
-    if (e == cudaSuccess) e = cudaMalloc((void **)&f->samp_off, sizeof(off));
-    if (e == cudaSuccess) e = cudaMemcpy(f->samp_off, off, sizeof(off), cudaMemcpyHostToDevice);
     if (e == cudaSuccess)
-        e = cub::DeviceSegmentedRadixSort::SortPairsDescending(
-            nullptr, f->samp_tmp_bytes, f->samp_keys, f->samp_keys2, f->samp_vals, f->samp_vals2, (int)items,
-            SAMP_GROUP, f->samp_off, f->samp_off + 1, 0, 32, f->stream);
+        e = cub::DeviceRadixSort::SortPairsDescending(nullptr, f->samp_tmp_bytes, f->samp_keys, f->samp_keys2,
+                                                      f->samp_vals, f->samp_vals2, f->vocab, 0, 32, f->stream);
     if (e == cudaSuccess) e = cudaMalloc(&f->samp_tmp, f->samp_tmp_bytes ? f->samp_tmp_bytes : 16);
     if (e != cudaSuccess) {
         (void)cudaGetLastError();
@@ -1901,10 +1896,14 @@ static int samp_enqueue(td_cuda_fwd *f, int n, td_err *err)
         bool sort = false;
         for (int j = g; j < g + m; j++) sort |= f->h_samp[j].top_k > 0 || f->h_samp[j].top_p < 1.0f;
         k_samp_prep<<<m, SAMP_THREADS, 0, st>>>(f->logits, f->vocab, f->d_samp + g, f->samp_keys, f->samp_vals);
-        if (sort)
-            CK(cub::DeviceSegmentedRadixSort::SortPairsDescending(
-                f->samp_tmp, f->samp_tmp_bytes, f->samp_keys, f->samp_keys2, f->samp_vals, f->samp_vals2,
-                m * f->vocab, m, f->samp_off, f->samp_off + 1, 0, 32, st));
+        /* a device-wide sort per row (a segmented sort gives each row one block: ~1 ms for a
+         * 128k vocabulary, against tens of µs) */
+        for (int j = 0; sort && j < m; j++) {
+            size_t o = (size_t)j * f->vocab;
+            CK(cub::DeviceRadixSort::SortPairsDescending(f->samp_tmp, f->samp_tmp_bytes, f->samp_keys + o,
+                                                         f->samp_keys2 + o, f->samp_vals + o, f->samp_vals2 + o,
+                                                         f->vocab, 0, 32, st));
+        }
         k_samp_pick<<<m, SAMP_THREADS, 0, st>>>(f->vocab, f->d_samp + g, f->samp_keys2, f->samp_vals2,
                                                 f->samp_keys, f->d_samp_out + g);
     }

@@ -9,8 +9,8 @@
  *   return the first token (in that order, or in id order when nothing asked for one)
  *   whose cumulative mass exceeds r.
  *
- * Three launches per group of rows: k_samp_prep (max, p, min-p: an excluded token's p is
- * 0, so it sorts last and adds no mass), a segmented radix sort of (p, id) pairs by p
+ * Per group of rows: k_samp_prep (max, p, min-p: an excluded token's p is 0, so it sorts
+ * last and adds no mass), a device-wide radix sort of each row's (p, id) pairs by p
  * descending where an order is needed (CUB's sort is stable: equal p keep id order), and
  * k_samp_pick (one block per row: prefix sums in double over contiguous per-thread chunks,
  * the top-p cut and the draw as the first index whose running sum crosses a limit). The
