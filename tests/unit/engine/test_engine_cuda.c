@@ -384,6 +384,62 @@ static void test_device_sampling(void **state)
     td_model_free(gm);
 }
 
+/* One request on stories260K with the given sampling; its tokens into out (n of them). */
+static int sampled_run(td_engine *e, float temperature, float top_p, int top_k, uint64_t seed, int logprobs,
+                       int32_t *out)
+{
+    load_golden();
+    td_sampling sp;
+    td_sampling_default(&sp);
+    sp.temperature = temperature;
+    sp.top_p = top_p;
+    sp.top_k = top_k;
+    sp.has_seed = true;
+    sp.seed = seed;
+    sp.logprobs = logprobs;
+    sp.max_tokens = 24;
+    sp.ignore_eos = true;
+    td_err err;
+    uint64_t id;
+    assert_int_equal(td_engine_add_request(e, &id, g_cases[0].prompt, g_cases[0].n_prompt, &sp, &err), 0);
+    int n = 0;
+    while (td_engine_has_work(e)) {
+        assert_true(td_engine_step(e, &err) >= 0);
+        td_output o;
+        while (td_engine_poll(e, &o))
+            if (o.token >= 0 && n < 24) out[n++] = o.token;
+    }
+    return n;
+}
+
+/*
+ * Seeded sampling through the engine on the GPU: the same seed gives the same tokens, and
+ * the rows sampled on the device (no logprobs) give the tokens that the host's sampler
+ * gives from the same logits and the same draws (logprobs bring a row's logits to the
+ * host), for top-p, top-k and plain temperature.
+ */
+static void test_engine_sampling(void **state)
+{
+    (void)state;
+    td_engine *e = make_engine(1, 512, 0, "f32", false);
+    const struct {
+        float t, p;
+        int k;
+    } cases[] = {{0.9f, 0.9f, 0}, {1.2f, 1.0f, 20}, {1.0f, 1.0f, 0}};
+    for (size_t c = 0; c < TD_ARRAY_LEN(cases); c++) {
+        int32_t a[24], b[24], h[24];
+        int na = sampled_run(e, cases[c].t, cases[c].p, cases[c].k, 5 + c, 0, a);
+        int nb = sampled_run(e, cases[c].t, cases[c].p, cases[c].k, 5 + c, 0, b);
+        int nh = sampled_run(e, cases[c].t, cases[c].p, cases[c].k, 5 + c, 2, h);
+        assert_int_equal(na, 24);
+        assert_int_equal(nb, 24);
+        assert_int_equal(nh, 24);
+        assert_memory_equal(a, b, sizeof(a));
+        assert_memory_equal(a, h, sizeof(a));
+    }
+    td_engine_free(e);
+}
+
 /* A mixture-of-experts model is refused on the GPU at start-up, with a clear error. */
 static void test_moe_refused(void **state)
 {
@@ -423,6 +479,7 @@ int main(void)
         cmocka_unit_test(test_logits_groups),
         cmocka_unit_test(test_device_choice),
         cmocka_unit_test(test_device_sampling),
+        cmocka_unit_test(test_engine_sampling),
         cmocka_unit_test(test_moe_refused),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
