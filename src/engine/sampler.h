@@ -22,6 +22,7 @@ typedef struct sampler_params {
 typedef struct sampler_scratch {
     float *prob;       /* [n_vocab] */
     int32_t *idx;      /* [n_vocab] */
+    uint64_t *key, *tmp; /* [n_vocab] each: the radix sort of large candidate sets */
     int n_vocab;
 } sampler_scratch;
 
