@@ -244,7 +244,10 @@ int td_engine_create(td_engine **out, const td_engine_config *cfg, td_err *err)
         goto fail;
 #endif
 
-    rc = sampler_scratch_init(&e->samp, s->n_vocab);
+    e->n_samp = td_pool_size(e->pool);
+    e->samp = calloc((size_t)e->n_samp, sizeof(*e->samp));
+    rc = e->samp ? 0 : TD_ENOMEM;
+    for (int i = 0; i < e->n_samp && !rc; i++) rc = sampler_scratch_init(&e->samp[i], s->n_vocab);
     if (rc) {
         td_err_set(err, rc, "engine: out of memory for the sampler");
         goto fail;
@@ -261,13 +264,16 @@ int td_engine_create(td_engine **out, const td_engine_config *cfg, td_err *err)
     e->logits = td_aligned_alloc((size_t)S * (size_t)s->n_vocab * sizeof(float));
     e->b_need = malloc((size_t)S);
     e->b_argmax = malloc((size_t)S * sizeof(int32_t));
+    e->b_tok = malloc((size_t)S * sizeof(int32_t));
+    e->b_samp_s = malloc((size_t)S * sizeof(int));
     bool samp_ok = true;
 #ifdef TD_HAVE_CUDA
     e->b_samp = malloc((size_t)S * sizeof(td_cuda_sample));
     samp_ok = e->b_samp != NULL;
 #endif
     if (!e->b_tokens || !e->b_pos || !e->b_seq || !e->b_logit_rows || !e->b_tables ||
-        !e->b_reqs || !e->b_n || !e->lp || !e->logits || !e->b_need || !e->b_argmax || !samp_ok) {
+        !e->b_reqs || !e->b_n || !e->lp || !e->logits || !e->b_need || !e->b_argmax || !samp_ok ||
+        !e->b_tok || !e->b_samp_s) {
         rc = td_err_set(err, TD_ENOMEM, "engine: out of memory for batch buffers");
         goto fail;
     }
@@ -309,7 +315,10 @@ void td_engine_free(td_engine *e)
     td_cuda_fwd_free(e->cuda);
 #endif
     kv_pool_free(&e->kv);
-    sampler_scratch_free(&e->samp);
+    for (int i = 0; e->samp && i < e->n_samp; i++) sampler_scratch_free(&e->samp[i]);
+    free(e->samp);
+    free(e->b_tok);
+    free(e->b_samp_s);
     td_pool_free(e->pool);
     tok_free(e->tok);
     td_model_free(e->model);

@@ -90,7 +90,10 @@ struct td_engine {
         int id;
         uint8_t ipc_handle[64], uuid[16];
     } kv_dev;
-    sampler_scratch samp;
+    sampler_scratch *samp; /* one per pool thread: rows are sampled in parallel */
+    int n_samp;
+    int32_t *b_tok;        /* [max_num_seqs] the host-sampled rows' tokens of a step */
+    int *b_samp_s;         /* [max_num_seqs] which scheduled request each such row is */
     td_rng rng;
     int max_model_len;
     int max_num_seqs, max_batched;

@@ -388,6 +388,26 @@ static int ep_failed(td_engine *e, int n_sched, td_err *err)
     return td_err_set(err, TD_EIO, "%s", why);
 }
 
+/* The host's sampling of a step's rows, split over the pool: job row k is scheduled request
+ * b_samp_s[k] with logits row b_tok[k] (replaced by its token). */
+typedef struct samp_job {
+    td_engine *e;
+    int n, n_vocab;
+} samp_job;
+
+static void samp_rows(void *ctx, int ith, int nth)
+{
+    samp_job *j = ctx;
+    td_engine *e = j->e;
+    int64_t b, end;
+    td_split_range(j->n, ith, nth, &b, &end);
+    for (int64_t k = b; k < end; k++) {
+        req *r = e->b_reqs[e->b_samp_s[k]];
+        const float *row = e->logits + (size_t)e->b_tok[k] * j->n_vocab;
+        e->b_tok[k] = sampler_sample(&r->sp, row, j->n_vocab, &r->rng, &e->samp[ith]);
+    }
+}
+
 int sched__step(td_engine *e, td_err *err)
 {
     (void)err;
@@ -553,9 +573,24 @@ int sched__step(td_engine *e, td_err *err)
             return ep_failed(e, n_sched, err);
     e->stats.steps++;
 
-    /* Sample and emit, then drop finished requests from the running list. */
+    /* Sample the rows the host samples, in parallel over the pool (each request has its
+     * own RNG, each thread its own scratch); then emit in order, and drop finished
+     * requests from the running list. */
     const int n_vocab = e->model->shape.n_vocab;
-    int li = 0;
+    samp_job job = {.e = e, .n = 0, .n_vocab = n_vocab};
+    for (int s = 0, li = 0; s < n_sched; s++) {
+        req *r = e->b_reqs[s];
+        if (r->n_computed + e->b_n[s] < r->n_tokens) continue;
+        if (!(device_argmax && !e->b_need[li])) {
+            e->b_samp_s[job.n] = s;
+            e->b_tok[job.n++] = li;
+        }
+        li++;
+    }
+    /* (a GPU engine never runs its CPU pool: running it would pin this thread) */
+    if (job.n > 1 && !device_argmax) td_pool_run(e->pool, samp_rows, &job);
+    else if (job.n > 0) samp_rows(&job, 0, 1);
+    int li = 0, k = 0;
     for (int s = 0; s < n_sched; s++) {
         req *r = e->b_reqs[s];
         bool decode = r->n_tokens - r->n_computed == 1 && r->n_generated > 0;
@@ -570,7 +605,8 @@ int sched__step(td_engine *e, td_err *err)
             tok = e->b_argmax[li];
             row = NULL;
         } else {
-            tok = sampler_sample(&r->sp, row, n_vocab, &r->rng, &e->samp);
+            TD_ASSERT(k < job.n && e->b_samp_s[k] == s);
+            tok = e->b_tok[k++];
         }
         if (r->forced_token >= 0) { /* a remote request recomputed after a failed load */
             tok = r->forced_token;
