@@ -1883,12 +1883,10 @@ static int samp_setup(td_cuda_fwd *f, td_err *err)
     return 0;
 }
 
-/* Queue the sampling of the n rows in f->h_samp (after the step that wrote f->logits):
- * their tokens end in f->h_samp_out once the stream is synchronised. */
+/* Queue the sampling of the n rows in f->h_samp (after samp_setup, and after the step that
+ * wrote f->logits): their tokens end in f->h_samp_out once the stream is synchronised. */
 static int samp_enqueue(td_cuda_fwd *f, int n, td_err *err)
 {
-    int rc = samp_setup(f, err);
-    if (rc) return rc;
     cudaStream_t st = f->stream;
     CK(cudaMemcpyAsync(f->d_samp, f->h_samp, (size_t)n * sizeof(samp_row), cudaMemcpyHostToDevice, st));
     for (int g = 0; g < n; g += SAMP_GROUP) {
