@@ -33,7 +33,9 @@
  * dropped: L2 prefetch of the next rows before a barrier, and of the output projection
  * during attention (also once a block's attention item is done: the merges slow down);
  * the next rows' first loads held in registers across a barrier; per-KV-head counts of
- * the QKV rows written instead of the barrier after QKV (within 0.02 ms).
+ * the QKV rows written instead of the barrier after QKV (within 0.02 ms); the next phase's
+ * rows copied ahead into shared memory (cp.async) before a barrier (the copies only slow
+ * the phase before, and the carve-out takes the L1 that the loads in flight need).
  *
  * Limits (else the step runs as separate kernels): bf16 weights without biases, a bf16 or
  * f16 KV cache, head_dim 64 or 128, 1, 2, 4 or 8 query heads per KV head, at least as many
