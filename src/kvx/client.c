@@ -951,6 +951,26 @@ static int group_take(kvx_client *c, kvx__piece *p, kvx__piece **group)
     return n;
 }
 
+/* Run one piece taken off the queue (`failed`: its transfer's code when taken) and finish
+ * it, unless it was put back for another rail. */
+static void piece_run(kvx_client *c, kvx__piece *p, int failed)
+{
+    struct kvx_xfer *x = p->x;
+    td_err e;
+    td_err_clear(&e);
+    int rc;
+    if (failed)
+        rc = failed; /* another piece already decided the outcome */
+    else if (td_now_ns() >= x->deadline_ns)
+        rc = td_err_set(&e, TD_ETIMEDOUT, "kvx: transfer deadline passed before it could run");
+    else if (x->stripe)
+        rc = stripe_run(c, x, p, &e);
+    else
+        rc = c->transport->run_piece(x->s, p, &e);
+    if (rc == TD_EAGAIN) return; /* requeued for another rail */
+    piece_finish(c, p, rc, &e);
+}
+
 static void *worker_main(void *arg)
 {
     kvx_client *c = arg;
@@ -997,20 +1017,7 @@ static void *worker_main(void *arg)
             if (n_run) tcp_run_group(run[0]->x->s, run, n_run, NULL, NULL);
             continue;
         }
-        struct kvx_xfer *x = p->x;
-        td_err e;
-        td_err_clear(&e);
-        int rc;
-        if (failed[0])
-            rc = failed[0]; /* another piece already decided the outcome */
-        else if (td_now_ns() >= x->deadline_ns)
-            rc = td_err_set(&e, TD_ETIMEDOUT, "kvx: transfer deadline passed before it could run");
-        else if (x->stripe)
-            rc = stripe_run(c, x, p, &e);
-        else
-            rc = c->transport->run_piece(x->s, p, &e);
-        if (rc == TD_EAGAIN) continue; /* requeued for another rail */
-        piece_finish(c, p, rc, &e);
+        piece_run(c, p, failed[0]);
     }
 }
 
@@ -1018,8 +1025,12 @@ static void *worker_main(void *arg)
  * The watchdog fails pieces that are still queued when their transfer's deadline passes,
  * so a transfer queued behind busy workers still ends on time. (A piece that is running
  * is bounded by the same deadline inside the transport.) It sleeps until the earliest
- * deadline in the queue, or indefinitely while the queue is empty.
+ * deadline in the queue, and at most WATCH_IDLE_NS: a transfer whose deadline is later
+ * than the watchdog's next wake-up queues without waking it (a wake-up per transfer cost
+ * small transfers a context switch on another CPU).
  */
+#define WATCH_IDLE_NS (250ull * 1000000ull)
+
 static void *watchdog_main(void *arg)
 {
     kvx_client *c = arg;
@@ -1053,13 +1064,10 @@ static void *watchdog_main(void *arg)
             pthread_mutex_lock(&c->mu);
             continue;
         }
+        next = TD_MIN(next, now + WATCH_IDLE_NS);
         c->watch_next = next;
-        if (next == UINT64_MAX) {
-            pthread_cond_wait(&c->watch_cv, &c->mu);
-        } else {
-            struct timespec ts = {(time_t)(next / 1000000000ull), (long)(next % 1000000000ull)};
-            pthread_cond_timedwait(&c->watch_cv, &c->mu, &ts);
-        }
+        struct timespec ts = {(time_t)(next / 1000000000ull), (long)(next % 1000000000ull)};
+        pthread_cond_timedwait(&c->watch_cv, &c->mu, &ts);
     }
     pthread_mutex_unlock(&c->mu);
     return NULL;
@@ -1658,12 +1666,51 @@ int kvx_xfer_poll(kvx_xfer *x, td_err *result)
     return x->code;
 }
 
+/*
+ * A thread that waits for a transfer runs the transfer's pieces that no worker has taken
+ * yet, as a worker would. A caller that starts a transfer and waits for it then pays no
+ * hand-off: on a small machine, waking a worker and being woken by it cost more than a
+ * 64 KiB piece's round trip. The workers were signalled all the same and take what the
+ * waiter leaves. Host transports only (tcp, shm): a GPU region's copies and UCX's workers
+ * stay on the client's own threads.
+ */
+static bool wait_helps(const kvx_client *c)
+{
+    return !c->opts.region.device && (c->transport == &tcp_transport || c->transport == &kvx__shm_transport) &&
+           atomic_load(&kvx__test_no_wait_help) == 0;
+}
+
+/* Under c->mu: unlink and return a queued piece of x, or NULL. */
+static kvx__piece *take_own(kvx_client *c, struct kvx_xfer *x)
+{
+    kvx__piece *prev = NULL;
+    for (kvx__piece **pp = &c->qhead; *pp; prev = *pp, pp = &(*pp)->next) {
+        kvx__piece *p = *pp;
+        if (p->x != x) continue;
+        *pp = p->next;
+        if (c->qtail == p) c->qtail = prev;
+        return p;
+    }
+    return NULL;
+}
+
 int kvx_xfer_wait(kvx_xfer *x, td_err *result)
 {
     kvx_client *c = x->c;
+    bool help = wait_helps(c);
     pthread_mutex_lock(&c->mu);
-    while (!x->done)
-        pthread_cond_wait(&c->done_cv, &c->mu);
+    while (!x->done) {
+        kvx__piece *p = help ? take_own(c, x) : NULL;
+        if (!p) {
+            pthread_cond_wait(&c->done_cv, &c->mu);
+            continue;
+        }
+        int failed = x->code;
+        pthread_mutex_unlock(&c->mu);
+        atomic_fetch_add(&kvx__test_pieces_helped, 1);
+        piece_run(c, p, failed);
+        pthread_mutex_lock(&c->mu);
+    }
     pthread_mutex_unlock(&c->mu);
     if (result) *result = x->result;
     return x->code;

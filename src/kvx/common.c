@@ -25,6 +25,8 @@ _Atomic int kvx__test_corrupt_pieces;
 _Atomic int kvx__test_answers_taken;
 _Atomic int kvx__test_send_delay_ms;
 _Atomic int kvx__test_pieces_grouped;
+_Atomic int kvx__test_pieces_helped;
+_Atomic int kvx__test_no_wait_help;
 _Atomic int kvx__test_sends_delayed;
 _Atomic int kvx__test_rail_fail;
 _Atomic int kvx__test_slow_rail;

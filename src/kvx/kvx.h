@@ -19,7 +19,8 @@
  *  - every function here is thread safe, except *_destroy, which must not race with any
  *    other call on the same object;
  *  - callbacks (kvx_release_fn, kvx_done_fn) run on a kvx thread (or in the caller of
- *    kvx_agent_cancel / kvx_agent_destroy / kvx_client_destroy), with no kvx lock held;
+ *    kvx_agent_cancel / kvx_agent_destroy / kvx_client_destroy, or of kvx_xfer_wait,
+ *    which runs the transfer's not yet started pieces itself), with no kvx lock held;
  *    they must be short and must not call *_destroy of the object that invoked them.
  *    They may call kvx_agent_register / kvx_read_start etc.
  *  - the consumer's region memory of a transfer is written by kvx threads until the
@@ -324,7 +325,9 @@ int kvx_read_start(kvx_client *c, const kvx_read_req *req, kvx_xfer **out, td_er
 
 /** TD_EAGAIN while running; else the final code, with the message in *result. */
 int kvx_xfer_poll(kvx_xfer *x, td_err *result);
-/** Block until the transfer ends (it always does, by its deadline); returns its code. */
+/** Block until the transfer ends (it always does, by its deadline); returns its code.
+ *  Pieces of the transfer that no worker has taken yet run on the calling thread (host
+ *  regions over tcp or shm), which saves two thread hand-offs per small transfer. */
 int kvx_xfer_wait(kvx_xfer *x, td_err *result);
 /** Free a handle. If the transfer is still running it is freed when it ends. */
 void kvx_xfer_free(kvx_xfer *x);

@@ -297,6 +297,11 @@ extern _Atomic int kvx__test_ucx_grants_staged;
 extern _Atomic int kvx__test_ucx_pieces_unstaged;
 /* Pieces the consumer sent pipelined, in groups of two or more on one connection. */
 extern _Atomic int kvx__test_pieces_grouped;
+/* Pieces that a thread waiting in kvx_xfer_wait ran itself; when kvx__test_no_wait_help is
+ * not 0, waiting threads leave every piece to the workers (tests of the workers' own
+ * paths, such as grouping). */
+extern _Atomic int kvx__test_pieces_helped;
+extern _Atomic int kvx__test_no_wait_help;
 /* When > 0, the shm consumer sleeps this many ms between a grant and its copy (shm.c),
  * counting each such sleep that begins in kvx__test_copies_delayed. */
 extern _Atomic int kvx__test_copy_delay_ms;

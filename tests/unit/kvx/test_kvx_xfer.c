@@ -355,11 +355,13 @@ static kvx_client *one_worker_client(fixture *f, int qp)
     return c;
 }
 
-/* A transfer queued behind a busy worker still ends by its own deadline. */
+/* A transfer queued behind a busy worker still ends by its own deadline (the watchdog's
+ * doing: the waiting thread is kept from running the piece itself). */
 static void test_deadline_while_queued(void **state)
 {
     fixture *f = *state;
     kvx_client *c = one_worker_client(f, 1);
+    atomic_store(&kvx__test_no_wait_help, 1);
     td_err err;
     int32_t a[] = {1}, b[] = {2};
     char ta[KVX_ID_HEX], tb[KVX_ID_HEX];
@@ -382,6 +384,7 @@ static void test_deadline_while_queued(void **state)
     assert_int_equal(kvx_xfer_poll(xa, &res), TD_EAGAIN); /* A is still running */
     assert_int_equal(kvx_xfer_wait(xa, &res), 0);
     atomic_store(&kvx__test_send_delay_ms, 0);
+    atomic_store(&kvx__test_no_wait_help, 0);
     kvx_xfer_free(xa);
     kvx_xfer_free(xb);
     kvx_client_destroy(c);
@@ -713,6 +716,37 @@ static kvx_xfer *start_read(fixture *f, kvx_client *c, const char *tid, const in
     return x;
 }
 
+/* A thread that waits for a transfer runs its queued pieces itself: B completes, whole,
+ * while the only worker is still inside A's answer. */
+static void test_waiter_runs_its_pieces(void **state)
+{
+    fixture *f = *state;
+    kvx_client *c = one_worker_client(f, 2); /* a second connection for the waiter */
+    td_err err;
+    int32_t a[] = {3}, b[] = {4, 5, 6};
+    char ta[KVX_ID_HEX], tb[KVX_ID_HEX];
+    assert_int_equal(kvx_agent_register(f->agent, a, 1, 0, NULL, ta, &err), 0);
+    assert_int_equal(kvx_agent_register(f->agent, b, 3, 0, NULL, tb, &err), 0);
+    int delayed0 = atomic_load(&kvx__test_sends_delayed), helped0 = atomic_load(&kvx__test_pieces_helped);
+    atomic_store(&kvx__test_send_delay_ms, 500);
+    kvx_xfer *xa = start_read(f, c, ta, a, a, 1);
+    for (int i = 0; i < 5000 && atomic_load(&kvx__test_sends_delayed) == delayed0; i++)
+        usleep(1000); /* the only worker is now inside A's answer */
+    assert_true(atomic_load(&kvx__test_sends_delayed) > delayed0);
+    atomic_store(&kvx__test_send_delay_ms, 0);
+    kvx_xfer *xb = start_read(f, c, tb, b, b, 3);
+    td_err res;
+    assert_int_equal(kvx_xfer_wait(xb, &res), 0);
+    assert_int_equal(kvx_xfer_poll(xa, &res), TD_EAGAIN);
+    assert_int_equal(atomic_load(&kvx__test_pieces_helped) - helped0, 1);
+    expect_copied(f, b, b, 3);
+    assert_int_equal(kvx_xfer_wait(xa, &res), 0);
+    expect_copied(f, a, a, 1);
+    kvx_xfer_free(xa);
+    kvx_xfer_free(xb);
+    kvx_client_destroy(c);
+}
+
 /* Eleven transfers queue behind a slow one and go out in two pipelined groups. In the
  * first group one names a transfer id the producer never gave and one arrives corrupted:
  * those two fail alone, with their own errors, and every other transfer arrives whole. */
@@ -720,6 +754,7 @@ static void test_pipelined_pieces(void **state)
 {
     fixture *f = *state;
     kvx_client *c = one_worker_client(f, 0);
+    atomic_store(&kvx__test_no_wait_help, 1); /* the groups are the worker's */
     enum { N = 12, PER = 2, GUESSED = 5, CORRUPT = 1 };
     int32_t src[N][PER], dst[N][PER];
     char tid[N][KVX_ID_HEX];
@@ -776,6 +811,7 @@ static void test_pipelined_pieces(void **state)
                                          kvx_agent_engine_id(f->agent), tid[t], &err),
                              0);
     assert_int_equal(wait_released(f, N - 1), N - 1);
+    atomic_store(&kvx__test_no_wait_help, 0);
     kvx_client_destroy(c);
 }
 
@@ -786,6 +822,7 @@ static void test_pipelined_producer_closes(void **state)
 {
     fixture *f = *state;
     kvx_client *c = one_worker_client(f, 0);
+    atomic_store(&kvx__test_no_wait_help, 1); /* the group is the worker's */
     enum { N = 6 };
     int32_t b[N][1];
     char tid[N][KVX_ID_HEX];
@@ -818,6 +855,7 @@ static void test_pipelined_producer_closes(void **state)
     assert_true((double)(td_now_ns() - t0) * 1e-9 < 2.0);
     assert_int_equal(atomic_load(&kvx__test_pieces_grouped) - grouped0, N - 1);
     atomic_store(&kvx__test_send_delay_ms, 0);
+    atomic_store(&kvx__test_no_wait_help, 0);
     kvx_client_destroy(c);
     f->agent = make_agent(f, 0, layout()); /* for teardown */
 }
@@ -844,6 +882,7 @@ int main(void)
         T(test_bad_requests),
         T(test_odd_geometry),
         T(test_expiry_waits_for_inflight_read),
+        T(test_waiter_runs_its_pieces),
         T(test_pipelined_pieces),
         T(test_pipelined_producer_closes),
     };
