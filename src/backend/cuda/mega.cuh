@@ -27,7 +27,7 @@
  * the block that writes the new one never races the blocks that still read the old. Data
  * written in the kernel is read with __ldcg (the L1 is not coherent across SMs).
  *
- * Measured on the H200 (BENCHMARKS.md): 1.24-1.27x the floor per token; the large GEMV
+ * Measured on the H200 (BENCHMARKS.md): about 1.25x the floor per token; the large GEMV
  * phases at 1.07x the copy-rate floor; what is left is attention (latency chains: queries,
  * merge), the barriers (five a layer) and the small QKV and output GEMVs. Tried and
  * dropped: L2 prefetch of the next rows before a barrier, and of the output projection
@@ -569,6 +569,36 @@ __host__ __device__ inline size_t mk_smem_main(int d, int qd, int ff, int hd, in
     return ((norm > att ? norm : att) + 15) / 16 * 16;
 }
 
+/* This block's attention item for the step (one at most: n_kv * S <= blocks; it < 0:
+ * none): its KV head h, key range s of S, keys t0..t1 and the warp's w0..w1. Computed where
+ * it is used, each layer, rather than held in registers across the whole step (the
+ * registers are the kernel's limit: 128 a thread). */
+struct mk_item {
+    int it, h, s, S, t0, t1, w0, w1;
+};
+
+__device__ inline mk_item mk_item_for(const mk_args &A)
+{
+    const int L = A.pos[0] + 1;
+    /* key ranges: one item per block at most, at least MK_MIN_KEYS keys each */
+    int S = (int)gridDim.x / A.n_kv;
+    if (S > MK_SPLITS) S = MK_SPLITS;
+    if (S > (L + MK_MIN_KEYS - 1) / MK_MIN_KEYS) S = (L + MK_MIN_KEYS - 1) / MK_MIN_KEYS;
+    if (S < 1) S = 1;
+    const int chunk = (L + S - 1) / S;
+    mk_item m;
+    m.S = S;
+    m.it = blockIdx.x < A.n_kv * S ? (int)blockIdx.x : -1;
+    m.h = m.it / S;
+    m.s = m.it % S;
+    m.t0 = m.s * chunk;
+    m.t1 = m.t0 + chunk < L ? m.t0 + chunk : L;
+    if (m.t1 < m.t0) m.t1 = m.t0;
+    m.w0 = m.w1 = 0;
+    mk_warp_keys(m.t0, m.t1, &m.w0, &m.w1);
+    return m;
+}
+
 static size_t mk_smem_bytes(int d, int qd, int ff, int hd, int group, int max_blocks)
 {
     return mk_smem_main(d, qd, ff, hd, group) + (size_t)max_blocks * 4;
@@ -589,13 +619,6 @@ __global__ void __launch_bounds__(MK_THREADS, 1) k_mega(mk_args A)
     const int lane = threadIdx.x % 32;
     const int p = A.pos[0];
     const int32_t *tab = A.tables + (size_t)A.seq[0] * A.max_blocks;
-    const int L = p + 1;
-    /* key ranges: one item per block at most, at least MK_MIN_KEYS keys each */
-    int S = (int)gridDim.x / A.n_kv;
-    if (S > MK_SPLITS) S = MK_SPLITS;
-    if (S > (L + MK_MIN_KEYS - 1) / MK_MIN_KEYS) S = (L + MK_MIN_KEYS - 1) / MK_MIN_KEYS;
-    if (S < 1) S = 1;
-    const int chunk = (L + S - 1) / S;
     const int rows_qkv = A.qd + 2 * A.kd;
     if (A.times && blockIdx.x == 0 && threadIdx.x == 0) {
         unsigned long long t;
@@ -612,13 +635,6 @@ __global__ void __launch_bounds__(MK_THREADS, 1) k_mega(mk_args A)
         bar_next = now - now % per + gridDim.x;
         if (A.am && blockIdx.x == 0) *A.am = 0ull; /* before this block's first arrival */
     }
-    /* this block's attention item (one at most: n_kv * S <= blocks), and its keys */
-    const int it = blockIdx.x < A.n_kv * S ? (int)blockIdx.x : -1;
-    const int it_h = it / S, it_s = it % S, it_t0 = it_s * chunk;
-    int it_t1 = it_t0 + chunk < L ? it_t0 + chunk : L;
-    if (it_t1 < it_t0) it_t1 = it_t0;
-    int it_w0 = 0, it_w1 = 0;
-    mk_warp_keys(it_t0, it_t1, &it_w0, &it_w1);
     /* the sequence's block table, for attention's lookups */
     for (int i = threadIdx.x; i <= p / A.block_size; i += blockDim.x) s_tab[i] = tab[i];
     __syncthreads();
@@ -635,11 +651,12 @@ __global__ void __launch_bounds__(MK_THREADS, 1) k_mega(mk_args A)
         /* attention, each KV head's items merged by the block that ends them; the item's
          * first K/V loads go out before the barrier (they read only the cache) */
         uint32_t kr[MK_KPW][DPL / 2], vr[MK_KPW][DPL / 2];
-        if (it >= 0 && A.preload) mk_kv_pass<DPL>(A, layer, s_tab, p, it_h, it_w0, it_w1, kr, vr);
+        const mk_item I = mk_item_for(A);
+        if (I.it >= 0 && A.preload) mk_kv_pass<DPL>(A, layer, s_tab, p, I.h, I.w0, I.w1, kr, vr);
         mk_sync(A.bar, &bar_next, A.times, li * 5 + 1);
-        if (it >= 0) {
-            if (!A.preload) mk_kv_pass<DPL>(A, layer, s_tab, p, it_h, it_w0, it_w1, kr, vr);
-            mk_attn_item<DPL, GROUP>(A, layer, s_tab, p, it_h, it_s, S, it_t0, it_t1, s_q, s_w, A.cnt, kr, vr);
+        if (I.it >= 0) {
+            if (!A.preload) mk_kv_pass<DPL>(A, layer, s_tab, p, I.h, I.w0, I.w1, kr, vr);
+            mk_attn_item<DPL, GROUP>(A, layer, s_tab, p, I.h, I.s, I.S, I.t0, I.t1, s_q, s_w, A.cnt, kr, vr);
             __syncthreads();
         }
         mk_sync(A.bar, &bar_next, A.times, li * 5 + 2);
