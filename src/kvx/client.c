@@ -1676,8 +1676,8 @@ int kvx_xfer_poll(kvx_xfer *x, td_err *result)
  */
 static bool wait_helps(const kvx_client *c)
 {
-    return !c->opts.region.device && (c->transport == &tcp_transport || c->transport == &kvx__shm_transport) &&
-           atomic_load(&kvx__test_no_wait_help) == 0;
+    bool host = c->transport == &tcp_transport || c->transport == &kvx__shm_transport;
+    return host && !c->opts.region.device && atomic_load(&kvx__test_no_wait_help) == 0;
 }
 
 /* Under c->mu: unlink and return a queued piece of x, or NULL. */

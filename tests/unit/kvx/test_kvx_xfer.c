@@ -727,7 +727,8 @@ static void test_waiter_runs_its_pieces(void **state)
     char ta[KVX_ID_HEX], tb[KVX_ID_HEX];
     assert_int_equal(kvx_agent_register(f->agent, a, 1, 0, NULL, ta, &err), 0);
     assert_int_equal(kvx_agent_register(f->agent, b, 3, 0, NULL, tb, &err), 0);
-    int delayed0 = atomic_load(&kvx__test_sends_delayed), helped0 = atomic_load(&kvx__test_pieces_helped);
+    int delayed0 = atomic_load(&kvx__test_sends_delayed);
+    int helped0 = atomic_load(&kvx__test_pieces_helped);
     atomic_store(&kvx__test_send_delay_ms, 500);
     kvx_xfer *xa = start_read(f, c, ta, a, a, 1);
     for (int i = 0; i < 5000 && atomic_load(&kvx__test_sends_delayed) == delayed0; i++)
