@@ -594,8 +594,10 @@ static int serve_read(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m)
                 batch += (uint64_t)cb * r->block_bytes;
                 j += cb;
                 /* A batch ends at per_chunk blocks, so it holds at most one entry per
-                 * descriptor and b->iov (1 + KVX_MAX_DESC + trailer) always suffices. */
-                if (batch >= (uint64_t)per_chunk * r->block_bytes) {
+                 * descriptor and b->iov (1 + KVX_MAX_DESC + trailer) always suffices. The
+                 * last batch waits for the trailer below, whether full or not. */
+                bool last = k + 1 == m->u.read.n_desc && j == d.n_blocks;
+                if (batch >= (uint64_t)per_chunk * r->block_bytes && !last) {
                     rc = kvx__writev_all(fd, b->iov, n_iov, deadline, &e);
                     n_iov = 0;
                     batch = 0;

@@ -655,6 +655,8 @@ static void tcp_run_group(kvx__session *s, kvx__piece **ps, int n, int *rcs, td_
         rc = conn_get(s, deadline, &fd, &fresh, &e);
         if (rc) goto fail_rest;
         rc = kvx__send_all(fd, req, req_n, deadline, &e);
+        /* the answer cannot be there yet: wait for it rather than try a read first */
+        if (!rc) rc = kvx__wait_readable(fd, deadline, &e);
         if (!rc) rc = tcp_recv_piece(s, ps[0], fd, &conn_ok, &before, &e);
         if (!rc || conn_ok || rc != TD_ECONN || !before || fresh || attempt > 0) break;
         conn_put(s, fd, false);

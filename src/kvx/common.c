@@ -200,6 +200,11 @@ static int wait_fd(int fd, short events, uint64_t deadline_ns, const char *what,
     }
 }
 
+int kvx__wait_readable(int fd, uint64_t deadline_ns, td_err *err)
+{
+    return wait_fd(fd, POLLIN, deadline_ns, "waiting for the answer", err);
+}
+
 int kvx__bind_device(int fd, const char *device)
 {
     static _Atomic bool warned;

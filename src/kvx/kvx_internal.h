@@ -58,6 +58,8 @@ int kvx__recv_all(int fd, void *buf, size_t n, uint64_t deadline_ns, td_err *err
 /** Vectored forms; iov is modified (consumed) as bytes move. */
 int kvx__writev_all(int fd, struct iovec *iov, int n_iov, uint64_t deadline_ns, td_err *err);
 int kvx__readv_all(int fd, struct iovec *iov, int n_iov, uint64_t deadline_ns, td_err *err);
+/* Wait until fd is readable (or fails), at most until the deadline. */
+int kvx__wait_readable(int fd, uint64_t deadline_ns, td_err *err);
 void kvx__set_sock_opts(int fd);
 /**
  * kvx__connect from a given local address, and where device is set, through that network

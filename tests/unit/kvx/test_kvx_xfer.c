@@ -447,6 +447,21 @@ static void test_odd_geometry(void **state)
         for (int i = 0; i < n; i++)
             assert_memory_equal(cm + (size_t)sgm * STR + (size_t)dst[i] * BB,
                                 pm + (size_t)sgm * STR + (size_t)src[i] * BB, BB);
+    /* Pieces of exactly one checksum batch each (258 blocks of 1000 bytes: a segment's
+     * run per piece), so every answer's last batch is full and carries the trailer. */
+    enum { WHOLE = 258 };
+    for (int i = 0; i < WHOLE; i++)
+        src[i] = i, dst[i] = NB - WHOLE + i;
+    assert_int_equal(kvx_agent_register(a, src, WHOLE, 0, NULL, tid, &err), 0);
+    rq.n_blocks = WHOLE;
+    assert_int_equal(kvx_read_start(c, &rq, &x, &err), 0);
+    rc = kvx_xfer_wait(x, &res);
+    if (rc) fprintf(stderr, "%s\n", res.msg);
+    assert_int_equal(rc, 0);
+    kvx_xfer_free(x);
+    for (int sgm = 0; sgm < SEGS; sgm++)
+        assert_memory_equal(cm + (size_t)sgm * STR + (size_t)dst[0] * BB, pm + (size_t)sgm * STR,
+                            (size_t)WHOLE * BB);
     kvx_client_destroy(c);
     kvx_agent_destroy(a);
     free(pm);
