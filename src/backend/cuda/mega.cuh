@@ -151,7 +151,9 @@ __device__ inline float mk_dot(const __nv_bfloat16 *w, const __nv_bfloat16 *xs, 
     return acc;
 }
 
-/* Two rows together (twice the loads in flight). */
+/* Two rows together (twice the loads in flight). mk_dot, mk_dot2 and mk_dot3 stay three
+ * loops: one template over the row count measured 0.5-0.8% slower on the Llama-3-8B shape
+ * (attention's registers again; BENCHMARKS.md), though faster on llama-1b. */
 __device__ inline void mk_dot2(const __nv_bfloat16 *w0, const __nv_bfloat16 *w1, const __nv_bfloat16 *xs, int nv,
                                float *a0, float *a1)
 {
