@@ -361,7 +361,8 @@ static int run_cell(bench *b, kvx_agent *a, kvx_client *c, uint64_t size, int co
                                .transfer_id = tid[t],
                                .src_blocks = src,
                                .dst_blocks = dst + (size_t)t * per,
-                               .n_blocks = per};
+                               .n_blocks = per,
+                               .will_wait = true};
             rc = kvx_read_start(c, &rq, &x[t], &err);
             if (rc) conc = t; /* wait for the ones started */
         }
@@ -455,7 +456,8 @@ static int run_probe(bench *b, kvx_agent *a, kvx_client *c)
         if (!rc) {
             kvx_read_req rq = {.host = b->host, .port = kvx_agent_port(a),
                                .engine_id = kvx_agent_engine_id(a), .transfer_id = tid,
-                               .src_blocks = s, .dst_blocks = d, .n_blocks = n};
+                               .src_blocks = s, .dst_blocks = d, .n_blocks = n,
+                               .will_wait = true};
             rc = kvx_read_start(c, &rq, &x, &err);
         }
         if (!rc) rc = kvx_xfer_wait(x, &err);

@@ -97,7 +97,9 @@ struct kvx_agent {
     char rail_addr[KVX_MAX_RAILS][64];
 
     pthread_mutex_t mu;
-    pthread_cond_t cv; /* lease thread wake-ups; connection exits */
+    pthread_cond_t cv;   /* lease thread wake-ups; connection exits */
+    uint64_t lease_next; /* when the lease thread plans to wake (0: it is not asleep) */
+    int n_write_waiting; /* WRITEs waiting for their transfer id to be registered */
     bool stopping;
     lease **leases;
     int n_leases, cap_leases;
@@ -234,7 +236,10 @@ int kvx_agent_register(kvx_agent *a, const int32_t *blocks, int n_blocks, uint32
         a->cap_leases = cap;
     }
     a->leases[a->n_leases++] = l;
-    pthread_cond_broadcast(&a->cv);
+    /* Wake the lease thread only when this lease expires before it would wake anyway (a
+     * wake-up per registration cost each prefill a context switch), and WRITEs waiting for
+     * an id (so that one for this id hears at once that it is not a push transfer). */
+    if (l->expires_ns < a->lease_next || a->n_write_waiting > 0) pthread_cond_broadcast(&a->cv);
     pthread_mutex_unlock(&a->mu);
     memcpy(id_out, l->hex, KVX_ID_HEX);
     return 0;
@@ -299,7 +304,9 @@ static void *lease_main(void *arg)
             ts.tv_sec++;
             ts.tv_nsec -= 1000000000L;
         }
+        a->lease_next = next;
         pthread_cond_timedwait(&a->cv, &a->mu, &ts);
+        a->lease_next = 0;
     }
     pthread_mutex_unlock(&a->mu);
     return NULL;
@@ -308,7 +315,7 @@ static void *lease_main(void *arg)
 /* ---------------------------------------------------------------- serving a connection */
 
 typedef struct conn_bufs {
-    uint8_t *in;  /* KVX_MAX_PAYLOAD */
+    uint8_t *in;  /* the connection's frames, read ahead (kvx__rbuf) */
     uint8_t *out; /* a checksum trailer or a small answer */
     size_t out_cap;
     struct iovec *iov; /* 1 + KVX_MAX_DESC */
@@ -1041,7 +1048,9 @@ static int serve_write(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m)
             a->stats.unknown_transfer++;
             break;
         }
+        a->n_write_waiting++;
         rc = push_wait(a, fd, b, tag, &keepalive, period);
+        a->n_write_waiting--;
     }
     if (l && !l->push) {
         code = TD_EPROTO;
@@ -1203,9 +1212,10 @@ static void *conn_main(void *arg)
     conn *c = arg;
     kvx_agent *a = c->agent;
     conn_bufs b = {0};
-    /* The largest frame a consumer may send is a READ of KVX_MAX_DESC ranges. */
-    size_t in_cap = 24 + (size_t)KVX_MAX_DESC * KVX_DESC_BYTES;
-    b.in = malloc(in_cap);
+    /* The largest frame a consumer may send is a READ of KVX_MAX_DESC ranges; frames are
+     * read ahead (kvx__rbuf), so pipelined READs come in with one recv. */
+    kvx__rbuf rb = {.cap = KVX_HDR_BYTES + 24 + (size_t)KVX_MAX_DESC * KVX_DESC_BYTES};
+    b.in = rb.buf = malloc(rb.cap);
     b.out_cap = KVX_HDR_BYTES + 4 * (size_t)KVX_MAX_CRC + 64; /* + UCX_GRANTED's header */
     b.out = malloc(b.out_cap);
     b.iov = malloc((2 + (size_t)KVX_MAX_DESC) * sizeof(struct iovec));
@@ -1222,7 +1232,7 @@ static void *conn_main(void *arg)
          * them), except that a pin ends by its time limit. */
         uint64_t deadline = greeted && authed ? UINT64_MAX : td_now_ns() + HELLO_TIMEOUT_NS;
         if (pin.l) deadline = pin.until_ns;
-        int rc = kvx__recv_frame(c->fd, b.in, in_cap, &m, deadline, &e);
+        int rc = kvx__rbuf_frame(c->fd, &rb, &m, deadline, &e);
         if (!rc && pin.l && m.hdr.type != KVX_MSG_UCX_DONE) {
             send_error(c->fd, &b, m.hdr.tag, TD_EPROTO, "expected UCX_DONE after UCX_GRANT");
             break;
@@ -1650,6 +1660,16 @@ int kvx_agent_create(kvx_agent **out, const kvx_agent_opts *opts, td_err *err)
 int kvx_agent_rail_state(kvx_agent *a, int rail)
 {
     return a->railpool ? kvx__railpool_state(a->railpool, rail) : -1;
+}
+
+void kvx__test_agent_hangup(kvx_agent *a)
+{
+    pthread_mutex_lock(&a->mu);
+    for (conn *c = a->conns; c; c = c->next)
+        shutdown(c->fd, SHUT_RDWR);
+    while (a->n_conns > 0)
+        pthread_cond_wait(&a->cv, &a->mu);
+    pthread_mutex_unlock(&a->mu);
 }
 
 void kvx_agent_destroy(kvx_agent *a)

@@ -83,6 +83,7 @@ struct kvx_xfer {
     int code;
     td_err result;
     bool done, detached;
+    bool held; /* will_wait: one piece was queued without a worker signalled for it */
     kvx_done_fn cb;
     void *user;
     kvx_xfer_info info;
@@ -113,6 +114,7 @@ struct kvx_client {
     uint64_t watch_next;     /* when the watchdog plans to wake (UINT64_MAX: not planned) */
     kvx__piece *qhead, *qtail;
     int n_waiting; /* workers waiting for a piece (under mu) */
+    int wake_debt; /* queued pieces held back for callers that will wait (under mu) */
     bool stopping;
     pthread_t watchdog;
     bool has_watchdog;
@@ -382,7 +384,14 @@ static int session_dial(kvx__session *s, uint64_t deadline_ns, int *fd, td_err *
 }
 
 /* A connection of the session: an idle one, a new one (greeted), or wait for one. */
-static int conn_get(kvx__session *s, uint64_t deadline_ns, int *fd, bool *fresh, td_err *err)
+/*
+ * A connection to the session's producer: an idle one, a new one (*fresh), or wait for one.
+ * An idle connection is checked (`check`: readable means the producer hung up) only where
+ * the caller has no retry: requests retry once on a fresh connection when a reused one
+ * turns out dead (conn_drop_stale), which saves the check's system call on every request.
+ */
+static int conn_get(kvx__session *s, uint64_t deadline_ns, bool check, int *fd, bool *fresh,
+                    td_err *err)
 {
     pthread_mutex_lock(&s->mu);
     for (;;) {
@@ -391,7 +400,7 @@ static int conn_get(kvx__session *s, uint64_t deadline_ns, int *fd, bool *fresh,
             /* An idle connection has nothing to read; readable means the producer hung up
              * (it restarted or died): drop it instead of failing a request on it. */
             struct pollfd pf = {.fd = *fd, .events = POLLIN};
-            if (poll(&pf, 1, 0) != 0) {
+            if (check && poll(&pf, 1, 0) != 0) {
                 close(*fd);
                 s->n_open--;
                 continue;
@@ -434,6 +443,21 @@ static int conn_get(kvx__session *s, uint64_t deadline_ns, int *fd, bool *fresh,
         ts.tv_nsec %= 1000000000L;
         pthread_cond_timedwait(&s->cv, &s->mu, &ts);
     }
+}
+
+/* A reused connection broke before its answer: the producer hung up (it restarted or
+ * died), so the other idle ones are as dead. Close them all, so that the retry dials. */
+static void conn_drop_stale(kvx__session *s, int fd)
+{
+    pthread_mutex_lock(&s->mu);
+    close(fd);
+    s->n_open--;
+    while (s->n_idle > 0) {
+        close(s->idle[--s->n_idle]);
+        s->n_open--;
+    }
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
 }
 
 static void conn_put(kvx__session *s, int fd, bool ok)
@@ -480,11 +504,13 @@ static int tcp_recv_piece(kvx__session *s, kvx__piece *p, int fd, bool *conn_ok,
         goto out;
     }
     kvx_msg m;
-    rc = kvx__recv_frame(fd, in, in_cap, &m, x->deadline_ns, err);
+    bool overread; /* a short ERROR took bytes of the next answer: the stream is out of step */
+    rc = kvx__recv_frame_expect(fd, in, in_cap, KVX_DATA_PAYLOAD, &m, x->deadline_ns, &overread,
+                                err);
     if (rc) goto out;
     *before_answer = false;
     if (m.hdr.type == KVX_MSG_ERROR) {
-        *conn_ok = true;
+        *conn_ok = !overread;
         rc = td_err_set(err, m.u.error.code, "kvx: producer %s:%u: %s", s->host, s->port,
                         m.u.error.msg);
         goto out;
@@ -652,14 +678,14 @@ static void tcp_run_group(kvx__session *s, kvx__piece **ps, int n, int *rcs, td_
     bool conn_ok = false;
     for (int attempt = 0;; attempt++) {
         bool fresh, before = true;
-        rc = conn_get(s, deadline, &fd, &fresh, &e);
+        rc = conn_get(s, deadline, false, &fd, &fresh, &e);
         if (rc) goto fail_rest;
         rc = kvx__send_all(fd, req, req_n, deadline, &e);
         /* the answer cannot be there yet: wait for it rather than try a read first */
         if (!rc) rc = kvx__wait_readable(fd, deadline, &e);
         if (!rc) rc = tcp_recv_piece(s, ps[0], fd, &conn_ok, &before, &e);
         if (!rc || conn_ok || rc != TD_ECONN || !before || fresh || attempt > 0) break;
-        conn_put(s, fd, false);
+        conn_drop_stale(s, fd);
     }
     group_outcome(s, ps, done++, n, rc, &e, rcs, errs, &last_rc, &last_e);
     while (done < n && conn_ok) {
@@ -699,14 +725,17 @@ static int tcp_control(kvx__session *s, uint8_t type, const uint8_t id[KVX_ID_BY
     int fd, rc;
     for (int attempt = 0;; attempt++) {
         bool fresh;
-        rc = conn_get(s, deadline_ns, &fd, &fresh, err);
+        rc = conn_get(s, deadline_ns, false, &fd, &fresh, err);
         if (rc) return rc;
         rc = kvx__send_all(fd, buf, n, deadline_ns, err);
         uint8_t in[512];
         if (!rc) rc = kvx__recv_frame(fd, in, sizeof(in), &m, deadline_ns, err);
         if (!rc) break;
-        conn_put(s, fd, false);
-        if (rc != TD_ECONN || fresh || attempt > 0) return rc;
+        if (rc != TD_ECONN || fresh || attempt > 0) {
+            conn_put(s, fd, false);
+            return rc;
+        }
+        conn_drop_stale(s, fd);
     }
     conn_put(s, fd, m.hdr.type == KVX_MSG_ACK || m.hdr.type == KVX_MSG_ERROR);
     if (m.hdr.type == KVX_MSG_ERROR)
@@ -1346,10 +1375,12 @@ static int stripe_sessions(kvx_client *c, struct kvx_xfer *x, td_err *err)
  * Start a read of src[i] -> dst[i] (i < n) in segments [seg0, seg1) on session s, whose
  * reference the transfer takes over (it is dropped here on failure).
  */
+static bool wait_helps(const kvx_client *c);
+
 static int read_begin(kvx_client *c, kvx__session *s, const uint8_t id[KVX_ID_BYTES],
                       const int32_t *src, const int32_t *dst, int n, uint32_t seg0, uint32_t seg1,
-                      uint32_t timeout_ms, kvx_done_fn done, void *user, kvx_xfer **out,
-                      td_err *err)
+                      uint32_t timeout_ms, bool will_wait, kvx_done_fn done, void *user,
+                      kvx_xfer **out, td_err *err)
 {
     *out = NULL;
     struct kvx_xfer *x = calloc(1, sizeof(*x));
@@ -1408,9 +1439,16 @@ static int read_begin(kvx_client *c, kvx__session *s, const uint8_t id[KVX_ID_BY
             c->qhead = p;
         c->qtail = p;
     }
-    /* one worker per piece: waking them all for a one-piece transfer costs each of the
-     * others a futex wake-up, a trip through the lock and a futex wait, for nothing */
-    for (int i = 0; i < TD_MIN(x->n_pieces, c->n_workers); i++)
+    /* One worker per piece: waking them all for a one-piece transfer costs each of the
+     * others a futex wake-up, a trip through the lock and a futex wait, for nothing. A
+     * caller that will wait runs one piece itself: no worker is woken for it (wake_debt). */
+    int wake = x->n_pieces;
+    if (will_wait && wait_helps(c)) {
+        x->held = true;
+        c->wake_debt++;
+        wake--;
+    }
+    for (int i = 0; i < TD_MIN(wake, c->n_workers); i++)
         pthread_cond_signal(&c->work_cv);
     if (x->deadline_ns < c->watch_next) pthread_cond_signal(&c->watch_cv);
     pthread_mutex_unlock(&c->mu);
@@ -1437,7 +1475,8 @@ int kvx_read_start(kvx_client *c, const kvx_read_req *req, kvx_xfer **out, td_er
     int rc = session_get(c, req->host, req->port, req->engine_id, data_rail(c), &s, err);
     if (rc) return rc;
     return read_begin(c, s, id, req->src_blocks, req->dst_blocks, req->n_blocks, 0,
-                      c->opts.region.n_segments, req->timeout_ms, req->done, req->user, out, err);
+                      c->opts.region.n_segments, req->timeout_ms, req->will_wait, req->done,
+                      req->user, out, err);
 }
 
 /* ---------------------------------------------------------------- push (kvx_write_start) */
@@ -1486,7 +1525,7 @@ static int push_read(struct kvx_xfer *x, const kvx_msg *m, int32_t *src, int32_t
     x->info.n_runs++;
     pthread_mutex_unlock(&c->mu);
     kvx_xfer *sub;
-    int rc = read_begin(c, ds, x->transfer_id, src, dst, k, seg, seg + n_seg, x->timeout_ms,
+    int rc = read_begin(c, ds, x->transfer_id, src, dst, k, seg, seg + n_seg, x->timeout_ms, false,
                         push_sub_done, x, &sub, err);
     if (rc) {
         pthread_mutex_lock(&c->mu);
@@ -1658,9 +1697,20 @@ size_t kvx_xfer_note(kvx_xfer *x, void *buf, size_t cap)
     return n;
 }
 
+/* Under c->mu: x's caller will not run its held piece (it polls, frees, or waits for it
+ * now): a worker is signalled for it after all. */
+static void release_held(kvx_client *c, struct kvx_xfer *x)
+{
+    if (!x->held) return;
+    x->held = false;
+    c->wake_debt--;
+    pthread_cond_signal(&c->work_cv);
+}
+
 int kvx_xfer_poll(kvx_xfer *x, td_err *result)
 {
     pthread_mutex_lock(&x->c->mu);
+    release_held(x->c, x);
     bool done = x->done;
     pthread_mutex_unlock(&x->c->mu);
     if (!done) return TD_EAGAIN;
@@ -1701,6 +1751,14 @@ int kvx_xfer_wait(kvx_xfer *x, td_err *result)
     kvx_client *c = x->c;
     bool help = wait_helps(c);
     pthread_mutex_lock(&c->mu);
+    if (x->held) { /* its piece is this thread's to run */
+        x->held = false;
+        c->wake_debt--;
+    }
+    /* Other transfers' held pieces get their workers now: a caller that starts several
+     * and waits for each in turn keeps them running together. */
+    for (kvx__piece *q = c->wake_debt > 0 ? c->qhead : NULL; q; q = q->next)
+        release_held(c, q->x);
     while (!x->done) {
         kvx__piece *p = help ? take_own(c, x) : NULL;
         if (!p) {
@@ -1723,6 +1781,7 @@ void kvx_xfer_free(kvx_xfer *x)
     if (!x) return;
     kvx_client *c = x->c;
     pthread_mutex_lock(&c->mu);
+    release_held(c, x);
     bool now = x->done;
     x->detached = true;
     pthread_mutex_unlock(&c->mu);
@@ -1772,7 +1831,7 @@ int kvx_session_check(kvx_client *c, const char *host, uint16_t port, const char
     int fd;
     bool fresh;
     uint64_t deadline = td_now_ns() + (uint64_t)c->opts.transfer_timeout_ms * 1000000ull;
-    rc = conn_get(s, deadline, &fd, &fresh, err);
+    rc = conn_get(s, deadline, true, &fd, &fresh, err);
     if (!rc) conn_put(s, fd, true);
     session_put(s);
     return rc;

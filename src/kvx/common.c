@@ -408,6 +408,81 @@ int kvx__recv_frame(int fd, uint8_t *buf, size_t cap, kvx_msg *m, uint64_t deadl
     return kvx_wire_decode(&h, buf, h.payload_len, m, err);
 }
 
+int kvx__recv_frame_expect(int fd, uint8_t *buf, size_t cap, size_t expect, kvx_msg *m,
+                           uint64_t deadline_ns, bool *overread, td_err *err)
+{
+    uint8_t hdr[KVX_HDR_BYTES];
+    size_t got = 0; /* bytes of hdr, then of buf */
+    *overread = false;
+    TD_ASSERT(expect <= cap);
+    while (got < KVX_HDR_BYTES) {
+        struct iovec iov[2] = {{hdr + got, KVX_HDR_BYTES - got}, {buf, expect}};
+        ssize_t r = readv(fd, iov, 2);
+        if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+            int rc = wait_fd(fd, POLLIN, deadline_ns, "receiving", err);
+            if (rc) return rc;
+            continue;
+        }
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) return io_error(err, "receiving", r);
+        got += (size_t)r;
+    }
+    kvx_hdr h;
+    int rc = kvx_wire_decode_hdr(hdr, &h, err);
+    if (rc) return rc;
+    size_t have = got - KVX_HDR_BYTES;
+    if (have > h.payload_len) {
+        *overread = true;
+        have = h.payload_len;
+    }
+    if (h.payload_len > cap)
+        return td_err_set(err, TD_EFORMAT, "kvx: %u-byte payload exceeds the buffer",
+                          h.payload_len);
+    uint64_t payload_deadline = TD_MIN(deadline_ns, td_now_ns() + 30ull * 1000000000ull);
+    rc = kvx__recv_all(fd, buf + have, h.payload_len - have, payload_deadline, err);
+    if (rc) return rc;
+    return kvx_wire_decode(&h, buf, h.payload_len, m, err);
+}
+
+/* Until rb holds `need` bytes from lo: poll, then one recv of all that fits (the buffer is
+ * usually empty here: the next frame has not come yet, so a read first would fail). */
+static int rbuf_fill(int fd, kvx__rbuf *rb, size_t need, uint64_t deadline_ns, td_err *err)
+{
+    if (rb->lo == rb->hi) rb->lo = rb->hi = 0;
+    if (rb->cap - rb->lo < need) {
+        memmove(rb->buf, rb->buf + rb->lo, rb->hi - rb->lo);
+        rb->hi -= rb->lo;
+        rb->lo = 0;
+    }
+    while (rb->hi - rb->lo < need) {
+        int rc = wait_fd(fd, POLLIN, deadline_ns, "receiving", err);
+        if (rc) return rc;
+        ssize_t r = recv(fd, rb->buf + rb->hi, rb->cap - rb->hi, 0);
+        if (r < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
+        if (r <= 0) return io_error(err, "receiving", r);
+        rb->hi += (size_t)r;
+    }
+    return 0;
+}
+
+int kvx__rbuf_frame(int fd, kvx__rbuf *rb, kvx_msg *m, uint64_t deadline_ns, td_err *err)
+{
+    int rc = rbuf_fill(fd, rb, KVX_HDR_BYTES, deadline_ns, err);
+    if (rc) return rc;
+    kvx_hdr h;
+    rc = kvx_wire_decode_hdr(rb->buf + rb->lo, &h, err);
+    if (rc) return rc;
+    if (h.payload_len > rb->cap - KVX_HDR_BYTES)
+        return td_err_set(err, TD_EFORMAT, "kvx: %u-byte payload exceeds the buffer",
+                          h.payload_len);
+    uint64_t payload_deadline = TD_MIN(deadline_ns, td_now_ns() + 30ull * 1000000000ull);
+    rc = rbuf_fill(fd, rb, KVX_HDR_BYTES + h.payload_len, payload_deadline, err);
+    if (rc) return rc;
+    const uint8_t *payload = rb->buf + rb->lo + KVX_HDR_BYTES;
+    rb->lo += KVX_HDR_BYTES + h.payload_len;
+    return kvx_wire_decode(&h, payload, h.payload_len, m, err);
+}
+
 const char *kvx_protocol_name(kvx_protocol p)
 {
     switch (p) {

@@ -314,6 +314,11 @@ typedef struct kvx_read_req {
     uint32_t timeout_ms; /* 0 = the client's transfer_timeout_ms */
     kvx_done_fn done;    /* may be NULL: then poll or wait */
     void *user;
+    /* The caller will call kvx_xfer_wait on this transfer (host regions over tcp or shm):
+     * one piece is left for the waiting thread to run and no worker is woken for it, so a
+     * one-piece read costs no thread hand-off. Polling or freeing the handle instead hands
+     * the piece to a worker; a piece left unclaimed still ends by the deadline. */
+    bool will_wait;
 } kvx_read_req;
 
 /**

@@ -105,6 +105,34 @@ void kvx__railpool_destroy(kvx__railpool *p);
 int kvx__recv_frame(int fd, uint8_t *buf, size_t cap, kvx_msg *m, uint64_t deadline_ns,
                     td_err *err);
 
+/**
+ * Receive a frame whose payload is expected to be `expect` bytes (cap >= expect): the
+ * header and that payload in one read when they have arrived together (an answer's DATA
+ * frame). Any other frame is read whole; one whose payload is shorter than expect may have
+ * taken bytes of what follows it: *overread is then set, and the connection is out of step.
+ */
+int kvx__recv_frame_expect(int fd, uint8_t *buf, size_t cap, size_t expect, kvx_msg *m,
+                           uint64_t deadline_ns, bool *overread, td_err *err);
+
+/**
+ * A frame reader that reads ahead, for a connection on which only frames arrive (no raw
+ * bytes follow any of them: the producer's side). One recv takes every frame that has
+ * arrived, so pipelined READs cost no system call after the first, and a frame costs a
+ * poll and one recv instead of a failed read, a poll and a read each for header and
+ * payload. buf holds cap bytes (>= KVX_HDR_BYTES + the largest payload accepted).
+ */
+typedef struct kvx__rbuf {
+    uint8_t *buf;
+    size_t cap, lo, hi; /* buf[lo, hi): received, not yet returned */
+} kvx__rbuf;
+
+/**
+ * The next frame, strictly decoded into *m, whose arrays point into rb->buf until the next
+ * call. Waiting for a frame's first byte is bounded by deadline_ns; a frame that has
+ * started must finish within 30 s (as kvx__recv_frame).
+ */
+int kvx__rbuf_frame(int fd, kvx__rbuf *rb, kvx_msg *m, uint64_t deadline_ns, td_err *err);
+
 /** Build the HELLO that describes one side. */
 void kvx__hello_fill(kvx_hello *h, const uint8_t engine_id[KVX_ID_BYTES], const kvx_layout *layout,
                      const kvx_region *region);
@@ -314,5 +342,8 @@ extern _Atomic int kvx__test_rail_fail;
 /* When > 0, the agent sleeps 20 ms before serving each READ on rail (value - 1): a slow
  * rail, for tests of striping. */
 extern _Atomic int kvx__test_slow_rail;
+/* Hang up on every consumer connection of agent a (as a producer restarting behind the same
+ * listener would leave them) and wait until their threads have left; the agent goes on. */
+void kvx__test_agent_hangup(struct kvx_agent *a);
 
 #endif

@@ -218,7 +218,7 @@ int kvx_wire_decode(const kvx_hdr *h, const uint8_t *p, size_t len, kvx_msg *m, 
         return 0;
     }
     case KVX_MSG_DATA:
-        if (len != 12) return bad_len(err, h, 12);
+        if (len != KVX_DATA_PAYLOAD) return bad_len(err, h, KVX_DATA_PAYLOAD);
         m->u.data.data_len = get64(p);
         m->u.data.n_crc = get32(p + 8);
         if (m->u.data.n_crc > KVX_MAX_CRC)
@@ -598,7 +598,7 @@ size_t kvx_wire_encode_data(uint8_t *buf, size_t cap, uint32_t tag, uint64_t dat
                             uint32_t n_crc)
 {
     if (n_crc > KVX_MAX_CRC) return 0;
-    size_t n = put_hdr(buf, cap, KVX_MSG_DATA, tag, 12);
+    size_t n = put_hdr(buf, cap, KVX_MSG_DATA, tag, KVX_DATA_PAYLOAD);
     if (!n) return 0;
     put64(buf + KVX_HDR_BYTES, data_len);
     put32(buf + KVX_HDR_BYTES + 8, n_crc);

@@ -36,10 +36,10 @@
 #define KVX_MAX_HEARTBEAT_IDS 1024
 #define KVX_MAX_ERRMSG 255
 #define KVX_DESC_BYTES 12
-#define KVX_MAX_UCX_BLOB 65536 /* a UCX worker address or packed rkey, bytes */
+#define KVX_DATA_PAYLOAD 12       /* DATA: data_len u64, n_crc u32 */
+#define KVX_MAX_UCX_BLOB 65536    /* a UCX worker address or packed rkey, bytes */
 #define KVX_NOT_STAGED UINT64_MAX /* UCX_GRANTED: the ranges are read in place */
-#define KVX_MAX_RAIL 63        /* bytes of a rail (device) name or a rail's address */
-
+#define KVX_MAX_RAIL 63           /* bytes of a rail (device) name or a rail's address */
 
 typedef enum kvx_msg_type {
     KVX_MSG_HELLO = 1,     /* consumer -> producer: who I am, what I expect */

@@ -4,7 +4,8 @@
  * allocated pools. Covers: correctness with coalesced runs, 16 concurrent transfers,
  * layout mismatch on both sides, guessed transfer ids, leases (release, expiry,
  * heartbeats), a producer dying mid-transfer, deadlines, checksum corruption, a producer
- * restart (new engine id at the same port), port collisions, and pipelined pieces (an
+ * restart (new engine id at the same port), idle connections the producer hung up on,
+ * port collisions, and pipelined pieces (an
  * unknown id and a corrupted piece inside a group, the producer leaving mid-group).
  */
 #include <setjmp.h>
@@ -611,6 +612,58 @@ static void test_producer_restart(void **state)
     assert_int_equal(kvx_client_n_sessions(f->client), 1);
 }
 
+/*
+ * The producer hangs up on every idle connection while the session lives (as a producer
+ * behind the same listener would after a restart of its connection threads). Requests do
+ * not check an idle connection before using it: the first one on a dead connection fails
+ * before its answer, the session's other idle connections are dropped with it, and the
+ * request is retried once on a new connection. Transfers and releases still succeed.
+ */
+static void test_idle_connections_hung_up(void **state)
+{
+    fixture *f = *state;
+    enum { N = 8, PER = 12 };
+    int32_t src[2 * N][PER], dst[2 * N][PER];
+    char tid[2 * N][KVX_ID_HEX];
+    td_err err;
+    for (int t = 0; t < 2 * N; t++) {
+        for (int i = 0; i < PER; i++) {
+            src[t][i] = (t * 5 + i * 7) % N_BLOCKS;
+            dst[t][i] = (t % N) * PER + i;
+        }
+        assert_int_equal(kvx_agent_register(f->agent, src[t], PER, 0, NULL, tid[t], &err), 0);
+    }
+    for (int half = 0; half < 2; half++) {
+        /* the first half's answers are slow, so that the workers open several connections */
+        atomic_store(&kvx__test_send_delay_ms, half == 0 ? 30 : 0);
+        atomic_store(&kvx__test_no_wait_help, half == 0);
+        kvx_xfer *x[N];
+        for (int t = 0; t < N; t++) {
+            int k = half * N + t;
+            kvx_read_req rq = req_for(f, tid[k], src[k], dst[k], PER, 0);
+            assert_int_equal(kvx_read_start(f->client, &rq, &x[t], &err), 0);
+        }
+        for (int t = 0; t < N; t++) {
+            td_err res;
+            int rc = kvx_xfer_wait(x[t], &res);
+            if (rc) fprintf(stderr, "half %d, transfer %d: %s\n", half, t, res.msg);
+            assert_int_equal(rc, 0);
+            kvx_xfer_free(x[t]);
+            expect_copied(f, src[half * N + t], dst[half * N + t], PER);
+        }
+        atomic_store(&kvx__test_send_delay_ms, 0);
+        atomic_store(&kvx__test_no_wait_help, 0);
+        /* every connection is idle on the consumer's side: hang up on all of them */
+        kvx__test_agent_hangup(f->agent);
+    }
+    for (int t = 0; t < 2 * N; t++)
+        assert_int_equal(kvx_release(f->client, "127.0.0.1", kvx_agent_port(f->agent),
+                                     kvx_agent_engine_id(f->agent), tid[t], &err),
+                         0);
+    assert_int_equal(wait_released(f, 2 * N), 2 * N);
+    assert_int_equal(kvx_client_n_sessions(f->client), 1);
+}
+
 static void test_port_collision(void **state)
 {
     fixture *f = *state;
@@ -763,6 +816,79 @@ static void test_waiter_runs_its_pieces(void **state)
     kvx_client_destroy(c);
 }
 
+/* A read started with will_wait leaves its one piece to the caller's wait: no worker takes
+ * it meanwhile. Polling or freeing the handle hands the piece to a worker instead, and a
+ * wait hands the other will_wait transfers' pieces to the workers, so that a caller that
+ * waits for several in turn does not run them one after another. */
+static kvx_xfer *start_will_wait(fixture *f, kvx_client *c, const char *tid, const int32_t *b,
+                                 int n, done_count *dc)
+{
+    kvx_read_req rq = req_for(f, tid, b, b, n, 0);
+    rq.will_wait = true;
+    rq.done = dc ? on_done : NULL;
+    rq.user = dc;
+    kvx_xfer *x = NULL;
+    td_err err;
+    assert_int_equal(kvx_read_start(c, &rq, &x, &err), 0);
+    return x;
+}
+
+static bool wait_done(done_count *dc, int n)
+{
+    for (int i = 0; i < 3000 && atomic_load(&dc->n) < n; i++)
+        usleep(1000);
+    return atomic_load(&dc->n) >= n;
+}
+
+static void test_will_wait(void **state)
+{
+    fixture *f = *state;
+    kvx_client *c = one_worker_client(f, 2);
+    td_err err, res;
+    int32_t b[5][1] = {{7}, {8}, {9}, {10}, {11}};
+    char tid[5][KVX_ID_HEX];
+    for (int i = 0; i < 5; i++)
+        assert_int_equal(kvx_agent_register(f->agent, b[i], 1, 0, NULL, tid[i], &err), 0);
+    usleep(100 * 1000); /* the worker has started and sleeps */
+    /* 1: the sleeping worker is not woken for it; the waiter runs the piece */
+    int helped0 = atomic_load(&kvx__test_pieces_helped);
+    kvx_xfer *x = start_will_wait(f, c, tid[0], b[0], 1, NULL);
+    usleep(200 * 1000);
+    assert_int_equal(kvx_xfer_wait(x, &res), 0);
+    assert_int_equal(atomic_load(&kvx__test_pieces_helped) - helped0, 1);
+    expect_copied(f, b[0], b[0], 1);
+    kvx_xfer_free(x);
+    /* 2: polling instead of waiting hands the piece to the worker */
+    x = start_will_wait(f, c, tid[1], b[1], 1, NULL);
+    int rc;
+    for (int i = 0; i < 3000 && (rc = kvx_xfer_poll(x, &res)) == TD_EAGAIN; i++)
+        usleep(1000);
+    assert_int_equal(rc, 0);
+    expect_copied(f, b[1], b[1], 1);
+    kvx_xfer_free(x);
+    /* 3: freeing the handle without a wait: the transfer still runs, and ends */
+    done_count dc = {0};
+    x = start_will_wait(f, c, tid[2], b[2], 1, &dc);
+    kvx_xfer_free(x);
+    assert_true(wait_done(&dc, 1));
+    assert_int_equal(atomic_load(&dc.failed), 0);
+    /* 4: two will_wait reads; waiting for the first hands the second to the worker, which
+     * finishes it with nobody waiting for it */
+    done_count dd = {0};
+    helped0 = atomic_load(&kvx__test_pieces_helped);
+    kvx_xfer *x3 = start_will_wait(f, c, tid[3], b[3], 1, &dd);
+    kvx_xfer *x4 = start_will_wait(f, c, tid[4], b[4], 1, &dd);
+    assert_int_equal(kvx_xfer_wait(x3, &res), 0);
+    assert_true(wait_done(&dd, 2));
+    assert_int_equal(atomic_load(&dd.failed), 0);
+    assert_int_equal(atomic_load(&kvx__test_pieces_helped) - helped0, 1);
+    expect_copied(f, b[3], b[3], 1);
+    expect_copied(f, b[4], b[4], 1);
+    kvx_xfer_free(x3);
+    kvx_xfer_free(x4);
+    kvx_client_destroy(c);
+}
+
 /* Eleven transfers queue behind a slow one and go out in two pipelined groups. In the
  * first group one names a transfer id the producer never gave and one arrives corrupted:
  * those two fail alone, with their own errors, and every other transfer arrives whole. */
@@ -893,12 +1019,14 @@ int main(void)
         T(test_producer_closes_mid_transfer),
         T(test_producer_killed),
         T(test_producer_restart),
+        T(test_idle_connections_hung_up),
         T(test_port_collision),
         T(test_hostile_peers),
         T(test_bad_requests),
         T(test_odd_geometry),
         T(test_expiry_waits_for_inflight_read),
         T(test_waiter_runs_its_pieces),
+        T(test_will_wait),
         T(test_pipelined_pieces),
         T(test_pipelined_producer_closes),
     };
