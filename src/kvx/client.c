@@ -383,7 +383,6 @@ static int session_dial(kvx__session *s, uint64_t deadline_ns, int *fd, td_err *
                              err);
 }
 
-/* A connection of the session: an idle one, a new one (greeted), or wait for one. */
 /*
  * A connection to the session's producer: an idle one, a new one (*fresh), or wait for one.
  * An idle connection is checked (`check`: readable means the producer hung up) only where
@@ -1371,10 +1370,6 @@ static int stripe_sessions(kvx_client *c, struct kvx_xfer *x, td_err *err)
     return 0;
 }
 
-/*
- * Start a read of src[i] -> dst[i] (i < n) in segments [seg0, seg1) on session s, whose
- * reference the transfer takes over (it is dropped here on failure).
- */
 static bool wait_helps(const kvx_client *c);
 
 /* Under c->mu: wake n workers for n new pieces. Two or more with one broadcast: a futex
@@ -1388,6 +1383,11 @@ static void wake_workers(kvx_client *c, int n)
         pthread_cond_signal(&c->work_cv);
 }
 
+/*
+ * Start a read of src[i] -> dst[i] (i < n) in segments [seg0, seg1) on session s, whose
+ * reference the transfer takes over (it is dropped here on failure). With will_wait, one
+ * piece is held for the caller's kvx_xfer_wait (kvx_read_req.will_wait).
+ */
 static int read_begin(kvx_client *c, kvx__session *s, const uint8_t id[KVX_ID_BYTES],
                       const int32_t *src, const int32_t *dst, int n, uint32_t seg0, uint32_t seg1,
                       uint32_t timeout_ms, bool will_wait, kvx_done_fn done, void *user,
