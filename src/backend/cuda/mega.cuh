@@ -36,7 +36,9 @@
  * the QKV rows written instead of the barrier after QKV (within 0.02 ms); the next phase's
  * rows copied ahead into shared memory (cp.async) before a barrier (the copies only slow
  * the phase before, and the carve-out takes the L1 that the loads in flight need); a warp's
- * next rows' first 2 KiB prefetched to the L2 while it reads the current ones (gate-up +8%).
+ * next rows' first 2 KiB prefetched to the L2 while it reads the current ones (gate-up +8%);
+ * attention's first K/V loads issued between the barrier's arrival and its wait (the same
+ * GPU clock: their latency moved into attention).
  *
  * Limits (else the step runs as separate kernels): bf16 weights without biases, a bf16 or
  * f16 KV cache, head_dim 64 or 128, 1, 2, 4 or 8 query heads per KV head, at least as many
