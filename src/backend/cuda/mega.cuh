@@ -27,7 +27,7 @@
  * the block that writes the new one never races the blocks that still read the old. Data
  * written in the kernel is read with __ldcg (the L1 is not coherent across SMs).
  *
- * Measured on the H200 (BENCHMARKS.md): 1.21-1.24x the floor per token; the large GEMV
+ * Measured on the H200 (BENCHMARKS.md): 1.19-1.22x the floor per token; the large GEMV
  * phases at 1.07x the copy-rate floor; what is left is attention (latency chains: queries,
  * merge), the barriers (five a layer) and the small QKV and output GEMVs. Tried and
  * dropped: L2 prefetch of the next rows before a barrier, and of the output projection
@@ -38,7 +38,9 @@
  * the phase before, and the carve-out takes the L1 that the loads in flight need); a warp's
  * next rows' first 2 KiB prefetched to the L2 while it reads the current ones (gate-up +8%);
  * attention's first K/V loads issued between the barrier's arrival and its wait (the same
- * GPU clock: their latency moved into attention).
+ * GPU clock: their latency moved into attention); the weights marked L2 evict_first (no
+ * change); the blocks without an attention item pulling the output projection into the L2
+ * during attention (attention +117 us, the projection -17 us).
  *
  * Limits (else the step runs as separate kernels): bf16 weights without biases, a bf16 or
  * f16 KV cache, head_dim 64 or 128, 1, 2, 4 or 8 query heads per KV head, at least as many
@@ -135,6 +137,18 @@ __device__ inline mk_deal mk_deal_for(int n)
     return d;
 }
 
+/* A weight load: read once per step, so it is not kept in the L1 (no_allocate), where it
+ * only pushed out what is read there more than once, such as the norm weights and RoPE's
+ * table (1.5-1.8% per step). */
+__device__ inline uint4 mk_ldw(const uint4 *p)
+{
+    uint4 r;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p));
+    return r;
+}
+
 /* One warp's dot product of a bf16 weight row with the bf16 vector in shared memory: the
  * k_gemv loop. */
 __device__ inline float mk_dot(const __nv_bfloat16 *w, const __nv_bfloat16 *xs, int nv)
@@ -145,7 +159,7 @@ __device__ inline float mk_dot(const __nv_bfloat16 *w, const __nv_bfloat16 *xs, 
 #pragma unroll 8
     for (int v = lane; v < nv; v += 32) {
         float wf[8], xf[8];
-        bf16x8(__ldg(wr + v), wf);
+        bf16x8(mk_ldw(wr + v), wf);
         bf16x8(xr[v], xf);
 #pragma unroll
         for (int i = 0; i < 8; i++) acc = fmaf(wf[i], xf[i], acc);
@@ -166,8 +180,8 @@ __device__ inline void mk_dot2(const __nv_bfloat16 *w0, const __nv_bfloat16 *w1,
 #pragma unroll 4
     for (int v = lane; v < nv; v += 32) {
         float f0[8], f1[8], xf[8];
-        bf16x8(__ldg(r0 + v), f0);
-        bf16x8(__ldg(r1 + v), f1);
+        bf16x8(mk_ldw(r0 + v), f0);
+        bf16x8(mk_ldw(r1 + v), f1);
         bf16x8(xr[v], xf);
 #pragma unroll
         for (int i = 0; i < 8; i++) {
@@ -193,9 +207,9 @@ __device__ inline void mk_dot3(const __nv_bfloat16 *w, int cols, const __nv_bflo
 #pragma unroll 4
     for (int v = lane; v < nv; v += 32) {
         float f0[8], f1[8], f2[8], xf[8];
-        bf16x8(__ldg(r0 + v), f0);
-        bf16x8(__ldg(r1 + v), f1);
-        bf16x8(__ldg(r2 + v), f2);
+        bf16x8(mk_ldw(r0 + v), f0);
+        bf16x8(mk_ldw(r1 + v), f1);
+        bf16x8(mk_ldw(r2 + v), f2);
         bf16x8(xr[v], xf);
 #pragma unroll
         for (int i = 0; i < 8; i++) {
