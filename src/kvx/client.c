@@ -503,13 +503,13 @@ static int tcp_recv_piece(kvx__session *s, kvx__piece *p, int fd, bool *conn_ok,
         goto out;
     }
     kvx_msg m;
-    bool overread; /* a short ERROR took bytes of the next answer: the stream is out of step */
-    rc = kvx__recv_frame_expect(fd, in, in_cap, KVX_DATA_PAYLOAD, &m, x->deadline_ns, &overread,
-                                err);
+    /* Header and payload in two reads. One readv of both saved a system call on a small
+     * piece but cost 16-64 MiB transfers 12-37% at 16 at once (BENCHMARKS.md, kvx). */
+    rc = kvx__recv_frame(fd, in, in_cap, &m, x->deadline_ns, err);
     if (rc) goto out;
     *before_answer = false;
     if (m.hdr.type == KVX_MSG_ERROR) {
-        *conn_ok = !overread;
+        *conn_ok = true;
         rc = td_err_set(err, m.u.error.code, "kvx: producer %s:%u: %s", s->host, s->port,
                         m.u.error.msg);
         goto out;

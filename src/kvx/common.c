@@ -392,44 +392,18 @@ int kvx__readv_all(int fd, struct iovec *iov, int n_iov, uint64_t deadline_ns, t
 
 int kvx__recv_frame(int fd, uint8_t *buf, size_t cap, kvx_msg *m, uint64_t deadline_ns, td_err *err)
 {
-    bool overread; /* never, with no payload read ahead */
-    return kvx__recv_frame_expect(fd, buf, cap, 0, m, deadline_ns, &overread, err);
-}
-
-int kvx__recv_frame_expect(int fd, uint8_t *buf, size_t cap, size_t expect, kvx_msg *m,
-                           uint64_t deadline_ns, bool *overread, td_err *err)
-{
-    uint8_t hdr[KVX_HDR_BYTES];
-    size_t got = 0; /* bytes of hdr, then of buf */
-    *overread = false;
-    TD_ASSERT(expect <= cap);
-    while (got < KVX_HDR_BYTES) {
-        struct iovec iov[2] = {{hdr + got, KVX_HDR_BYTES - got}, {buf, expect}};
-        ssize_t r = readv(fd, iov, 2);
-        if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-            int rc = wait_fd(fd, POLLIN, deadline_ns, "receiving", err);
-            if (rc) return rc;
-            continue;
-        }
-        if (r < 0 && errno == EINTR) continue;
-        if (r <= 0) return io_error(err, "receiving", r);
-        got += (size_t)r;
-    }
-    kvx_hdr h;
-    int rc = kvx_wire_decode_hdr(hdr, &h, err);
+    int rc = kvx__recv_all(fd, buf, KVX_HDR_BYTES, deadline_ns, err);
     if (rc) return rc;
-    size_t have = got - KVX_HDR_BYTES;
-    if (have > h.payload_len) {
-        *overread = true;
-        have = h.payload_len;
-    }
+    kvx_hdr h;
+    rc = kvx_wire_decode_hdr(buf, &h, err);
+    if (rc) return rc;
     if (h.payload_len > cap)
         return td_err_set(err, TD_EFORMAT, "kvx: %u-byte payload exceeds the buffer",
                           h.payload_len);
     /* Waiting for a frame may be unbounded (an idle connection), but a frame that has
      * started must finish soon: a peer cannot hold a connection with half a frame. */
     uint64_t payload_deadline = TD_MIN(deadline_ns, td_now_ns() + 30ull * 1000000000ull);
-    rc = kvx__recv_all(fd, buf + have, h.payload_len - have, payload_deadline, err);
+    rc = kvx__recv_all(fd, buf, h.payload_len, payload_deadline, err);
     if (rc) return rc;
     return kvx_wire_decode(&h, buf, h.payload_len, m, err);
 }

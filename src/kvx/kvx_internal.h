@@ -106,15 +106,6 @@ int kvx__recv_frame(int fd, uint8_t *buf, size_t cap, kvx_msg *m, uint64_t deadl
                     td_err *err);
 
 /**
- * Receive a frame whose payload is expected to be `expect` bytes (cap >= expect): the
- * header and that payload in one read when they have arrived together (an answer's DATA
- * frame). Any other frame is read whole; one whose payload is shorter than expect may have
- * taken bytes of what follows it: *overread is then set, and the connection is out of step.
- */
-int kvx__recv_frame_expect(int fd, uint8_t *buf, size_t cap, size_t expect, kvx_msg *m,
-                           uint64_t deadline_ns, bool *overread, td_err *err);
-
-/**
  * A frame reader that reads ahead, for a connection on which only frames arrive (no raw
  * bytes follow any of them: the producer's side). One recv takes every frame that has
  * arrived, so pipelined READs cost no system call after the first, and a frame costs a
