@@ -1707,14 +1707,20 @@ size_t kvx_xfer_note(kvx_xfer *x, void *buf, size_t cap)
     return n;
 }
 
-/* Under c->mu: x's caller will not run its held piece (it polls, frees, or waits for it
- * now): a worker is signalled for it after all. */
-static void release_held(kvx_client *c, struct kvx_xfer *x)
+/* Under c->mu: x's piece is no longer held for its caller; whether it was. */
+static bool unhold(kvx_client *c, struct kvx_xfer *x)
 {
-    if (!x->held) return;
+    if (!x->held) return false;
     x->held = false;
     c->wake_debt--;
-    pthread_cond_signal(&c->work_cv);
+    return true;
+}
+
+/* Under c->mu: x's caller will not run its held piece (it polls or frees the handle): a
+ * worker is signalled for it after all. */
+static void release_held(kvx_client *c, struct kvx_xfer *x)
+{
+    if (unhold(c, x)) pthread_cond_signal(&c->work_cv);
 }
 
 int kvx_xfer_poll(kvx_xfer *x, td_err *result)
@@ -1732,8 +1738,9 @@ int kvx_xfer_poll(kvx_xfer *x, td_err *result)
  * A thread that waits for a transfer runs the transfer's pieces that no worker has taken
  * yet, as a worker would. A caller that starts a transfer and waits for it then pays no
  * hand-off: on a small machine, waking a worker and being woken by it cost more than a
- * 64 KiB piece's round trip. The workers were signalled all the same and take what the
- * waiter leaves. Host transports only (tcp, shm): a GPU region's copies and UCX's workers
+ * 64 KiB piece's round trip. Workers were signalled for the other pieces (and for all of
+ * them unless the read was started with will_wait) and take what the waiter leaves. Host
+ * transports only (tcp, shm): a GPU region's copies and UCX's workers
  * stay on the client's own threads.
  */
 static bool wait_helps(const kvx_client *c)
@@ -1761,19 +1768,12 @@ int kvx_xfer_wait(kvx_xfer *x, td_err *result)
     kvx_client *c = x->c;
     bool help = wait_helps(c);
     pthread_mutex_lock(&c->mu);
-    if (x->held) { /* its piece is this thread's to run */
-        x->held = false;
-        c->wake_debt--;
-    }
+    unhold(c, x); /* its piece is this thread's to run */
     /* Other transfers' held pieces get their workers now: a caller that starts several
      * and waits for each in turn keeps them running together. */
     int n_released = 0;
     for (kvx__piece *q = c->wake_debt > 0 ? c->qhead : NULL; q; q = q->next)
-        if (q->x->held) {
-            q->x->held = false;
-            c->wake_debt--;
-            n_released++;
-        }
+        n_released += unhold(c, q->x);
     wake_workers(c, n_released);
     while (!x->done) {
         kvx__piece *p = help ? take_own(c, x) : NULL;

@@ -144,8 +144,8 @@ __device__ inline uint4 mk_ldw(const uint4 *p)
 {
     uint4 r;
     asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-                 : "l"(p));
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+        : "l"(p));
     return r;
 }
 
@@ -274,16 +274,8 @@ __device__ inline void mk_gemv(const __nv_bfloat16 *W, const __nv_bfloat16 *xs, 
     }
 }
 
-/*
- * The block's copy of a GEMV input: v = a + b (f32; b may be null; `emb` instead: the
- * token's embedding row), RMS-normed with weight w, as bf16 into s_in. Block 0 also keeps
- * v in `keep` (the residual stream's next buffer) when it is given. It opens the QKV and
- * gate-up phases, so its latency is the phase's: the sum takes two __syncthreads instead
- * of three, and the norm weights are prefetched into the L1 while it is made (-1.0 to
- * -2.3% per step on the Llama-3-8B shape; keeping the elements and weights in registers
- * instead made ptxas spill).
- */
-/* The sum of v over the block with two __syncthreads: every thread adds the warps' sums. */
+/* The sum of v over the block: block_sum for k_mega's fixed block, with two __syncthreads
+ * instead of three (every thread adds the MK_WARPS warps' sums itself). */
 __device__ inline float mk_block_sum(float v, float *red)
 {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -296,6 +288,15 @@ __device__ inline float mk_block_sum(float v, float *red)
     return s;
 }
 
+/*
+ * The block's copy of a GEMV input: v = a + b (f32; b may be null; `emb` instead: the
+ * token's embedding row), RMS-normed with weight w, as bf16 into s_in. Block 0 also keeps
+ * v in `keep` (the residual stream's next buffer) when it is given. It opens the QKV and
+ * gate-up phases, so its latency is the phase's: the sum takes two __syncthreads instead
+ * of three, and the norm weights are prefetched into the L1 while it is made (-1.0 to
+ * -2.3% per step on the Llama-3-8B shape; keeping the elements and weights in registers
+ * instead made ptxas spill).
+ */
 __device__ void mk_norm_in(const float *a, const float *b, const __nv_bfloat16 *emb, const float *w, float *keep,
                            __nv_bfloat16 *s_in, float *s_v, float *s_red, int d, float eps)
 {
