@@ -2,7 +2,7 @@
 # On the GPU machine, in one run: unpack the kit (scripts/gpu_kit.sh made it on the CPU
 # machine), build with -DTANDEM_CUDA=ON, run the GPU tests, then the benchmarks whose
 # figures BENCHMARKS.md records (each with the floor measured in the same run).
-#   bench/gpu.sh [all | a comma list of test,bench,xfer,xfertcp,xferucx,pd,pdtcp,pducx,dec,sample,mega,gpus,profile]   (default all; logs
+#   bench/gpu.sh [all | a comma list of test,bench,xfer,xfertcp,xferucx,pd,pdtcp,pducx,dec,sample,mega,gpus,profile, or megaclock]   (default all; logs
 #   also go to $OUT if set)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -168,6 +168,21 @@ if want mega; then # batch-1 decode as one kernel per step (k_mega): this versio
             --kv-cache-dtype bf16 --prompt-len 512 --context 512 --gen-len 32 --batch 1 --reps 2 \
             --max-model-len 2048 2>&1 | grep -E "^(tg|floor|  floor)" | log
     done
+fi
+if [[ ",$what," == *",megaclock,"* ]]; then # (not in all) clocks inside k_mega's attention (bench/patches/mega-attn-clock.patch, a copy of the tree)
+    echo "== k_mega's attention by per-block clocks (a diagnostic build; its own times run slower)" | log
+    d=$(mktemp -d)
+    tar --exclude=./build-gpu --exclude=./build --exclude='./build-*' -cf - . | tar -xf - -C "$d"
+    (cd "$d" && { git apply bench/patches/mega-attn-clock.patch 2>/dev/null || patch -s -p1 < bench/patches/mega-attn-clock.patch; } &&
+        cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DTANDEM_CUDA=ON -DPKG_CONFIG_EXECUTABLE="$root/usr/bin/pkgconf" \
+            -DTD_SHARED_DIR="$TD_SHARED_DIR" >/dev/null && cmake --build build-gpu -j"$(nproc)" --target tandem >/dev/null) ||
+        echo "megaclock: the patch or its build failed" | log
+    for c in 1024 3968; do
+        echo "== $c-token contexts" | log
+        TD_CUDA_MEGA_TIMES=1 "$d/${b8[0]}" "${b8[@]:1}" --prompt-len 128 --context $c --gen-len 64 --batch 1 \
+            --max-num-batched-tokens 2048 --no-floor 2>&1 | grep -E "^tg|one-kernel|^diag" | log
+    done
+    rm -rf "$d"
 fi
 if want gpus; then # tandem up --gpus: each engine on the GPU it is given (--device cuda:N)
     echo "== tandem up --gpus $(nvidia-smi -L | awk -F: '{print substr($1, 5)}' | paste -sd,) --protocol cuda_ipc (llama-1b)" | log
