@@ -301,7 +301,10 @@ static int att_heads(const fwd_ctx *f, int n_rows)
 }
 
 /* Prefetch bytes [from, to) of KV row j + ATT_PREFETCH_ROWS, which lies in this block
- * (blk) or the next one (nxt; NULL past the last block). */
+ * (blk) or the next one (nxt; NULL past the last block), into the L2: prefetches into the
+ * L1 each hold one of its few miss buffers until the line arrives, which capped the rows
+ * in flight (decode at batch 8, one thread, 1,024-token contexts: +31-41% with the L2;
+ * BENCHMARKS.md). */
 static inline void att_prefetch(const uint8_t *blk, const uint8_t *nxt, int j, int bs,
                                 size_t row_bytes, size_t from, size_t to)
 {
@@ -309,7 +312,7 @@ static inline void att_prefetch(const uint8_t *blk, const uint8_t *nxt, int j, i
     const uint8_t *p = r < bs ? blk + (size_t)r * row_bytes : nxt;
     if (!p || r >= 2 * bs) return; /* blocks smaller than the distance: no prefetch */
     if (r >= bs) p += (size_t)(r - bs) * row_bytes;
-    for (size_t o = from; o < to; o += 64) __builtin_prefetch(p + o, 0, 3);
+    for (size_t o = from; o < to; o += 64) __builtin_prefetch(p + o, 0, 2);
 }
 
 /*
