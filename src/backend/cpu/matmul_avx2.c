@@ -308,7 +308,7 @@ INLINE void q8p_tile(int MR, int NV, const cpu__mm *mm, int m0, const uint8_t *p
     for (int b = 0; b < nb; b++) {
         const uint8_t *pb = panel + (size_t)b * CPU__PANEL_BLOCK_BYTES;
         /* the next panel's block, into the L2: 17 lines at once into the L1 would hold its
-         * miss buffers (q8_0 batch 1 on one thread +21-27%, batch 8 +16-25%; BENCHMARKS.md) */
+         * miss buffers (q8_0 batch 1 on one thread +29-41%, batch 8 +20-23%; BENCHMARKS.md) */
         if (pf)
             for (int i = 0; i < CPU__PANEL_BLOCK_BYTES / 64; i++)
                 _mm_prefetch((const char *)pf + (size_t)b * CPU__PANEL_BLOCK_BYTES + i * 64,
