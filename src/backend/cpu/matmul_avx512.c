@@ -106,11 +106,21 @@ static inline void panel_prefetch_init(panel_prefetch *pp, const cpu__mm *mm, in
     if (!pp->lines) pp->per_step = 0;
 }
 
-static inline void panel_prefetch_step(panel_prefetch *pp)
+/* l2 (a constant at every call site): into the L2 rather than the L1. */
+static inline __attribute__((always_inline)) void panel_prefetch_step_to(panel_prefetch *pp, bool l2)
 {
     if (!pp) return;
-    for (size_t i = 0; i < pp->per_step && pp->at < pp->lines; i++, pp->at++)
-        _mm_prefetch((const char *)pp->base + pp->at * 64, _MM_HINT_T0);
+    for (size_t i = 0; i < pp->per_step && pp->at < pp->lines; i++, pp->at++) {
+        if (l2)
+            _mm_prefetch((const char *)pp->base + pp->at * 64, _MM_HINT_T1);
+        else
+            _mm_prefetch((const char *)pp->base + pp->at * 64, _MM_HINT_T0);
+    }
+}
+
+static inline void panel_prefetch_step(panel_prefetch *pp)
+{
+    panel_prefetch_step_to(pp, false);
 }
 
 #define FT_MAXM 6
@@ -632,7 +642,7 @@ INLINE void qpack(td_type t, const cpu__mm *mm, int n, int nr, uint8_t *panel)
 
 /* MR rows of x against a 32-row panel: out[m][v] = y[m][16v .. 16v + 15]. */
 INLINE void qtile(int MR, const cpu__mm *mm, int m0, const uint8_t *panel, __m512 out[][2],
-                  panel_prefetch *pp)
+                  panel_prefetch *pp, bool l2)
 {
     const int nb = mm->K / 32;
     const int8_t *xq[QT_MAXM];
@@ -656,7 +666,7 @@ INLINE void qtile(int MR, const cpu__mm *mm, int m0, const uint8_t *panel, __m51
             iacc[m][0] = iacc[m][1] = _mm512_set1_epi32(xc[m][b]);
 #pragma GCC unroll 8
         for (int g = 0; g < 8; g++) {
-            panel_prefetch_step(pp);
+            panel_prefetch_step_to(pp, l2);
             __m512i w0 = _mm512_load_si512(pb + g * 128), w1 = _mm512_load_si512(pb + g * 128 + 64);
 #pragma GCC unroll 6
             for (int m = 0; m < MR; m++) {
@@ -687,11 +697,41 @@ INLINE void qtile(int MR, const cpu__mm *mm, int m0, const uint8_t *panel, __m51
     }
 }
 
+/* qtile for mr rows (1 to QT_MAXM); l2 a constant at each call (panel_prefetch_step_to). */
+INLINE void qtile_mr(int mr, const cpu__mm *mm, int m0, const uint8_t *panel, __m512 out[][2],
+                     panel_prefetch *pp, bool l2)
+{
+    switch (mr) {
+    case 6:
+        qtile(6, mm, m0, panel, out, pp, l2);
+        break;
+    case 5:
+        qtile(5, mm, m0, panel, out, pp, l2);
+        break;
+    case 4:
+        qtile(4, mm, m0, panel, out, pp, l2);
+        break;
+    case 3:
+        qtile(3, mm, m0, panel, out, pp, l2);
+        break;
+    case 2:
+        qtile(2, mm, m0, panel, out, pp, l2);
+        break;
+    default:
+        qtile(1, mm, m0, panel, out, pp, l2);
+        break;
+    }
+}
+
 /* scratch: room for one panel; unused when the weight is packed already. */
 INLINE void qpacked(const cpu__mm *mm, td_type t, int n0, int n1, uint8_t *scratch)
 {
     const int K = mm->K, M = mm->M;
     int mb_rows = (int)TD_MAX((size_t)QT_MAXM, (512u << 10) / (size_t)K / QT_MAXM * QT_MAXM);
+    /* The next panel into the L2 for decode batches of 2 to 64 rows (q8_0, one thread:
+     * batch 4 +8-16%, batch 8 +22-26%), into the L1 at batch 1 (-7% with the L2) and for
+     * prefill chunks (pp512 -4 to -8% with the L2). BENCHMARKS.md. */
+    const bool l2 = M >= 2 && M <= 64;
     for (int mb = 0; mb < M; mb += mb_rows) {
         int me = TD_MIN(M, mb + mb_rows);
         for (int n = n0; n < n1; n += QP_ROWS) {
@@ -711,26 +751,10 @@ INLINE void qpacked(const cpu__mm *mm, td_type t, int n0, int n1, uint8_t *scrat
             for (int m = mb, ti = 0; m < me; ti++) {
                 int mr = (me - m + (n_tiles - ti) - 1) / (n_tiles - ti);
                 __m512 out[QT_MAXM][2];
-                switch (mr) {
-                case 6:
-                    qtile(6, mm, m, panel, out, &pp);
-                    break;
-                case 5:
-                    qtile(5, mm, m, panel, out, &pp);
-                    break;
-                case 4:
-                    qtile(4, mm, m, panel, out, &pp);
-                    break;
-                case 3:
-                    qtile(3, mm, m, panel, out, &pp);
-                    break;
-                case 2:
-                    qtile(2, mm, m, panel, out, &pp);
-                    break;
-                default:
-                    qtile(1, mm, m, panel, out, &pp);
-                    break;
-                }
+                if (l2)
+                    qtile_mr(mr, mm, m, panel, out, &pp, true);
+                else
+                    qtile_mr(mr, mm, m, panel, out, &pp, false);
                 for (int i = 0; i < mr; i++) {
                     float *y = mm->y + (size_t)(m + i) * mm->ldy + n;
                     _mm512_mask_storeu_ps(y, k0, out[i][0]);
