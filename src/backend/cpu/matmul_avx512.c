@@ -107,7 +107,7 @@ static inline void panel_prefetch_init(panel_prefetch *pp, const cpu__mm *mm, in
 }
 
 /* l2 (a constant at every call site): into the L2 rather than the L1. */
-static inline __attribute__((always_inline)) void panel_prefetch_step_to(panel_prefetch *pp, bool l2)
+INLINE void panel_prefetch_step_to(panel_prefetch *pp, bool l2)
 {
     if (!pp) return;
     for (size_t i = 0; i < pp->per_step && pp->at < pp->lines; i++, pp->at++) {
@@ -730,7 +730,7 @@ INLINE void qpacked(const cpu__mm *mm, td_type t, int n0, int n1, uint8_t *scrat
     int mb_rows = (int)TD_MAX((size_t)QT_MAXM, (512u << 10) / (size_t)K / QT_MAXM * QT_MAXM);
     /* The next panel into the L2 for decode batches of 2 to 64 rows (q8_0, one thread:
      * batch 4 +8-16%, batch 8 +22-26%), into the L1 at batch 1 (-7% with the L2) and for
-     * prefill chunks (pp512 -4 to -8% with the L2). BENCHMARKS.md. */
+     * prefill chunks (pp512 -3 to -8% with the L2). BENCHMARKS.md. */
     const bool l2 = M >= 2 && M <= 64;
     for (int mb = 0; mb < M; mb += mb_rows) {
         int me = TD_MIN(M, mb + mb_rows);
