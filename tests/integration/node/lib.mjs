@@ -1,6 +1,8 @@
 // Helpers shared by the integration tests that drive tandem processes over HTTP.
 import assert from 'node:assert/strict';
 import { spawn } from 'node:child_process';
+import { readFileSync } from 'node:fs';
+import net from 'node:net';
 
 // A server's Prometheus metrics as {name{labels}: value}, without the model_name label.
 export async function metrics(base) {
@@ -82,4 +84,24 @@ export function refText(base, gen) {
     }
     return memo.get(key);
   };
+}
+
+// A loopback port that nothing listens on, for a server started later on it. It is drawn
+// below the kernel's ephemeral range: a port from that range can be taken in the meantime by
+// any outgoing connection, even by a client's connect to that very port when nothing listens
+// there yet (TCP's self-connect), which then makes the late server's bind fail.
+export async function freePort() {
+  let lo = 32768;
+  try { lo = Number(readFileSync('/proc/sys/net/ipv4/ip_local_port_range', 'utf8').trim().split(/\s+/)[0]); } catch { /* not Linux */ }
+  const base = Math.max(1024, Math.min(lo, 65536) - 10000);
+  for (let i = 0; i < 200; i++) {
+    const port = base + Math.floor(Math.random() * (Math.min(lo, 65536) - base));
+    const free = await new Promise((resolve) => {
+      const srv = net.createServer();
+      srv.once('error', () => resolve(false));
+      srv.listen(port, '127.0.0.1', () => srv.close(() => resolve(true)));
+    });
+    if (free) return port;
+  }
+  throw new Error('no free loopback port below the ephemeral range');
 }

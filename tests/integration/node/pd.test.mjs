@@ -10,7 +10,7 @@
 // error under kv_load_failure_policy fail) and no KV block leaks on either side.
 // No test asserts on timing: deadlines only bound waits for state that must arrive.
 import { test, after } from 'node:test';
-import { metrics, until } from './lib.mjs';
+import { metrics, until, freePort } from './lib.mjs';
 import assert from 'node:assert/strict';
 import { spawn } from 'node:child_process';
 import net from 'node:net';
@@ -526,7 +526,7 @@ test('a request queued longer than the lease keeps it alive with heartbeats', as
 });
 
 test('a restarted producer (same port, new engine id) gets a new session', async () => {
-  const free = await new Promise((r) => { const srv = net.createServer(); srv.listen(0, '127.0.0.1', () => { const p = srv.address().port; srv.close(() => r(p)); }); });
+  const free = await freePort();
   const cfg = `{"kv_role":"kv_producer","handshake_port":${free}}`;
   const p = prompts()[6];
   let prod = await serve(['--kv-transfer-config', cfg]);

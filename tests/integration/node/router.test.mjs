@@ -8,10 +8,9 @@
 // workers added, removed and restarted at run time. Started by test_router.sh.
 // No test asserts on timing: deadlines only bound waits for state that must arrive.
 import { test, after } from 'node:test';
-import { metrics, until, startTandem, refText } from './lib.mjs';
+import { metrics, until, startTandem, refText, freePort } from './lib.mjs';
 import assert from 'node:assert/strict';
 import http from 'node:http';
-import net from 'node:net';
 import OpenAI from 'openai';
 
 const BIN = process.env.TD_BIN;
@@ -45,11 +44,6 @@ async function idle(base, what) {
     return m.tandem_kv_blocks_used === 0 && !(m.tandem_kv_leases_active > 0) && m.tandem_num_requests_running === 0;
   }, `${what}: idle with every KV block back`);
 }
-
-// A loopback port that nothing listens on (for engines started later on it).
-const freePort = () => new Promise((resolve) => {
-  const srv = net.createServer().listen(0, '127.0.0.1', () => { const { port } = srv.address(); srv.close(() => resolve(port)); });
-});
 
 async function workers(base) {
   return (await (await fetch(base + '/workers')).json()).workers;
@@ -375,7 +369,12 @@ test('workers register themselves, are removed, restarted and evicted, with no r
   // Engines that name the router in their kv-transfer config register and heartbeat.
   const reg = { proxy_ip: '127.0.0.1', proxy_ping_port: r.port };
   const d = await serve({ kv_role: 'kv_consumer', ...reg });
-  let p = await serve({ kv_role: 'kv_producer', ...reg });
+  // The prefill is restarted on its port below: a port outside the ephemeral range, so that no
+  // outgoing connection can take it in between.
+  const prefillOn = (port) => start(['serve', '--model', MODEL, '--threads', '1', '--host', '127.0.0.1',
+    '--server-port', String(port), '--log-level', 'warn', '--kv-transfer-config', JSON.stringify({ kv_role: 'kv_producer', ...reg })]);
+  const port = await freePort();
+  let p = await prefillOn(port);
   await until(async () => (await fetch(r.url + '/health')).status === 200, 'router healthy with registered workers');
   const q = prompts()[3];
   let res = await post(r.url, '/v1/completions', { prompt: q, ...GEN });
@@ -394,12 +393,11 @@ test('workers register themselves, are removed, restarted and evicted, with no r
   assert.equal((await fetch(`${r.url}/workers/${id}`, { method: 'DELETE' })).status, 404);
   extra.proc.kill('SIGKILL');
   // Restart the prefill on the same port: a new engine id replaces the stale entry.
-  const port = p.port;
   const oldId = (await workers(r.url)).find((x) => x.role === 'prefill').engine_id;
+  const gone = new Promise((ok) => p.proc.on('exit', ok));
   p.proc.kill('SIGKILL');
-  await new Promise((ok) => setTimeout(ok, 100));
-  p = await start(['serve', '--model', MODEL, '--threads', '1', '--host', '127.0.0.1', '--server-port', String(port),
-    '--log-level', 'warn', '--kv-transfer-config', JSON.stringify({ kv_role: 'kv_producer', ...reg })]);
+  await gone;
+  p = await prefillOn(port);
   await until(async () => {
     const w = (await workers(r.url)).find((x) => x.role === 'prefill');
     return w && w.engine_id && w.engine_id !== oldId && w.ready;
