@@ -18,6 +18,7 @@
 #include <netinet/in.h>
 #include <sched.h>
 #include <signal.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -60,10 +61,56 @@ static void on_stop(int sig)
     stop_requested = 1;
 }
 
-/* A free loopback port: bind port 0 and read it back (released at once; the child binds
- * it a moment later). */
+/* The lower end of the kernel's ephemeral port range (ip_local_port_range), 32768 where
+ * it cannot be read. */
+static int ephemeral_low(void)
+{
+    int lo = 32768, hi = 0;
+    FILE *f = fopen("/proc/sys/net/ipv4/ip_local_port_range", "r");
+    if (f) {
+        if (fscanf(f, "%d %d", &lo, &hi) != 2 || lo < 1 || lo > 65535) lo = 32768;
+        fclose(f);
+    }
+    return lo;
+}
+
+/* Whether a listener could bind port now: bound with SO_REUSEADDR on every address, as
+ * the children's listeners are, and released at once. */
+static bool port_free(int port)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    if (fd < 0) return false;
+    int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port),
+                            .sin_addr.s_addr = htonl(INADDR_ANY)};
+    bool ok = bind(fd, (struct sockaddr *)&a, sizeof(a)) == 0;
+    close(fd);
+    return ok;
+}
+
+/* A free port for a child to listen on, never one handed out before by this process. It is
+ * drawn below the ephemeral range: a port from that range can be taken by any outgoing
+ * connection on the machine between now and the child's bind, and again each time the child
+ * is restarted on it, even by a connect to that very port while nothing listens there
+ * (TCP's self-connect, as the router's health probe of a crashed engine can make), and the
+ * child's bind then fails. Where no such range is left, the kernel picks (port 0). */
 static int free_port(void)
 {
+    static int given[3 * MAX_INST + 1];
+    static int n_given;
+    static unsigned seed;
+    if (!seed) seed = (unsigned)getpid() ^ (unsigned)time(NULL);
+    int hi = ephemeral_low(), lo = hi - 10000 > 1024 ? hi - 10000 : 1024;
+    for (int attempt = 0; hi - lo >= 64 && attempt < 1000; attempt++) {
+        int port = lo + (int)(rand_r(&seed) % (unsigned)(hi - lo));
+        bool used = false;
+        for (int i = 0; i < n_given; i++)
+            used |= given[i] == port;
+        if (used || !port_free(port)) continue;
+        if (n_given < (int)(sizeof(given) / sizeof(given[0]))) given[n_given++] = port;
+        return port;
+    }
     int fd = socket(AF_INET, SOCK_STREAM, 0);
     if (fd < 0) return -1;
     struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};

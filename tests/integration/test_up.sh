@@ -44,6 +44,13 @@ got=$(ask "$R")
 [ "$(echo "$got" | jq -r '.choices[0].text')" = "$want" ] || fail "through tandem up: $got, want $want"
 [ "$(echo "$got" | jq -r '.kv_transfer_params.kv_load')" = transferred ] || fail "no transfer: $got"
 
+# Every instance listens below the ephemeral port range, where no outgoing connection can
+# take its port while it is down (so its restart below can bind it again).
+low=$(cut -f1 /proc/sys/net/ipv4/ip_local_port_range)
+for u in $(jq -r '.router, .instances[].url' "$W/cluster.json"); do
+    [ "${u##*:}" -lt "$low" ] || fail "$u is in the ephemeral range (from $low)"
+done
+
 "$TD_BIN" up --status --workdir "$W" >"$tmp/status" || fail "status: $(cat "$tmp/status")"
 [ "$(grep -c healthy "$tmp/status")" -eq 3 ] || fail "status: $(cat "$tmp/status")"
 
@@ -75,8 +82,16 @@ done
 [ -s "$W/prefill-0.log" ] && [ -f "$W/router.log" ] || fail "per-instance logs missing"
 # Several hosts from one config file: host "a" runs the router and the prefill engine,
 # host "b" the decode engine, each under its own `tandem up` (both on loopback here).
-RP=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])' 2>/dev/null ||
-    echo 18765)
+# The router's port: a free one below the ephemeral range (as tandem up picks its own).
+RP=$(python3 -c '
+import random, socket
+low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+while True:
+    p = random.randrange(max(1024, low - 10000), low)
+    try:
+        s = socket.socket(); s.bind(("127.0.0.1", p)); s.close(); print(p); break
+    except OSError:
+        pass')
 cat >"$tmp/c.json" <<JSON
 {"mode": "pd", "model": "$MODEL", "engine_flags": ["--threads", "1"],
  "router": {"host": "a", "port": $RP},
