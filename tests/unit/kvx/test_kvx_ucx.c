@@ -23,6 +23,7 @@
 #include <unistd.h>
 
 #include "kvx/kvx_internal.h"
+#include "kvx_req.h"
 
 #define N_SEG 4
 #define N_BLOCKS 256
@@ -154,23 +155,10 @@ static int wait_released(fixture *f, int n)
     return atomic_load(&f->released);
 }
 
-static kvx_read_req req_for(fixture *f, const char *tid, const int32_t *src, const int32_t *dst,
-                            int n, uint32_t timeout_ms)
-{
-    return (kvx_read_req){.host = "127.0.0.1",
-                          .port = kvx_agent_port(f->agent),
-                          .engine_id = kvx_agent_engine_id(f->agent),
-                          .transfer_id = tid,
-                          .src_blocks = src,
-                          .dst_blocks = dst,
-                          .n_blocks = n,
-                          .timeout_ms = timeout_ms};
-}
-
 static int read_blocks(fixture *f, const char *tid, const int32_t *src, const int32_t *dst, int n,
                        uint32_t timeout_ms, td_err *res)
 {
-    kvx_read_req rq = req_for(f, tid, src, dst, n, timeout_ms);
+    kvx_read_req rq = req_for(f->agent, tid, src, dst, n, timeout_ms);
     kvx_xfer *x;
     int rc = kvx_read_start(f->client, &rq, &x, res);
     if (rc) return rc;
@@ -257,7 +245,7 @@ static void test_ucx_16_concurrent(void **state)
         assert_int_equal(kvx_agent_register(f->agent, src[t], n, 0, NULL, tid[t], &err), 0);
     }
     for (int t = 0; t < N; t++) {
-        kvx_read_req rq = req_for(f, tid[t], src[t], dst[t], 1 + t % PER, 0);
+        kvx_read_req rq = req_for(f->agent, tid[t], src[t], dst[t], 1 + t % PER, 0);
         assert_int_equal(kvx_read_start(f->client, &rq, &x[t], &err), 0);
     }
     for (int t = 0; t < N; t++) {
@@ -386,7 +374,7 @@ static void test_ucx_producer_destroyed(void **state)
     assert_int_equal(kvx_agent_register(f->agent, b, 3, 0, NULL, tid, &err), 0);
     assert_int_equal(read_blocks(f, tid, b, b, 3, 0, &err), 0);
     atomic_store(&kvx__test_send_delay_ms, 400);
-    kvx_read_req rq = req_for(f, tid, b, b, 3, 3000);
+    kvx_read_req rq = req_for(f->agent, tid, b, b, 3, 3000);
     kvx_xfer *x;
     assert_int_equal(kvx_read_start(f->client, &rq, &x, &err), 0);
     usleep(100 * 1000);
@@ -426,7 +414,7 @@ static void test_ucx_no_common_transport(void **state)
         int32_t b[] = {3};
         char tid[KVX_ID_HEX];
         assert_int_equal(kvx_agent_register(f->agent, b, 1, 0, NULL, tid, &err), 0);
-        kvx_read_req rq = req_for(f, tid, b, b, 1, 2000);
+        kvx_read_req rq = req_for(f->agent, tid, b, b, 1, 2000);
         kvx_xfer *x;
         assert_int_equal(kvx_read_start(c, &rq, &x, &err), 0);
         uint64_t t0 = td_now_ns();

@@ -24,6 +24,7 @@
 #include "kvx/kvx_internal.h"
 
 #include "kvx_fixture.h"
+#include "kvx_req.h"
 
 static int teardown(void **state)
 {
@@ -39,23 +40,10 @@ static int teardown(void **state)
 }
 
 /* A read of n blocks of transfer tid from the fixture's agent (src -> dst). */
-static kvx_read_req req_for(fixture *f, const char *tid, const int32_t *src, const int32_t *dst,
-                            int n, uint32_t timeout_ms)
-{
-    return (kvx_read_req){.host = "127.0.0.1",
-                          .port = kvx_agent_port(f->agent),
-                          .engine_id = kvx_agent_engine_id(f->agent),
-                          .transfer_id = tid,
-                          .src_blocks = src,
-                          .dst_blocks = dst,
-                          .n_blocks = n,
-                          .timeout_ms = timeout_ms};
-}
-
 static int read_blocks(fixture *f, const char *tid, const int32_t *src, const int32_t *dst, int n,
                        uint32_t timeout_ms, td_err *res, kvx_xfer_info *info)
 {
-    kvx_read_req rq = req_for(f, tid, src, dst, n, timeout_ms);
+    kvx_read_req rq = req_for(f->agent, tid, src, dst, n, timeout_ms);
     kvx_xfer *x;
     td_err err;
     int rc = kvx_read_start(f->client, &rq, &x, &err);
@@ -186,7 +174,7 @@ static void test_16_concurrent(void **state)
         assert_int_equal(kvx_agent_register(f->agent, src[t], PER, 0, NULL, tid[t], &err), 0);
     }
     for (int t = 0; t < N; t++) {
-        kvx_read_req rq = req_for(f, tid[t], src[t], dst[t], PER, 0);
+        kvx_read_req rq = req_for(f->agent, tid[t], src[t], dst[t], PER, 0);
         rq.done = on_done;
         rq.user = &dc;
         assert_int_equal(kvx_read_start(f->client, &rq, &x[t], &err), 0);
@@ -369,7 +357,7 @@ static void test_deadline_while_queued(void **state)
     assert_int_equal(kvx_agent_register(f->agent, a, 1, 0, NULL, ta, &err), 0);
     assert_int_equal(kvx_agent_register(f->agent, b, 1, 0, NULL, tb, &err), 0);
     atomic_store(&kvx__test_send_delay_ms, 1000);
-    kvx_read_req rq = req_for(f, ta, a, a, 1, 5000);
+    kvx_read_req rq = req_for(f->agent, ta, a, a, 1, 5000);
     kvx_xfer *xa, *xb;
     assert_int_equal(kvx_read_start(c, &rq, &xa, &err), 0);
     usleep(50 * 1000); /* the only worker is now inside A */
@@ -479,7 +467,7 @@ static void test_expiry_waits_for_inflight_read(void **state)
     td_err err;
     assert_int_equal(kvx_agent_register(f->agent, b, 2, 150, NULL, tid, &err), 0);
     atomic_store(&kvx__test_send_delay_ms, 700);
-    kvx_read_req rq = req_for(f, tid, b, b, 2, 5000);
+    kvx_read_req rq = req_for(f->agent, tid, b, b, 2, 5000);
     kvx_xfer *x;
     assert_int_equal(kvx_read_start(f->client, &rq, &x, &err), 0);
     usleep(450 * 1000); /* the lease (renewed when the READ arrived) has expired by now */
@@ -503,7 +491,7 @@ static void test_producer_closes_mid_transfer(void **state)
     td_err err;
     assert_int_equal(kvx_agent_register(f->agent, b, 3, 0, NULL, tid, &err), 0);
     atomic_store(&kvx__test_send_delay_ms, 400);
-    kvx_read_req rq = req_for(f, tid, b, b, 3, 3000);
+    kvx_read_req rq = req_for(f->agent, tid, b, b, 3, 3000);
     kvx_xfer *x;
     assert_int_equal(kvx_read_start(f->client, &rq, &x, &err), 0);
     usleep(100 * 1000);
@@ -640,7 +628,7 @@ static void test_idle_connections_hung_up(void **state)
         kvx_xfer *x[N];
         for (int t = 0; t < N; t++) {
             int k = half * N + t;
-            kvx_read_req rq = req_for(f, tid[k], src[k], dst[k], PER, 0);
+            kvx_read_req rq = req_for(f->agent, tid[k], src[k], dst[k], PER, 0);
             assert_int_equal(kvx_read_start(f->client, &rq, &x[t], &err), 0);
         }
         for (int t = 0; t < N; t++) {
@@ -749,7 +737,7 @@ static void test_bad_requests(void **state)
     td_err err;
     int32_t b[] = {1}, bad[] = {N_BLOCKS};
     kvx_xfer *x;
-    kvx_read_req rq = req_for(f, "00000000000000000000000000000000", b, bad, 1, 0);
+    kvx_read_req rq = req_for(f->agent, "00000000000000000000000000000000", b, bad, 1, 0);
     assert_int_equal(kvx_read_start(f->client, &rq, &x, &err), TD_EINVAL);
     rq.dst_blocks = b;
     rq.n_blocks = 0;
@@ -777,7 +765,7 @@ static void wait_delayed_sends(int from, int n)
 static kvx_xfer *start_read(fixture *f, kvx_client *c, const char *tid, const int32_t *src,
                             const int32_t *dst, int n)
 {
-    kvx_read_req rq = req_for(f, tid, src, dst, n, 0);
+    kvx_read_req rq = req_for(f->agent, tid, src, dst, n, 0);
     kvx_xfer *x = NULL;
     td_err err;
     assert_int_equal(kvx_read_start(c, &rq, &x, &err), 0);
@@ -823,7 +811,7 @@ static void test_waiter_runs_its_pieces(void **state)
 static kvx_xfer *start_will_wait(fixture *f, kvx_client *c, const char *tid, const int32_t *b,
                                  int n, done_count *dc)
 {
-    kvx_read_req rq = req_for(f, tid, b, b, n, 0);
+    kvx_read_req rq = req_for(f->agent, tid, b, b, n, 0);
     rq.will_wait = true;
     rq.done = dc ? on_done : NULL;
     rq.user = dc;
