@@ -128,6 +128,13 @@ void rt_worker_result(rt_router *r, rt_worker *w, bool ok, double seconds);
 void rt_health_start(rt_router *r);
 /** Read a worker's /kv_transfer_info now (at registration). */
 void rt_worker_probe(rt_router *r, rt_worker *w);
+/** Apply a worker's /kv_transfer_info (its kv_role, engine id, transfer agent, data-parallel
+ *  ranks): it is ready when the role fits its own and the report is well formed, refused
+ *  (not ready, logged) otherwise. Under --dp-aware a first report with ranks adds a worker
+ *  per rank. */
+void rt_worker_info_apply(rt_router *r, rt_worker *w, const cJSON *j);
+/** Apply a worker's /health body (its "load", when that is an integer >= 0); j may be NULL. */
+void rt_worker_health_apply(rt_worker *w, const cJSON *j);
 void rt_workers_free(rt_router *r);
 /** JSON of every worker (GET /workers). */
 cJSON *rt_workers_json(rt_router *r);

@@ -6,6 +6,8 @@
  */
 #include <event2/buffer.h>
 #include <event2/keyvalq_struct.h>
+#include <limits.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -313,6 +315,23 @@ static void health_mark(rt_router *r, rt_worker *w, bool ok, const char *why)
     }
 }
 
+/* v is a JSON number holding an integer in [lo, hi]: *out = it. */
+static bool json_int(const cJSON *v, double lo, double hi, int *out)
+{
+    if (!cJSON_IsNumber(v) || !isfinite(v->valuedouble) ||
+        v->valuedouble != floor(v->valuedouble) || v->valuedouble < lo || v->valuedouble > hi)
+        return false;
+    *out = (int)v->valuedouble;
+    return true;
+}
+
+/* A handshake port as an engine reports it: a port, or absent/null (none, 0). */
+static bool json_port(const cJSON *v, int *out)
+{
+    *out = 0;
+    return !v || cJSON_IsNull(v) || json_int(v, 1, 65535, out);
+}
+
 static cJSON *body_json(struct evhttp_request *req)
 {
     struct evbuffer *in = evhttp_request_get_input_buffer(req);
@@ -335,26 +354,55 @@ static const cJSON *rank_entry(const cJSON *j, int rank)
     const cJSON *ranks = cJSON_GetObjectItemCaseSensitive(j, "dp_ranks"), *a;
     cJSON_ArrayForEach(a, ranks)
     {
-        const cJSON *k = cJSON_GetObjectItemCaseSensitive(a, "rank");
-        if (cJSON_IsNumber(k) && (int)k->valuedouble == rank) return a;
+        int k;
+        if (json_int(cJSON_GetObjectItemCaseSensitive(a, "rank"), 0, 255, &k) && k == rank)
+            return a;
     }
     return NULL;
 }
 
-static void rank_agent(rt_worker *w, const cJSON *j)
+/* A rank's own agent, where the engine lists one; false if its port is not a port. */
+static bool rank_agent(rt_worker *w, const cJSON *j)
 {
     const cJSON *a = rank_entry(j, w->dp_rank);
     if (a) {
         const cJSON *port = cJSON_GetObjectItemCaseSensitive(a, "handshake_port");
         const cJSON *host = cJSON_GetObjectItemCaseSensitive(a, "kv_host");
         const cJSON *eid = cJSON_GetObjectItemCaseSensitive(a, "engine_id");
-        if (cJSON_IsNumber(port)) w->kv_port = (int)port->valuedouble;
+        int p;
+        if (port && !cJSON_IsNull(port)) {
+            if (!json_port(port, &p)) return false;
+            w->kv_port = p;
+        }
         if (cJSON_IsString(host)) snprintf(w->kv_host, sizeof(w->kv_host), "%s", host->valuestring);
-        if (cJSON_IsString(eid)) snprintf(w->engine_id, sizeof(w->engine_id), "%s", eid->valuestring);
+        if (cJSON_IsString(eid))
+            snprintf(w->engine_id, sizeof(w->engine_id), "%s", eid->valuestring);
+    }
+    return true;
+}
+
+/* Refuse a worker whose report the router cannot use (kr: the kv_role it reported),
+ * logged when it was ready before or reports another role. */
+static void info_refuse(rt_worker *w, const char *kr, const char *why)
+{
+    if (w->info_ok || !w->kv_role[0] || strcmp(w->kv_role, kr))
+        TD_ERROR("router: refusing %s %s: %s", rt_role_name(w->role), w->url, why);
+    snprintf(w->kv_role, sizeof(w->kv_role), "%s", kr);
+    w->info_ok = false;
+}
+
+void rt_worker_health_apply(rt_worker *w, const cJSON *j)
+{
+    int load;
+    if (json_int(cJSON_GetObjectItemCaseSensitive(j, "load"), 0, INT_MAX, &load)) {
+        /* The report counts this router's own requests too; the policies add in_flight
+         * themselves, so keep only what others put there. */
+        w->reported_load = load;
+        w->external_load = TD_MAX(w->reported_load - w->in_flight, 0);
     }
 }
 
-static void info_apply(rt_router *r, rt_worker *w, const cJSON *j)
+void rt_worker_info_apply(rt_router *r, rt_worker *w, const cJSON *j)
 {
     const cJSON *role = cJSON_GetObjectItemCaseSensitive(j, "kv_role");
     const cJSON *eid = cJSON_GetObjectItemCaseSensitive(j, "engine_id");
@@ -371,13 +419,13 @@ static void info_apply(rt_router *r, rt_worker *w, const cJSON *j)
                  (w->role == RT_ROLE_DECODE &&
                   (!strcmp(kr, "kv_consumer") || !strcmp(kr, "kv_both")));
     if (!match) {
-        if (w->info_ok || !w->kv_role[0] || strcmp(w->kv_role, kr))
-            TD_ERROR("router: refusing %s %s: its kv_role is %s", rt_role_name(w->role), w->url,
-                     kr);
-        snprintf(w->kv_role, sizeof(w->kv_role), "%s", kr);
-        w->info_ok = false;
-        return;
+        char why[96];
+        snprintf(why, sizeof(why), "its kv_role is %.64s", kr);
+        return info_refuse(w, kr, why);
     }
+    int kv_port;
+    if (!json_port(port, &kv_port))
+        return info_refuse(w, kr, "its /kv_transfer_info has a handshake_port that is not a port");
     char new_id[40] = "";
     const cJSON *mine = w->dp_rank > 0 ? rank_entry(j, w->dp_rank) : NULL; /* a rank's own agent */
     if (mine) eid = cJSON_GetObjectItemCaseSensitive(mine, "engine_id");
@@ -389,9 +437,11 @@ static void info_apply(rt_router *r, rt_worker *w, const cJSON *j)
     snprintf(w->kv_role, sizeof(w->kv_role), "%s", kr);
     snprintf(w->kv_host, sizeof(w->kv_host), "%s",
              cJSON_IsString(host) ? host->valuestring : w->host);
-    w->kv_port = cJSON_IsNumber(port) ? (int)port->valuedouble : 0;
+    w->kv_port = kv_port;
     w->write_mode = cJSON_IsString(mode) && !strcmp(mode->valuestring, "write");
-    if (w->dp_rank > 0) rank_agent(w, j);
+    if (w->dp_rank > 0 && !rank_agent(w, j))
+        return info_refuse(w, kr,
+                           "its /kv_transfer_info has a rank whose handshake_port is not a port");
     if (!w->info_ok)
         TD_INFO("router: %s %s ready (%s, engine %s%s)", rt_role_name(w->role), w->url, kr,
                 w->engine_id[0] ? w->engine_id : "-", w->write_mode ? ", write mode" : "");
@@ -444,17 +494,11 @@ static void on_check_done(struct evhttp_request *req, void *arg)
     if (!w->removed && c->kind != CHECK_RELEASE) {
         if (c->kind == CHECK_INFO) {
             cJSON *j = code == 200 ? body_json(req) : NULL;
-            if (j) info_apply(r, w, j);
+            if (j) rt_worker_info_apply(r, w, j);
             cJSON_Delete(j);
         } else {
             cJSON *j = code == 200 ? body_json(req) : NULL;
-            const cJSON *load = cJSON_GetObjectItemCaseSensitive(j, "load");
-            if (cJSON_IsNumber(load)) {
-                /* The report counts this router's own requests too; the policies add
-                 * in_flight themselves, so keep only what others put there. */
-                w->reported_load = (int)load->valuedouble;
-                w->external_load = TD_MAX(w->reported_load - w->in_flight, 0);
-            }
+            rt_worker_health_apply(w, j);
             cJSON_Delete(j);
             char why[64];
             snprintf(why, sizeof(why), code ? "/health answered %d" : "no answer", code);
