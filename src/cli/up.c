@@ -15,6 +15,7 @@
 #include <curl/curl.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <math.h>
 #include <netinet/in.h>
 #include <sched.h>
 #include <signal.h>
@@ -349,9 +350,9 @@ static int64_t int_at(const cJSON *o, const char *k, int64_t dflt)
 {
     const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, k);
     if (!v) return dflt;
-    return cJSON_IsNumber(v) && v->valuedouble == (double)(int64_t)v->valuedouble
-               ? (int64_t)v->valuedouble
-               : -1;
+    /* An integer that fits (a wider double would be undefined to convert): else -1. */
+    double d = cJSON_IsNumber(v) ? v->valuedouble : -1;
+    return d >= -1e15 && d <= 1e15 && d == floor(d) ? (int64_t)d : -1;
 }
 
 /* Fill p from the config file for host `me`; the cJSON stays alive (strings point in). */
@@ -394,7 +395,8 @@ static int load_config(const char *path, const char *me, up_plan *p, cJSON **kee
     }
     p->pd = !strcmp(mode, "pd");
     const char *rhost = str_at(r, "host", NULL);
-    p->router_port = (int)int_at(r, "port", 8000);
+    int64_t rport = int_at(r, "port", 8000);
+    p->router_port = rport >= 1 && rport <= 65535 ? (int)rport : -1;
     const cJSON *h, *mine = NULL;
     int64_t tp = 0, td = 0, ta = 0;
     cJSON_ArrayForEach(h, hosts)

@@ -105,6 +105,13 @@ echo '{"mode": "pd", "hots": []}' >"$tmp/bad.json"
 rc=0
 "$TD_BIN" up --config "$tmp/bad.json" --this-host a >"$tmp/out" 2>"$tmp/err" || rc=$?
 [ "$rc" -eq 2 ] && grep -q "unknown key 'hots'" "$tmp/err" || fail "config typo: $(cat "$tmp/err")"
+# A port that is no port (one that would wrap to 8000 in an int, a huge number) is an error.
+for bad in 4294975296 1e300 80.5; do
+    sed "s/\"port\": $RP/\"port\": $bad/" "$tmp/c.json" >"$tmp/badport.json"
+    rc=0
+    "$TD_BIN" up --config "$tmp/badport.json" --this-host a >"$tmp/out" 2>"$tmp/err" || rc=$?
+    [ "$rc" -eq 2 ] && grep -q "router.port a port" "$tmp/err" || fail "router port $bad: $(cat "$tmp/err")"
+done
 "$TD_BIN" up --config "$tmp/c.json" --this-host a --workdir "$tmp/wa" >"$tmp/a.out" 2>"$tmp/a.err" &
 A=$!
 "$TD_BIN" up --config "$tmp/c.json" --this-host b --workdir "$tmp/wb" >"$tmp/b.out" 2>"$tmp/b.err" &
