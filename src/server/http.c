@@ -464,7 +464,15 @@ static void dispatch(struct evhttp_request *req, void *arg)
     case 7: {
         /* ?rank=N stops one data-parallel rank; without it, every rank */
         const char *q = evhttp_uri_get_query(uri);
-        int only = q && !strncmp(q, "rank=", 5) ? atoi(q + 5) : -1;
+        int64_t only = -1;
+        if (q && (strncmp(q, "rank=", 5) || td_parse_i64(q + 5, &only) || only < 0 ||
+                  only >= s->n_ranks)) {
+            srv_error e;
+            srv_error_set(&e, 400, "invalid_request_error", "rank",
+                          "POST /debug/stop_engine takes ?rank=N, N from 0 to %d", s->n_ranks - 1);
+            srv__send_error(s, req, &e);
+            break;
+        }
         for (int k = 0; k < s->n_ranks; k++)
             if (only < 0 || only == k) srv__engine_request_stop(&s->ranks[k].eng, "stopped by POST /debug/stop_engine");
         TD_WARN("engine loop stopped by POST /debug/stop_engine");

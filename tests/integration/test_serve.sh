@@ -110,6 +110,13 @@ code=$(curl -s -o "$tmp/h" -w '%{http_code}' "$STALL_URL/health")
 # --- /health: 200 while the loop runs, 503 with a reason once it has stopped
 code=$(curl -s -o "$tmp/h" -w '%{http_code}' "$MAIN_URL/health")
 [ "$code" = 200 ] || fail "/health before stop: $code $(cat "$tmp/h")"
+# A rank that is not one of the server's is a 400, and stops nothing.
+for q in rank=abc rank=1 rank=-1 rank=99999999999999999999 rnk=0; do
+    code=$(curl -s -o "$tmp/h" -w '%{http_code}' -XPOST "$MAIN_URL/debug/stop_engine?$q")
+    [ "$code" = 400 ] || fail "stop_engine?$q: $code $(cat "$tmp/h")"
+done
+code=$(curl -s -o "$tmp/h" -w '%{http_code}' "$MAIN_URL/health")
+[ "$code" = 200 ] || fail "/health after refused stops: $code $(cat "$tmp/h")"
 curl -s -XPOST "$MAIN_URL/debug/stop_engine" >/dev/null
 code=$(curl -s -o "$tmp/h" -w '%{http_code}' "$MAIN_URL/health")
 [ "$code" = 503 ] || fail "/health after stop: $code $(cat "$tmp/h")"
