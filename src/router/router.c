@@ -433,6 +433,7 @@ int rt_run(const rt_config *cfg, td_err *err)
     if (rc) goto out;
     evhttp_set_gencb(r->http, on_request, r);
     evhttp_set_max_body_size(r->http, 64u << 20);
+    evhttp_set_max_headers_size(r->http, 64 * 1024); /* as the engines: a 400 past that */
     evhttp_set_allowed_methods(r->http, EVHTTP_REQ_GET | EVHTTP_REQ_POST | EVHTTP_REQ_DELETE);
     evhttp_set_timeout(r->http, (int)(cfg->request_timeout_s + 60));
     r->sock = evhttp_bind_socket_with_handle(r->http, cfg->host, (uint16_t)cfg->port);

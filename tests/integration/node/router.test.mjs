@@ -11,6 +11,7 @@ import { test, after } from 'node:test';
 import { metrics, until, startTandem, refText, freePort } from './lib.mjs';
 import assert from 'node:assert/strict';
 import http from 'node:http';
+import net from 'node:net';
 import OpenAI from 'openai';
 
 const BIN = process.env.TD_BIN;
@@ -255,6 +256,16 @@ test('bad requests get the engines\' error shapes; a wrong API key gets 401', as
   eng.proc.kill('SIGKILL');
   r = await fetch(R1.url + '/nope');
   assert.equal(r.status, 404);
+  // Headers past 64 KiB are a 400, as at the engines (a raw request: clients cap them).
+  const status = await new Promise((resolve, reject) => {
+    const c = net.connect(R1.port, '127.0.0.1', () =>
+      c.write(`GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: ${'a'.repeat(200000)}\r\n\r\n`));
+    let got = '';
+    c.on('data', (d) => { got += d; });
+    c.on('close', () => resolve(got.split('\r\n')[0]));
+    c.on('error', reject);
+  });
+  assert.match(status, /^HTTP\/1\.1 400/, status);
   rk.proc.kill('SIGTERM');
 });
 
