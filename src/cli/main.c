@@ -3,6 +3,7 @@
 #include <string.h>
 
 #include "cli/cli.h"
+#include "util/td.h"
 
 static const struct {
     const char *name;
@@ -41,6 +42,7 @@ int main(int argc, char **argv)
         usage(stdout);
         return 0;
     }
+    td_raise_fd_limit(); /* servers, the router and the bench clients hold many sockets */
     for (size_t i = 0; i < sizeof(commands) / sizeof(commands[0]); i++)
         if (!strcmp(argv[1], commands[i].name)) return commands[i].fn(argc - 1, argv + 1);
     fprintf(stderr, "tandem: unknown command '%s'\n\n", argv[1]);

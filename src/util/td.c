@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <time.h>
 
 const char *td_strerror(int code)
@@ -252,4 +253,18 @@ int td_parse_size(const char *s, uint64_t *out)
     if (bytes > 1.8e19) return TD_EINVAL;
     *out = (uint64_t)bytes;
     return 0;
+}
+
+long td_raise_fd_limit(void)
+{
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl)) return -1;
+    /* Linux caps the limit at fs.nr_open (2^20 by default), whatever the hard limit says. */
+    rlim_t to = rl.rlim_max == RLIM_INFINITY || rl.rlim_max > ((rlim_t)1 << 20) ? (rlim_t)1 << 20
+                                                                                 : rl.rlim_max;
+    if (rl.rlim_cur < to) {
+        struct rlimit want = {to, rl.rlim_max};
+        if (setrlimit(RLIMIT_NOFILE, &want) == 0) rl.rlim_cur = to;
+    }
+    return rl.rlim_cur == RLIM_INFINITY ? -1 : (long)rl.rlim_cur;
 }

@@ -104,6 +104,13 @@ uint64_t td_rng_next(td_rng *rng);
 float td_rng_float(td_rng *rng);
 
 /**
+ * Raise this process's soft limit on open files to its hard limit: a router or a server
+ * holds a connection per stream (and the router one more upstream), and the usual soft
+ * limit of 1024 would refuse connections at a few hundred. Returns the soft limit now.
+ */
+long td_raise_fd_limit(void);
+
+/**
  * Parse helpers for flags: they accept the whole string or fail (no trailing
  * garbage, no overflow). Return 0 or TD_EINVAL.
  */

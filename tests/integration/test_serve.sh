@@ -27,6 +27,19 @@ expect_flag_error "--device must be cpu, cuda or cuda:N (GPU N, 0..63), got 'cud
 expect_flag_error "--device must be cpu, cuda or cuda:N (GPU N, 0..63), got 'gpu'" --device gpu
 expect_flag_error "--kv-cache-dtype" --kv_cache_dtype q3
 
+# --- the soft limit on open files is raised to the hard one (capped at Linux's 2^20): a
+# server holds a socket per stream, and a soft limit of 1024 would refuse connections early.
+hard=$(ulimit -Hn)
+if [ "$hard" = unlimited ] || [ "$hard" -gt 1048576 ]; then hard=1048576; fi
+: >"$tmp/FD.err"
+(ulimit -Sn 256 && exec "$TD_BIN" serve --model "$MODEL" --threads 1 --host 127.0.0.1 \
+    --server-port 0 --log-level warn 2>"$tmp/FD.err") &
+server_pids+=("$!")
+wait_listening FD "$!" 127.0.0.1
+soft=$(awk '/^Max open files/ {print $4}' "/proc/$FD_PID/limits")
+[ "$soft" = "$hard" ] || fail "open files: soft limit $soft, want the hard limit $hard"
+kill "$FD_PID"
+
 # --- the main server (underscore aliases and -tp 1 accepted) and a slow one for
 # disconnects and queue limits (each engine step sleeps 20 ms).
 start_server MAIN --chat-template chatml --enable-debug-endpoints -tp 1 --kv_cache_dtype f16 \
