@@ -50,6 +50,9 @@ typedef struct rt_leg {
     bool relayed;         /* ... and some of it went */
     rt_worker *failed_on; /* excluded from the next pick */
     char last_error[200];
+    /* inside evhttp_make_request, which fails some requests at once (no descriptor for the
+     * socket) by calling on_leg_done before it returns: the caller then ends the attempt */
+    bool sending, failed_at_once;
 } rt_leg;
 
 struct rt_req {
@@ -355,6 +358,10 @@ static void on_leg_done(struct evhttp_request *req, void *arg)
 {
     rt_leg *leg = arg;
     rt_req *q = leg->q;
+    if (leg->sending) { /* failed inside evhttp_make_request: its caller ends the attempt */
+        leg->failed_at_once = true;
+        return;
+    }
     if (!leg->ereq) return; /* cancelled */
     leg->ereq = NULL;
     leg->state = LEG_DONE;
@@ -498,7 +505,11 @@ static void leg_start_on(rt_req *q, rt_leg *leg, rt_worker *w)
     leg->status = 0;
     leg->passthrough = leg->relayed = false;
     leg->t0 = td_now_s();
-    if (evhttp_make_request(leg->conn, e, EVHTTP_REQ_POST, q->path)) {
+    leg->sending = true;
+    leg->failed_at_once = false;
+    int rc = evhttp_make_request(leg->conn, e, EVHTTP_REQ_POST, q->path);
+    leg->sending = false;
+    if (rc || leg->failed_at_once) {
         leg->ereq = NULL; /* libevent freed it */
         leg->state = LEG_DONE;
         rt_worker_result(r, w, false, -1);

@@ -441,6 +441,7 @@ int rt_run(const rt_config *cfg, td_err *err)
         rc = td_err_set(err, TD_EIO, "cannot listen on %s:%d (in use?)", cfg->host, cfg->port);
         goto out;
     }
+    r->accept_guard = td_accept_guard_new(r->base, r->sock, "router");
     evutil_socket_t fd = evhttp_bound_socket_get_fd(r->sock);
     struct sockaddr_storage ss;
     socklen_t sl = sizeof(ss);
@@ -469,6 +470,7 @@ out:
     if (r->discovery_timer) event_free(r->discovery_timer);
     if (r->sig_int) event_free(r->sig_int);
     if (r->sig_term) event_free(r->sig_term);
+    td_accept_guard_free(r->accept_guard);
     if (r->http) evhttp_free(r->http);
     rt_workers_free(r);
     for (int i = 0; i < RT_N_ROLES; i++)

@@ -12,6 +12,7 @@
 #include <cjson/cJSON.h>
 
 #include "router/router.h"
+#include "util/accept_guard.h"
 
 typedef enum rt_role { RT_ROLE_WORKER = 0, RT_ROLE_PREFILL = 1, RT_ROLE_DECODE = 2 } rt_role;
 #define RT_N_ROLES 3
@@ -79,6 +80,7 @@ typedef struct rt_router {
     struct event_base *base;
     struct evhttp *http;
     struct evhttp_bound_socket *sock;
+    td_accept_guard *accept_guard; /* the listener pauses when out of descriptors */
     char bound[300];
     rt_worker *workers;
     uint64_t next_worker_id;

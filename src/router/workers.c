@@ -25,6 +25,9 @@ typedef struct rt_check {
     rt_worker *w;
     struct evhttp_connection *conn;
     int kind; /* CHECK_* */
+    /* inside evhttp_make_request, which fails some requests at once (no descriptor for the
+     * socket) by calling on_check_done before it returns: send_check then ends the check */
+    bool sending, failed_at_once;
     struct rt_check *next, *prev;
 } check;
 
@@ -474,12 +477,17 @@ void rt_worker_info_apply(rt_router *r, rt_worker *w, const cJSON *j)
     }
 }
 
-static void on_check_done(struct evhttp_request *req, void *arg)
+/* A check's end: its answer (req; NULL if it was never sent) applied, then the check
+ * unlinked and freed. */
+static void check_end(check *c, struct evhttp_request *req, bool sent)
 {
-    check *c = arg;
     rt_router *r = c->r;
     rt_worker *w = c->w;
     int code = req ? evhttp_request_get_response_code(req) : 0;
+    if (!sent) { /* the router's own failure (out of descriptors): no verdict on w */
+        if (c->kind == CHECK_HEALTH) w->check_in_flight = false;
+        goto out;
+    }
     if (code > 0 && !w->reachable) {
         w->reachable = true;
         TD_INFO("router: %s %s answers", rt_role_name(w->role), w->url);
@@ -508,10 +516,21 @@ static void on_check_done(struct evhttp_request *req, void *arg)
             if (code == 200 && (!w->info_ok || !w->model[0])) rt_worker_probe(r, w);
         }
     }
+out:
     check_unlink(c);
     rt_conn_put(w, c->conn);
     rt_worker_unref(r, w);
     free(c);
+}
+
+static void on_check_done(struct evhttp_request *req, void *arg)
+{
+    check *c = arg;
+    if (c->sending) { /* failed inside evhttp_make_request: send_check ends it */
+        c->failed_at_once = true;
+        return;
+    }
+    check_end(c, req, true);
 }
 
 /* One request of the router's own to w (a health check, an info read, a KV release): a
@@ -537,16 +556,13 @@ static void send_check(rt_router *r, rt_worker *w, int kind, const char *path, c
     }
     rt_worker_ref(w);
     if (kind == CHECK_HEALTH) w->check_in_flight = true;
-    if (evhttp_make_request(c->conn, req, body ? EVHTTP_REQ_POST : EVHTTP_REQ_GET, path)) {
-        if (kind == CHECK_HEALTH) w->check_in_flight = false;
-        rt_conn_put(w, c->conn);
-        rt_worker_unref(r, w);
-        free(c);
-        return;
-    }
     c->next = r->checks;
     if (r->checks) r->checks->prev = c;
     r->checks = c;
+    c->sending = true;
+    int rc = evhttp_make_request(c->conn, req, body ? EVHTTP_REQ_POST : EVHTTP_REQ_GET, path);
+    c->sending = false;
+    if (rc || c->failed_at_once) check_end(c, NULL, false); /* libevent freed req */
 }
 
 void rt_worker_release_kv(rt_router *r, const char *url, const char *transfer_id)

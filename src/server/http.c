@@ -688,6 +688,7 @@ int srv_server_create(srv_server **out, td_engine *const *engines, int n_ranks, 
     socklen_t sl = sizeof(ss);
     if (getsockname(evhttp_bound_socket_get_fd(bound), (struct sockaddr *)&ss, &sl) == 0)
         s->port = ntohs(((struct sockaddr_in *)&ss)->sin_port);
+    s->accept_guard = td_accept_guard_new(s->base, bound, "serve");
 
     /* Each rank: its connector, then its engine thread (which owns the engine from then on;
      * srv_server_free frees the engines whose thread started, and the rest below). */
@@ -767,6 +768,7 @@ void srv_server_free(srv_server *s)
     }
     if (s->sigint_ev) event_free(s->sigint_ev);
     if (s->sigterm_ev) event_free(s->sigterm_ev);
+    td_accept_guard_free(s->accept_guard);
     if (s->http) evhttp_free(s->http);
     if (s->base) event_base_free(s->base);
     for (int r = 0; r < s->n_ranks; r++) {

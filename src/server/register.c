@@ -66,7 +66,11 @@ static void beat(evutil_socket_t fd, short what, void *arg)
     evhttp_add_header(h, "Content-Type", "application/json");
     if (g->auth[0]) evhttp_add_header(h, "Authorization", g->auth);
     evbuffer_add(evhttp_request_get_output_buffer(req), g->body, strlen(g->body));
-    g->busy = evhttp_make_request(g->conn, req, EVHTTP_REQ_POST, "/workers") == 0;
+    /* Busy until on_answer, which evhttp_make_request may call before it returns (a
+     * request it fails at once, out of descriptors): set before, so that it is not left
+     * busy with no answer to come (and no heartbeat ever again). */
+    g->busy = true;
+    if (evhttp_make_request(g->conn, req, EVHTTP_REQ_POST, "/workers")) g->busy = false;
 }
 
 int srv__register_start(srv_server *s, const srv_kv_config *kv, td_err *err)

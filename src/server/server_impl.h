@@ -11,6 +11,7 @@
 #include "pd/pd.h"
 #include "tandem/ep.h"
 #include "server/server.h"
+#include "util/accept_guard.h"
 
 /* ---- engine thread (engine_thread.c) ---- */
 
@@ -164,6 +165,7 @@ struct srv_server {
     struct event_base *base;
     struct evhttp *http;
     struct event *wake_ev, *sigint_ev, *sigterm_ev;
+    td_accept_guard *accept_guard; /* the listener pauses when out of descriptors */
     int port;
     srv__rank *ranks; /* [n_ranks] */
     int n_ranks;

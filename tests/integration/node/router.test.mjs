@@ -475,6 +475,43 @@ test('a plain worker counts only once it has answered: until then /health is 503
   for (const p of [late, eng]) p.proc.kill('SIGTERM');
 });
 
+test('out of descriptors, the router and an engine pause accepting, keep their state, and serve again', async () => {
+  // Both with 64 descriptors at most; 100 idle connections to one of them use up its table,
+  // so accept() fails (and the router's own health checks fail before they are sent).
+  const lim = (args) => startTandem('bash', ['-c', 'ulimit -n 64 && exec "$0" "$@"', BIN, ...args], procs);
+  const eng = await lim(['serve', '--model', MODEL, '--threads', '1', '--host', '127.0.0.1', '--server-port', '0',
+    '--log-level', 'warn']);
+  const r = await lim(['router', '--host', '127.0.0.1', '--port', '0', '--log-level', 'warn',
+    '--health-check-interval-secs', '0.1', '--worker', eng.url]);
+  await until(async () => (await fetch(r.url + '/health')).status === 200, 'the router healthy');
+  const want = await expected([1, 306]);
+  for (const target of [r, eng]) {
+    const socks = [];
+    for (let i = 0; i < 100; i++) {
+      const c = net.connect(target.port, '127.0.0.1');
+      c.on('error', () => {});
+      socks.push(c);
+    }
+    await new Promise((ok) => setTimeout(ok, 1000));
+    for (const c of socks) c.destroy();
+    let res;
+    await until(async () => {
+      try { res = await post(target.url, '/v1/completions', { prompt: [1, 306], ...GEN }); } catch { return false; }
+      return res.status === 200;
+    }, 'serving again', 15000);
+    assert.equal(res.json.choices[0].text, want);
+    // One warning for the episode, not one per failed accept() (libevent's default).
+    const lines = target.stderr().split('\n');
+    const warns = lines.filter((l) => l.includes('cannot accept connections')).length;
+    assert.ok(warns >= 1 && warns <= 2, `${warns} warnings: ${lines.slice(-5).join(' | ')}`);
+    assert.ok(!target.stderr().includes('Error from accept()'), 'no per-call warnings');
+  }
+  for (const p of [r, eng]) {
+    const code = await new Promise((ok) => { p.proc.on('exit', (c) => ok(c)); p.proc.kill('SIGTERM'); });
+    assert.equal(code, 0, p.stderr().slice(-2000));
+  }
+});
+
 test('every engine is idle at the end, and the routers shut down cleanly', async () => {
   for (const e of [P1, P2, D1, D2, PW]) await idle(e.url, e.url);
   for (const r of [R1, R2, RA, RW]) {
