@@ -30,11 +30,11 @@
 
 #include "bench/metrics.h"
 #include "bench/report.h"
+#include "bench/sse.h"
 #include "cli/cli.h"
 #include "cli/flags.h"
 #include "util/td.h"
 
-#define LINE_CAP (4u << 20)      /* longest SSE line accepted: an error beyond it */
 #define ERROR_BODY_CAP 200       /* bytes of a failed response kept for the message */
 #define MAX_FAILURE_KINDS 32     /* distinct failure reasons tallied */
 #define MAX_FAILURES_SHOWN 3     /* failed requests described on stderr */
@@ -299,10 +299,7 @@ typedef struct bench_call {
     const bench_prompt *prompt;
     CURL *easy;
     char *body;
-    char *line; /* the SSE line being received */
-    size_t line_len, line_cap;
-    bool done, have_usage, too_long, bad_event;
-    char stream_error[96]; /* an {"error": ...} event in the stream */
+    bench_sse sse; /* the stream's reader, filling r */
     char error_body[ERROR_BODY_CAP + 1];
     size_t error_len;
 } bench_call;
@@ -319,130 +316,19 @@ typedef struct bench_run {
     long failures_shown;
 } bench_run;
 
-static double json_number(const cJSON *o, const char *name)
-{
-    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, name);
-    return cJSON_IsNumber(v) ? v->valuedouble : NAN;
-}
-
-static bool nonempty_string(const cJSON *v)
-{
-    return cJSON_IsString(v) && v->valuestring[0];
-}
-
-/* One "data:" payload of the stream, received at time now. */
-static void handle_event(bench_call *c, const char *data, size_t len, double now)
-{
-    if (len == 6 && !memcmp(data, "[DONE]", 6)) {
-        c->done = true;
-        c->r->t_end = now;
-        return;
-    }
-    cJSON *ev = cJSON_ParseWithLength(data, len);
-    if (!ev) {
-        c->bad_event = true;
-        return;
-    }
-    const cJSON *error = cJSON_GetObjectItemCaseSensitive(ev, "error");
-    if (error && !c->stream_error[0]) {
-        const cJSON *msg = cJSON_GetObjectItemCaseSensitive(error, "message");
-        snprintf(c->stream_error, sizeof(c->stream_error), "error event: %.80s",
-                 cJSON_IsString(msg) ? msg->valuestring : "(no message)");
-    }
-    /* A token event: a choice with text (completions) or delta content (chat; a reasoning
-     * model's reasoning_content counts as output too). Servers that stream one event per
-     * token (tandem) send some with empty text: a token whose bytes do not complete a
-     * UTF-8 character yet. Those count, or time to first token and the gaps would be
-     * measured to the first printable text instead. Not counted: the role-only first chunk
-     * of a chat stream, and an empty chunk that only carries the finish reason. */
-    bool content = false;
-    const cJSON *choice;
-    cJSON_ArrayForEach(choice, cJSON_GetObjectItemCaseSensitive(ev, "choices"))
-    {
-        const cJSON *delta = cJSON_GetObjectItemCaseSensitive(choice, "delta");
-        const cJSON *fin = cJSON_GetObjectItemCaseSensitive(choice, "finish_reason");
-        bool finishing = fin && !cJSON_IsNull(fin);
-        const cJSON *text = cJSON_GetObjectItemCaseSensitive(choice, "text");
-        const cJSON *dc = cJSON_GetObjectItemCaseSensitive(delta, "content");
-        bool role = cJSON_GetObjectItemCaseSensitive(delta, "role") != NULL;
-        content |= nonempty_string(text) || nonempty_string(dc) ||
-                   nonempty_string(cJSON_GetObjectItemCaseSensitive(delta, "reasoning_content")) ||
-                   (!finishing && !role && (cJSON_IsString(text) || cJSON_IsString(dc)));
-    }
-    if (content && bench_request_add_event(c->r, now)) c->bad_event = true;
-    const cJSON *usage = cJSON_GetObjectItemCaseSensitive(ev, "usage");
-    if (cJSON_IsObject(usage)) {
-        double prompt = json_number(usage, "prompt_tokens");
-        double completion = json_number(usage, "completion_tokens");
-        if (!isnan(prompt)) c->r->prompt_tokens = (long)prompt;
-        double cached = json_number(
-            cJSON_GetObjectItemCaseSensitive(usage, "prompt_tokens_details"), "cached_tokens");
-        if (!isnan(cached) && cached >= 0) c->r->cached_tokens = (long)cached;
-        if (!isnan(completion)) {
-            c->r->output_tokens = (long)completion;
-            c->have_usage = true;
-        }
-        const cJSON *timings = cJSON_GetObjectItemCaseSensitive(usage, "timings");
-        for (int f = BENCH_T_SERVER_QUEUE; f <= BENCH_T_SERVER_E2E; f++) {
-            double v = json_number(timings, bench_timing_json_name((bench_timing_field)f));
-            if (!isnan(v)) c->r->timing_ms[f] = v;
-        }
-    }
-    const cJSON *kv = cJSON_GetObjectItemCaseSensitive(ev, "kv_transfer_params");
-    const cJSON *timing = cJSON_GetObjectItemCaseSensitive(kv, "timing");
-    for (int f = BENCH_T_PRODUCER_QUEUE; timing && f <= BENCH_T_FIRST_DECODE_STEP; f++) {
-        double v = json_number(timing, bench_timing_json_name((bench_timing_field)f));
-        if (!isnan(v)) c->r->timing_ms[f] = v;
-    }
-    cJSON_Delete(ev);
-}
-
-static void end_line(bench_call *c, double now)
-{
-    const char *l = c->line;
-    size_t len = c->line_len;
-    c->line_len = 0;
-    if (len < 5 || memcmp(l, "data:", 5)) return; /* comments, event:, id:, blank lines */
-    l += 5;
-    len -= 5;
-    if (len && *l == ' ') l++, len--;
-    handle_event(c, l, len, now);
-}
-
 /* The SSE stream as it arrives: every event of this chunk gets the same timestamp, the
  * moment its bytes reached us. */
 static size_t on_data(char *p, size_t size, size_t n, void *arg)
 {
     bench_call *c = arg;
     size_t len = size * n;
-    double now = td_now_s();
     if (c->error_len < ERROR_BODY_CAP) {
         size_t k = TD_MIN(len, ERROR_BODY_CAP - c->error_len);
         memcpy(c->error_body + c->error_len, p, k);
         c->error_len += k;
         c->error_body[c->error_len] = '\0';
     }
-    for (size_t i = 0; i < len; i++) {
-        char ch = p[i];
-        if (ch == '\n') {
-            end_line(c, now);
-            continue;
-        }
-        if (ch == '\r') continue;
-        if (c->line_len + 1 >= c->line_cap) {
-            if (c->line_cap >= LINE_CAP) {
-                c->too_long = true;
-                return 0; /* aborts the transfer: CURLE_WRITE_ERROR */
-            }
-            size_t cap = c->line_cap ? c->line_cap * 2 : 4096;
-            char *grown = realloc(c->line, cap);
-            if (!grown) return 0;
-            c->line = grown;
-            c->line_cap = cap;
-        }
-        c->line[c->line_len++] = ch;
-    }
-    return len;
+    return bench_sse_feed(&c->sse, p, len, td_now_s()) ? len : 0; /* 0: CURLE_WRITE_ERROR */
 }
 
 static char *request_body(const bench_opts *o, const bench_prompt *p)
@@ -515,24 +401,24 @@ static void call_finish(bench_run *run, bench_call *c, CURLcode result)
     long code = 0;
     curl_easy_getinfo(c->easy, CURLINFO_RESPONSE_CODE, &code);
     double now = td_now_s();
-    if (c->line_len) end_line(c, now); /* a last line without its newline */
+    bench_sse_end(&c->sse, now);
     char reason[96] = "";
-    if (c->too_long) {
-        snprintf(reason, sizeof(reason), "SSE line longer than %u bytes", LINE_CAP);
+    if (c->sse.too_long) {
+        snprintf(reason, sizeof(reason), "SSE line longer than %u bytes", BENCH_SSE_LINE_CAP);
     } else if (result != CURLE_OK) {
         snprintf(reason, sizeof(reason), "connection error: %s", curl_easy_strerror(result));
     } else if (code != 200) {
         snprintf(reason, sizeof(reason), "HTTP %ld", code);
-    } else if (c->stream_error[0]) {
-        snprintf(reason, sizeof(reason), "%.90s", c->stream_error);
-    } else if (!c->done) {
+    } else if (c->sse.stream_error[0]) {
+        snprintf(reason, sizeof(reason), "%.90s", c->sse.stream_error);
+    } else if (!c->sse.done) {
         snprintf(reason, sizeof(reason), "stream ended without [DONE]");
-    } else if (c->bad_event) {
+    } else if (c->sse.bad_event) {
         snprintf(reason, sizeof(reason), "malformed SSE event");
     }
     r->ok = !reason[0];
     if (r->ok) {
-        if (!c->have_usage) r->output_tokens = (long)r->num_events;
+        if (!c->sse.have_usage) r->output_tokens = (long)r->num_events;
         if (r->prompt_tokens <= 0) r->prompt_tokens = c->prompt->prompt_len;
     } else {
         snprintf(r->error, sizeof(r->error), "%s", reason);
@@ -549,9 +435,7 @@ static void call_finish(bench_run *run, bench_call *c, CURLcode result)
     c->easy = NULL;
     free(c->body);
     c->body = NULL;
-    free(c->line);
-    c->line = NULL;
-    c->line_cap = c->line_len = 0;
+    bench_sse_free(&c->sse);
     run->in_flight--;
     run->finished++;
 }
@@ -815,6 +699,7 @@ static int run_benchmark(bench_opts *o)
     for (long i = 0; i < n; i++) {
         bench_request_init(&reqs[i]);
         run.calls[i].r = &reqs[i];
+        bench_sse_init(&run.calls[i].sse, &reqs[i]);
         run.calls[i].prompt = &prompts[i];
         /* the first request goes at once, then a gap after each, as vLLM does */
         if (i > 0) offset[i] = offset[i - 1] + bench_arrivals_next(&arrivals);
@@ -890,7 +775,7 @@ out:
             curl_easy_cleanup(c->easy);
         }
         free(c->body);
-        free(c->line);
+        bench_sse_free(&c->sse);
     }
     for (long i = 0; reqs && i < (long)o->num_prompts; i++)
         bench_request_free(&reqs[i]);
