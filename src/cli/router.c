@@ -37,7 +37,7 @@ int cli_router(int argc, char **argv)
     double req_to = c.request_timeout_s, hc_iv = c.health_interval_s, hc_to = c.health_timeout_s,
            cb_to = c.cb_timeout_s, b0 = c.retry_initial_backoff_s, bmax = c.retry_max_backoff_s,
            bmul = c.retry_backoff_multiplier, jit = c.retry_jitter_factor, q_to = c.queue_timeout_s,
-           ttl = c.worker_ttl_s;
+           ttl = c.worker_ttl_s, drain = c.shutdown_timeout_s;
     bool pd = false, no_hc = false, no_cb = false, dp_aware = false;
     cli_flag f[] = {
         CLI_FLAG("host", CLI_FLAG_STR, &host, "address to listen on (0.0.0.0)"),
@@ -85,6 +85,9 @@ int cli_router(int argc, char **argv)
         CLI_FLAG("atom-pd-rank-mapping-policy", CLI_FLAG_STR, &rank_map, "none | idx2idx (none)"),
         CLI_FLAG("worker-ttl-secs", CLI_FLAG_FLOAT, &ttl,
                  "a self-registered worker that sends no heartbeat this long is evicted (15)"),
+        CLI_FLAG("shutdown-timeout-secs", CLI_FLAG_FLOAT, &drain,
+                 "on SIGTERM or SIGINT, seconds to let requests in flight finish before exiting "
+                 "(30; 0: exit at once)"),
         CLI_FLAG("seed", CLI_FLAG_INT, &seed, "the policies' random seed (0: from the clock)"),
     };
     int rc = cli_flags_parse(f, (int)TD_ARRAY_LEN(f), argc, argv,
@@ -134,6 +137,7 @@ int cli_router(int argc, char **argv)
     c.rank_mapping = rank_map;
     c.backend = backend;
     c.worker_ttl_s = ttl;
+    c.shutdown_timeout_s = drain;
     c.seed = (uint64_t)seed;
     if (hc_fail > 1000 || hc_ok > 1000 || cb_fail > 1000 || cb_ok > 1000 || max_conc > 1000000 ||
         queue > 1000000 || port > 65535 || port < 0) {

@@ -77,7 +77,7 @@ int cli_serve(int argc, char **argv)
     int64_t port = sc.port, tp = 1, dp = 1, max_queue = sc.max_queue, step_delay = 0, kv_delay = 0,
             kv_corrupt = 0;
     uint64_t max_body = sc.max_body_size;
-    double stall = sc.health_stall_s;
+    double stall = sc.health_stall_s, drain = sc.shutdown_timeout_s;
     bool debug = false, dp_attention = false, expert_parallel = false;
     flags[nf++] = CLI_FLAG("served-model-name", CLI_FLAG_STR, &served,
                            "the model name clients use (default: the --model argument)");
@@ -116,6 +116,9 @@ int cli_serve(int argc, char **argv)
     flags[nf++] = CLI_FLAG("health-stall-timeout", CLI_FLAG_FLOAT, &stall,
                            "seconds without an engine step, with work pending, before /health "
                            "answers 503 (60)");
+    flags[nf++] = CLI_FLAG("shutdown-timeout", CLI_FLAG_FLOAT, &drain,
+                           "on SIGTERM or SIGINT, seconds to let requests in flight and KV held "
+                           "for consumers finish before exiting (30; 0: exit at once)");
     flags[nf++] = CLI_FLAG("enable-debug-endpoints", CLI_FLAG_BOOL, &debug,
                            "enable POST /debug/stop_engine (for tests)");
     flags[nf++] = CLI_FLAG("debug-kv-send-delay-ms", CLI_FLAG_INT, &kv_delay,
@@ -156,6 +159,10 @@ int cli_serve(int argc, char **argv)
     }
     if (!(stall > 0)) {
         fprintf(stderr, "error: --health-stall-timeout must be > 0\n");
+        return 2;
+    }
+    if (!(drain >= 0 && drain <= 86400)) {
+        fprintf(stderr, "error: --shutdown-timeout must be in [0, 86400] seconds\n");
         return 2;
     }
     if (step_delay && !debug) {
@@ -262,6 +269,7 @@ int cli_serve(int argc, char **argv)
     sc.enable_debug_endpoints = debug;
     sc.debug_step_delay_ms = (int)step_delay;
     sc.health_stall_s = stall;
+    sc.shutdown_timeout_s = drain;
     sc.block_size = cfg.block_size;
     sc.max_num_seqs = cfg.max_num_seqs;
     sc.kv_cache_dtype = cfg.kv_cache_dtype;

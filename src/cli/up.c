@@ -59,7 +59,7 @@ static volatile sig_atomic_t stop_requested;
 static void on_stop(int sig)
 {
     (void)sig;
-    stop_requested = 1;
+    if (stop_requested < 2) stop_requested++; /* a second signal: stop now, no draining */
 }
 
 /* The lower end of the kernel's ephemeral port range (ip_local_port_range), 32768 where
@@ -271,14 +271,23 @@ static int status(const char *workdir)
     return bad ? 1 : 0;
 }
 
-static void stop_all(inst *v, int n)
+/* SIGTERM to v[i0 .. i1) and wait for them: each drains (finishes what it has, up to its
+ * --shutdown-timeout of 30 s). A second signal to `tandem up` passes a second SIGTERM on,
+ * which makes them exit at once; past the drain and a grace, SIGKILL. */
+static void stop_range(inst *v, int i0, int i1)
 {
-    for (int i = n - 1; i >= 0; i--) /* engines first, the router last */
+    for (int i = i0; i < i1; i++)
         if (v[i].pid > 0) kill(v[i].pid, SIGTERM);
-    double end = td_now_s() + 10;
-    for (int i = 0; i < n; i++) {
+    bool hurried = stop_requested > 1;
+    double end = td_now_s() + 35;
+    for (int i = i0; i < i1; i++) {
         while (v[i].pid > 0) {
             if (waitpid(v[i].pid, NULL, WNOHANG) == v[i].pid) break;
+            if (!hurried && stop_requested > 1) {
+                hurried = true;
+                for (int k = i; k < i1; k++)
+                    if (v[k].pid > 0) kill(v[k].pid, SIGTERM);
+            }
             if (td_now_s() > end) {
                 kill(v[i].pid, SIGKILL);
                 waitpid(v[i].pid, NULL, 0);
@@ -288,6 +297,16 @@ static void stop_all(inst *v, int n)
         }
         v[i].pid = 0;
     }
+}
+
+/* The router first (v[0] where this host runs it): it finishes the requests it relays,
+ * which the engines are answering, and takes no more; then the engines, which then hold
+ * nothing but KV still to be pulled. */
+static void stop_all(inst *v, int n)
+{
+    bool router = n > 0 && !strcmp(v[0].role, "router");
+    if (router) stop_range(v, 0, 1);
+    stop_range(v, router ? 1 : 0, n);
 }
 
 static void tail_log(const char *path)

@@ -803,3 +803,8 @@ char *pd_metrics_render(pd_connector *pd)
     if (!b.p) sb_add(&b, "%s", "");
     return b.p;
 }
+
+int pd_leases_active(pd_connector *pd)
+{
+    return pd && pd->agent ? kvx_agent_n_leases(pd->agent) : 0;
+}

@@ -136,5 +136,8 @@ void pd_release_remote(pd_connector *pd, const pd_remote *src);
 
 /** Prometheus text for the transfer metrics (malloc'd). */
 char *pd_metrics_render(pd_connector *pd);
+/** Prompt KV held for consumers now (leases not yet released or expired); 0 for a
+ *  connector that holds none (a consumer) or NULL. Thread-safe. */
+int pd_leases_active(pd_connector *pd);
 
 #endif

@@ -996,3 +996,11 @@ void rt_relay_shutdown(rt_router *r)
     }
     r->queue_head = r->queue_tail = NULL;
 }
+
+int rt_relay_count(const rt_router *r)
+{
+    int n = 0;
+    for (const rt_req *q = r->reqs; q; q = q->next_live)
+        n++;
+    return n;
+}

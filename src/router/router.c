@@ -40,6 +40,7 @@ void rt_config_default(rt_config *c)
     c->rank_mapping = "none";
     c->backend = "atom";
     c->worker_ttl_s = 15;
+    c->shutdown_timeout_s = 30;
 }
 
 int rt_config_check(const rt_config *c, td_err *err)
@@ -61,6 +62,8 @@ int rt_config_check(const rt_config *c, td_err *err)
     if (!(c->request_timeout_s > 0) || !(c->health_interval_s > 0) || !(c->health_timeout_s > 0) ||
         !(c->cb_timeout_s >= 0) || !(c->queue_timeout_s > 0) || !(c->worker_ttl_s > 0))
         return td_err_set(err, TD_EINVAL, "timeouts and intervals must be positive");
+    if (!(c->shutdown_timeout_s >= 0 && c->shutdown_timeout_s <= 86400))
+        return td_err_set(err, TD_EINVAL, "--shutdown-timeout-secs must be in [0, 86400]");
     if (c->health_failure_threshold < 1 || c->health_success_threshold < 1 ||
         c->cb_failure_threshold < 1 || c->cb_success_threshold < 1)
         return td_err_set(err, TD_EINVAL, "thresholds must be at least 1");
@@ -147,7 +150,8 @@ static void handle_health(rt_router *r, struct evhttp_request *req)
     } else if (!rt_eligible(r, RT_ROLE_WORKER, ws, 1, NULL)) {
         missing = "no worker can take requests";
     }
-    cJSON_AddStringToObject(root, "status", missing ? "error" : "ok");
+    if (r->draining) missing = "the router is shutting down: it finishes what it has";
+    cJSON_AddStringToObject(root, "status", r->draining ? "draining" : missing ? "error" : "ok");
     if (missing) cJSON_AddStringToObject(root, "reason", missing);
     send_cjson(req, missing ? 503 : 200, root);
 }
@@ -375,6 +379,9 @@ static void on_request(struct evhttp_request *req, void *arg)
     if (!strcmp(path, "/v1/completions") || !strcmp(path, "/v1/chat/completions")) {
         if (m != EVHTTP_REQ_POST)
             return rt_send_error(req, 405, "invalid_request_error", "POST only");
+        if (r->draining)
+            return rt_send_error(req, 503, "service_unavailable",
+                                 "the router is shutting down: it takes no new requests");
         return rt_relay_start(r, req, !strcmp(path, "/v1/chat/completions") ? SRV_EP_CHAT
                                                                               : SRV_EP_COMPLETIONS);
     }
@@ -391,12 +398,45 @@ static void on_request(struct evhttp_request *req, void *arg)
 
 /* ---------------------------------------------------------------- run */
 
+/*
+ * Graceful shutdown, as the engines do it: the first SIGTERM or SIGINT starts a drain (new
+ * requests get 503, /health says "draining") until no request is left or
+ * --shutdown-timeout-secs passes; what is left then ends with a 503 or an error event
+ * (rt_relay_shutdown). A second signal exits at once.
+ */
+static void on_drain_tick(evutil_socket_t fd, short what, void *arg)
+{
+    (void)fd;
+    (void)what;
+    rt_router *r = arg;
+    if (!r->reqs) {
+        TD_INFO("router: drained: shutting down");
+        event_base_loopexit(r->base, NULL);
+    } else if (td_now_ns() >= r->drain_deadline_ns) {
+        TD_WARN("router: --shutdown-timeout-secs passed with requests in flight: ending them");
+        event_base_loopexit(r->base, NULL);
+    }
+}
+
 static void on_signal(evutil_socket_t sig, short what, void *arg)
 {
     (void)what;
     rt_router *r = arg;
-    TD_INFO("router: signal %d: shutting down", (int)sig);
-    event_base_loopexit(r->base, NULL);
+    if (r->draining || r->cfg.shutdown_timeout_s <= 0 || !r->reqs) {
+        TD_INFO("router: signal %d: shutting down", (int)sig);
+        event_base_loopexit(r->base, NULL);
+        return;
+    }
+    int n = rt_relay_count(r);
+    r->draining = true;
+    r->drain_deadline_ns = td_now_ns() + (uint64_t)(r->cfg.shutdown_timeout_s * 1e9);
+    TD_WARN("router: signal %d: draining: %d request(s) in flight; new requests get 503; "
+            "exiting when they are done or in %.0f s (--shutdown-timeout-secs); signal again to "
+            "exit now",
+            (int)sig, n, r->cfg.shutdown_timeout_s);
+    r->drain_ev = event_new(r->base, -1, EV_PERSIST, on_drain_tick, r);
+    struct timeval tv = {0, 50000};
+    if (!r->drain_ev || event_add(r->drain_ev, &tv)) event_base_loopexit(r->base, NULL);
 }
 
 int rt_run(const rt_config *cfg, td_err *err)
@@ -466,6 +506,7 @@ int rt_run(const rt_config *cfg, td_err *err)
     event_base_dispatch(r->base);
     rt_relay_shutdown(r);
 out:
+    if (r->drain_ev) event_free(r->drain_ev);
     if (r->health_timer) event_free(r->health_timer);
     if (r->discovery_timer) event_free(r->discovery_timer);
     if (r->sig_int) event_free(r->sig_int);

@@ -58,6 +58,7 @@ typedef struct rt_config {
     const char *rank_mapping;    /* "none" | "idx2idx" */
     const char *backend;         /* "atom" | "tandem" (same protocol) */
     double worker_ttl_s;         /* registered workers missing heartbeats this long: evicted (15) */
+    double shutdown_timeout_s;   /* on SIGTERM/SIGINT, drain this long at most; 0: at once (30) */
     uint64_t seed;               /* policies' PRNG */
 } rt_config;
 

@@ -94,6 +94,10 @@ typedef struct rt_router {
     rt_req *reqs; /* every live request (for shutdown) */
     struct rt_check *checks; /* health checks and info reads in flight (for shutdown) */
     bool shutting_down;
+    /* graceful shutdown (router.c): after the first SIGTERM/SIGINT */
+    bool draining;
+    uint64_t drain_deadline_ns;
+    struct event *drain_ev;
     uint64_t next_req;
     /* metrics */
     uint64_t requests_total, responses_by_class[6], retries, breaker_transitions, rejected_429,
@@ -148,6 +152,8 @@ void rt_workers_metrics(rt_router *r, struct evbuffer *b);
 void rt_relay_start(rt_router *r, struct evhttp_request *req, int endpoint);
 /** Shutdown: end every live request with a 503. */
 void rt_relay_shutdown(rt_router *r);
+/** Requests alive (queued, or relaying). */
+int rt_relay_count(const rt_router *r);
 
 /* ---- router.c ---- */
 void rt_send_error(struct evhttp_request *req, int status, const char *type, const char *msg);

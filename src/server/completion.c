@@ -935,6 +935,11 @@ void srv__handle_generate(srv_server *s, struct evhttp_request *req, srv_endpoin
                       q->r.model, s->model_name);
         goto reject;
     }
+    if (s->draining) {
+        srv_error_set(&err, 503, "service_unavailable", NULL,
+                      "the server is shutting down: it takes no new requests");
+        goto reject;
+    }
     if (q->r.dp_rank >= s->n_ranks) {
         srv_error_set(&err, 400, "invalid_request_error", "data_parallel_rank",
                       "'data_parallel_rank' is %d, but this server has %d data-parallel rank%s (0..%d)",
@@ -1082,4 +1087,12 @@ void srv__free_all_requests(srv_server *s)
         }
         req_free(q);
     }
+}
+
+int srv__live_count(const srv_server *s)
+{
+    int n = 0;
+    for (const srv__req *q = s->live; q; q = q->next)
+        n++;
+    return n;
 }

@@ -33,6 +33,7 @@ void srv_config_default(srv_config *c)
     c->max_queue = 1024;
     c->max_body_size = 4u << 20;
     c->health_stall_s = 60.0;
+    c->shutdown_timeout_s = 30.0;
     c->tp_size = 1;
     c->dp_size = 1;
     c->block_size = 16;
@@ -190,6 +191,14 @@ static void handle_health(srv_server *s, struct evhttp_request *req)
             continue;
         cJSON_AddStringToObject(root, "status", "error");
         cJSON_AddStringToObject(root, "reason", msg);
+        send_cjson(s, req, 503, root);
+        return;
+    }
+    if (s->draining) {
+        cJSON_AddStringToObject(root, "status", "draining");
+        cJSON_AddStringToObject(root, "reason",
+                                "the server is shutting down: it finishes what it has and takes "
+                                "no new requests");
         send_cjson(s, req, 503, root);
         return;
     }
@@ -506,12 +515,68 @@ static void on_wake(evutil_socket_t fd, short what, void *arg)
     take_outputs(arg);
 }
 
+/*
+ * Graceful shutdown. The first SIGTERM or SIGINT starts a drain: new requests get 503,
+ * /health answers 503 "draining" (so routers stop sending), and the loop goes on until no
+ * request is in flight and no prompt KV is held for a consumer (a decode instance still
+ * to pull it), or --shutdown-timeout passes. Then the engine loops are stopped, which ends
+ * what is left with finish_reason "abort" (a complete answer, not a cut connection), and
+ * the loop exits shortly after. A second signal exits at once.
+ */
+#define DRAIN_TICK_US 50000
+#define DRAIN_GRACE_NS 2000000000ull /* after the cut: time for the abort answers to go out */
+
+static int drain_count(const srv_server *s, int *leases)
+{
+    int n = srv__live_count(s);
+    *leases = 0;
+    for (int r = 0; r < s->n_ranks; r++)
+        *leases += pd_leases_active(s->ranks[r].pd);
+    return n;
+}
+
+static void on_drain_tick(evutil_socket_t fd, short what, void *arg)
+{
+    (void)fd;
+    (void)what;
+    srv_server *s = arg;
+    int leases, n = drain_count(s, &leases);
+    uint64_t now = td_now_ns();
+    if (n == 0 && leases == 0) {
+        TD_INFO("drained: shutting down");
+        event_base_loopexit(s->base, NULL);
+    } else if (!s->drain_cut && now >= s->drain_deadline_ns) {
+        TD_WARN("--shutdown-timeout passed with %d request(s) in flight and %d KV lease(s) held: "
+                "ending them",
+                n, leases);
+        s->drain_cut = true;
+        s->drain_deadline_ns = now + DRAIN_GRACE_NS;
+        for (int r = 0; r < s->n_ranks; r++)
+            srv__engine_request_stop(&s->ranks[r].eng, "the server is shutting down");
+    } else if (s->drain_cut && now >= s->drain_deadline_ns) {
+        event_base_loopexit(s->base, NULL);
+    }
+}
+
 static void on_signal(evutil_socket_t sig, short what, void *arg)
 {
     (void)what;
     srv_server *s = arg;
-    TD_INFO("signal %d: shutting down", (int)sig);
-    event_base_loopexit(s->base, NULL);
+    int leases, n = drain_count(s, &leases);
+    if (s->draining || s->cfg.shutdown_timeout_s <= 0 || (n == 0 && leases == 0)) {
+        TD_INFO("signal %d: shutting down", (int)sig);
+        event_base_loopexit(s->base, NULL);
+        return;
+    }
+    s->draining = true;
+    s->drain_deadline_ns = td_now_ns() + (uint64_t)(s->cfg.shutdown_timeout_s * 1e9);
+    TD_WARN("signal %d: draining: %d request(s) in flight, %d KV lease(s) held; new requests get "
+            "503; exiting when they are done or in %.0f s (--shutdown-timeout); signal again to "
+            "exit now",
+            (int)sig, n, leases, s->cfg.shutdown_timeout_s);
+    s->drain_ev = event_new(s->base, -1, EV_PERSIST, on_drain_tick, s);
+    struct timeval tv = {0, DRAIN_TICK_US};
+    if (!s->drain_ev || event_add(s->drain_ev, &tv)) event_base_loopexit(s->base, NULL);
 }
 
 static void detect_chat_template(srv_server *s, td_engine *e)
@@ -766,6 +831,7 @@ void srv_server_free(srv_server *s)
         s->ranks[r].pd = NULL;
         if (s->ranks[r].wake_ev) event_free(s->ranks[r].wake_ev);
     }
+    if (s->drain_ev) event_free(s->drain_ev);
     if (s->sigint_ev) event_free(s->sigint_ev);
     if (s->sigterm_ev) event_free(s->sigterm_ev);
     td_accept_guard_free(s->accept_guard);

@@ -247,6 +247,7 @@ typedef struct srv_config {
     bool enable_debug_endpoints;   /* POST /debug/stop_engine */
     int debug_step_delay_ms;       /* sleep after each step (tests of disconnects) */
     double health_stall_s;         /* /health is 503 when work waits this long without a step */
+    double shutdown_timeout_s;     /* on SIGTERM/SIGINT, drain this long at most (0: exit now) */
     int tp_size, dp_size;
     int block_size;
     int max_num_seqs; /* the engine's, for the queue limit */

@@ -180,6 +180,11 @@ struct srv_server {
     long started_at;       /* unix seconds */
     struct srv__req *live; /* every request object alive (for shutdown) */
     struct srv__registrar *registrar; /* registration with a router (register.c), or NULL */
+    /* graceful shutdown (http.c): after the first SIGTERM/SIGINT, new requests get 503 and
+     * /health says "draining" until nothing is in flight or held, or the deadline */
+    bool draining, drain_cut;
+    uint64_t drain_deadline_ns;
+    struct event *drain_ev;
 };
 
 typedef struct srv__registrar srv__registrar;
@@ -197,6 +202,9 @@ void srv__send_json(srv_server *s, struct evhttp_request *req, int status, const
 void srv__handle_generate(srv_server *s, struct evhttp_request *req, srv_endpoint ep);
 /** Outputs from the engine thread (completion.c). */
 void srv__handle_outputs(srv_server *s, srv__out *outs, int n);
+/** Request objects alive: in flight, or answered with a choice still in the engine
+ *  (completion.c). */
+int srv__live_count(const srv_server *s);
 /** At shutdown: free every request object (completion.c). */
 void srv__free_all_requests(srv_server *s);
 /** JSON-escape bytes into an evbuffer (quotes included); invalid UTF-8 becomes U+FFFD. */

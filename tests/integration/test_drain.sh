@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# Graceful shutdown of `tandem serve`: on SIGTERM a server finishes what it has (a stream
+# in flight ends whole, with [DONE]; prompt KV held for a consumer is kept until it is
+# released) while /health says "draining" and new requests get 503; past
+# --shutdown-timeout what is left ends with finish_reason "abort"; a second signal exits at
+# once. Every exit is 0. The router drains the same way.
+set -euo pipefail
+source "$(dirname "$0")/serve_lib.sh"
+command -v curl >/dev/null || fail "curl is required"
+command -v jq >/dev/null || fail "jq is required (apt-get install jq)"
+
+expect_flag_error "--shutdown-timeout" --shutdown-timeout -1
+
+# stream URL MAX_TOKENS OUT: a streamed completion in the background (pid in $stream_pid)
+stream() {
+    curl -sN "$1/v1/completions" -H 'Content-Type: application/json' \
+        -d "{\"prompt\":[1,306],\"max_tokens\":$2,\"ignore_eos\":true,\"stream\":true}" >"$3" &
+    stream_pid=$!
+    for _ in $(seq 1 100); do grep -q '"text"' "$3" 2>/dev/null && return; sleep 0.05; done
+    fail "no token streamed from $1"
+}
+# gone PID TENTHS: the process has exited within TENTHS tenths of a second
+gone() {
+    for _ in $(seq 1 "$2"); do kill -0 "$1" 2>/dev/null || return 0; sleep 0.1; done
+    return 1
+}
+
+# --- a stream in flight ends whole; meanwhile /health is 503 and new requests are refused
+start_server A --enable-debug-endpoints --debug-step-delay-ms 20
+stream "$A_URL" 60 "$tmp/a.out"
+kill -TERM "$A_PID"
+code=$(curl -s -o "$tmp/h" -w '%{http_code}' "$A_URL/health")
+[ "$code" = 503 ] && [ "$(jq -r .status "$tmp/h")" = draining ] || fail "/health while draining: $code $(cat "$tmp/h")"
+code=$(curl -s -o "$tmp/n" -w '%{http_code}' "$A_URL/v1/completions" -H 'Content-Type: application/json' \
+    -d '{"prompt":[1,306],"max_tokens":2}')
+[ "$code" = 503 ] && grep -q "shutting down" "$tmp/n" || fail "a new request while draining: $code $(cat "$tmp/n")"
+wait "$stream_pid"
+wait "$A_PID" || fail "exit status after draining: $(tail -n 5 "$tmp/A.err")"
+[ "$(grep -c '"text"' "$tmp/a.out")" -eq 60 ] && grep -q '"finish_reason":"length"' "$tmp/a.out" &&
+    grep -q '^data: \[DONE\]' "$tmp/a.out" || fail "the stream did not end whole: $(tail -c 300 "$tmp/a.out")"
+grep -q "draining: 1 request" "$tmp/A.err" || fail "log: $(cat "$tmp/A.err")"
+
+# --- past --shutdown-timeout: what is left ends with finish_reason "abort", then the exit
+start_server B --enable-debug-endpoints --debug-step-delay-ms 20 --shutdown-timeout 0.5
+stream "$B_URL" 120 "$tmp/b.out"
+kill -TERM "$B_PID"
+wait "$stream_pid"
+wait "$B_PID" || fail "exit status after the timeout: $(tail -n 5 "$tmp/B.err")"
+grep -q '"finish_reason":"abort"' "$tmp/b.out" && grep -q '^data: \[DONE\]' "$tmp/b.out" ||
+    fail "the cut stream: $(tail -c 300 "$tmp/b.out")"
+
+# --- a second signal exits at once
+start_server C --enable-debug-endpoints --debug-step-delay-ms 20
+stream "$C_URL" 120 "$tmp/c.out"
+kill -TERM "$C_PID"
+sleep 0.2
+kill -TERM "$C_PID"
+gone "$C_PID" 10 || fail "still running 1 s after a second SIGTERM"
+wait "$stream_pid" || true
+
+# --- the router drains the same way: the stream it relays ends whole, new requests get 503
+start_server E --enable-debug-endpoints --debug-step-delay-ms 20
+: >"$tmp/R.err"
+"$TD_BIN" router --host 127.0.0.1 --port 0 --log-level warn --worker "$E_URL" 2>"$tmp/R.err" &
+server_pids+=("$!")
+wait_listening R "$!" 127.0.0.1
+for _ in $(seq 1 100); do
+    [ "$(curl -s -o /dev/null -w '%{http_code}' "$R_URL/health")" = 200 ] && break
+    sleep 0.05
+done
+stream "$R_URL" 60 "$tmp/r.out"
+kill -TERM "$R_PID"
+code=$(curl -s -o "$tmp/h" -w '%{http_code}' "$R_URL/health")
+[ "$code" = 503 ] && [ "$(jq -r .status "$tmp/h")" = draining ] || fail "router /health while draining: $code $(cat "$tmp/h")"
+code=$(curl -s -o "$tmp/n" -w '%{http_code}' "$R_URL/v1/completions" -H 'Content-Type: application/json' \
+    -d '{"prompt":[1,306],"max_tokens":2}')
+[ "$code" = 503 ] && grep -q "shutting down" "$tmp/n" || fail "a new request to the draining router: $code $(cat "$tmp/n")"
+wait "$stream_pid"
+wait "$R_PID" || fail "router exit status after draining: $(tail -n 5 "$tmp/R.err")"
+[ "$(grep -c '"text"' "$tmp/r.out")" -eq 60 ] && grep -q '^data: \[DONE\]' "$tmp/r.out" ||
+    fail "the relayed stream did not end whole: $(tail -c 300 "$tmp/r.out")"
+"$TD_BIN" router --shutdown-timeout-secs -2 --worker "$E_URL" >"$tmp/out" 2>"$tmp/err" && fail "a negative drain"
+grep -q "shutdown-timeout-secs" "$tmp/err" || fail "router flag error: $(cat "$tmp/err")"
+
+# --- prompt KV held for a consumer keeps a producer up until it is released
+start_server P --kv-transfer-config '{"kv_role":"kv_producer"}'
+curl -s "$P_URL/v1/completions" -H 'Content-Type: application/json' -d \
+    '{"prompt":[1,306,400],"max_tokens":1,"kv_transfer_params":{"do_remote_decode":true}}' >"$tmp/p.json"
+tid=$(jq -r .kv_transfer_params.transfer_id "$tmp/p.json")
+[ -n "$tid" ] && [ "$tid" != null ] || fail "no transfer id: $(cat "$tmp/p.json")"
+kill -TERM "$P_PID"
+sleep 0.5
+kill -0 "$P_PID" 2>/dev/null || fail "the producer exited with KV still held"
+grep -q "1 KV lease(s) held" "$tmp/P.err" || fail "log: $(cat "$tmp/P.err")"
+code=$(curl -s -o "$tmp/r" -w '%{http_code}' "$P_URL/kv_release" -H 'Content-Type: application/json' \
+    -d "{\"transfer_id\":\"$tid\"}")
+[ "$code" = 200 ] || fail "kv_release: $code $(cat "$tmp/r")"
+wait "$P_PID" || fail "producer exit status: $(tail -n 5 "$tmp/P.err")"
+echo ok
