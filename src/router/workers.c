@@ -505,11 +505,19 @@ static void check_end(check *c, struct evhttp_request *req, bool sent)
             if (j) rt_worker_info_apply(r, w, j);
             cJSON_Delete(j);
         } else {
-            cJSON *j = code == 200 ? body_json(req) : NULL;
-            rt_worker_health_apply(w, j);
+            cJSON *j = code == 200 || code == 503 ? body_json(req) : NULL;
+            const cJSON *st = cJSON_GetObjectItemCaseSensitive(j, "status");
+            bool draining = code == 503 && cJSON_IsString(st) && !strcmp(st->valuestring, "draining");
+            if (code == 200) rt_worker_health_apply(w, j);
             cJSON_Delete(j);
             char why[64];
             snprintf(why, sizeof(why), code ? "/health answered %d" : "no answer", code);
+            /* An engine shutting down takes no new requests: out at once, not after
+             * --health-failure-threshold checks (its own answers would be 503s meanwhile). */
+            if (draining && w->healthy) {
+                w->health_fail = r->cfg.health_failure_threshold - 1;
+                snprintf(why, sizeof(why), "it is shutting down (draining)");
+            }
             health_mark(r, w, code == 200, why);
             /* A worker that answers but whose identity is unknown (or may have changed
              * after a restart): read /kv_transfer_info again. */

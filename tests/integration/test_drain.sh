@@ -82,6 +82,35 @@ wait "$R_PID" || fail "router exit status after draining: $(tail -n 5 "$tmp/R.er
 "$TD_BIN" router --shutdown-timeout-secs -2 --worker "$E_URL" >"$tmp/out" 2>"$tmp/err" && fail "a negative drain"
 grep -q "shutdown-timeout-secs" "$tmp/err" || fail "router flag error: $(cat "$tmp/err")"
 
+# --- a router takes a draining engine out at once (not after --health-failure-threshold
+# failed checks), and sends the requests that follow to the other one
+start_server G --enable-debug-endpoints --debug-step-delay-ms 20
+start_server H
+: >"$tmp/R2.err"
+"$TD_BIN" router --host 127.0.0.1 --port 0 --log-level warn --worker "$G_URL" --worker "$H_URL" \
+    --health-check-interval-secs 0.1 --health-failure-threshold 100 2>"$tmp/R2.err" &
+server_pids+=("$!")
+wait_listening R2 "$!" 127.0.0.1
+for _ in $(seq 1 100); do
+    [ "$(curl -s "$R2_URL/workers" | jq '[.workers[] | select(.healthy and .reachable)] | length')" = 2 ] && break
+    sleep 0.05
+done
+stream "$G_URL" 100 "$tmp/g.out"
+kill -TERM "$G_PID"
+out=""
+for _ in $(seq 1 40); do
+    out=$(curl -s "$R2_URL/workers" | jq -r ".workers[] | select(.url == \"$G_URL\") | .healthy")
+    [ "$out" = false ] && break
+    sleep 0.05
+done
+[ "$out" = false ] || fail "the draining engine is still healthy at the router after 2 s"
+for _ in 1 2 3 4; do
+    code=$(curl -s -o "$tmp/x" -w '%{http_code}' "$R2_URL/v1/completions" -H 'Content-Type: application/json' \
+        -d '{"prompt":[1,306],"max_tokens":2}')
+    [ "$code" = 200 ] || fail "a request after the drain began: $code $(cat "$tmp/x")"
+done
+wait "$stream_pid"
+
 # --- prompt KV held for a consumer keeps a producer up until it is released
 start_server P --kv-transfer-config '{"kv_role":"kv_producer"}'
 curl -s "$P_URL/v1/completions" -H 'Content-Type: application/json' -d \
