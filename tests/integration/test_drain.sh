@@ -25,19 +25,32 @@ gone() {
     return 1
 }
 
+# drains NAME: server NAME (${NAME}_URL, ${NAME}_PID, log $tmp/NAME.err), streaming 60
+# tokens, gets SIGTERM: /health says draining, a new request gets 503, the stream ends
+# whole (60 tokens, [DONE]; kept in $tmp/NAME.out) and the process exits 0.
+drains() {
+    local url pid
+    url=$(eval echo "\$${1}_URL")
+    pid=$(eval echo "\$${1}_PID")
+    stream "$url" 60 "$tmp/$1.out"
+    kill -TERM "$pid"
+    code=$(curl -s -o "$tmp/h" -w '%{http_code}' "$url/health")
+    [ "$code" = 503 ] && [ "$(jq -r .status "$tmp/h")" = draining ] ||
+        fail "$1: /health while draining: $code $(cat "$tmp/h")"
+    code=$(curl -s -o "$tmp/n" -w '%{http_code}' "$url/v1/completions" \
+        -H 'Content-Type: application/json' -d '{"prompt":[1,306],"max_tokens":2}')
+    [ "$code" = 503 ] && grep -q "shutting down" "$tmp/n" ||
+        fail "$1: a new request while draining: $code $(cat "$tmp/n")"
+    wait "$stream_pid"
+    wait "$pid" || fail "$1: exit status after draining: $(tail -n 5 "$tmp/$1.err")"
+    [ "$(grep -c '"text"' "$tmp/$1.out")" -eq 60 ] && grep -q '^data: \[DONE\]' "$tmp/$1.out" ||
+        fail "$1: the stream did not end whole: $(tail -c 300 "$tmp/$1.out")"
+}
+
 # --- a stream in flight ends whole; meanwhile /health is 503 and new requests are refused
 start_server A --enable-debug-endpoints --debug-step-delay-ms 20
-stream "$A_URL" 60 "$tmp/a.out"
-kill -TERM "$A_PID"
-code=$(curl -s -o "$tmp/h" -w '%{http_code}' "$A_URL/health")
-[ "$code" = 503 ] && [ "$(jq -r .status "$tmp/h")" = draining ] || fail "/health while draining: $code $(cat "$tmp/h")"
-code=$(curl -s -o "$tmp/n" -w '%{http_code}' "$A_URL/v1/completions" -H 'Content-Type: application/json' \
-    -d '{"prompt":[1,306],"max_tokens":2}')
-[ "$code" = 503 ] && grep -q "shutting down" "$tmp/n" || fail "a new request while draining: $code $(cat "$tmp/n")"
-wait "$stream_pid"
-wait "$A_PID" || fail "exit status after draining: $(tail -n 5 "$tmp/A.err")"
-[ "$(grep -c '"text"' "$tmp/a.out")" -eq 60 ] && grep -q '"finish_reason":"length"' "$tmp/a.out" &&
-    grep -q '^data: \[DONE\]' "$tmp/a.out" || fail "the stream did not end whole: $(tail -c 300 "$tmp/a.out")"
+drains A
+grep -q '"finish_reason":"length"' "$tmp/A.out" || fail "finish reason: $(tail -c 300 "$tmp/A.out")"
 grep -q "draining: 1 request" "$tmp/A.err" || fail "log: $(cat "$tmp/A.err")"
 
 # --- past --shutdown-timeout: what is left ends with finish_reason "abort", then the exit
@@ -68,17 +81,7 @@ for _ in $(seq 1 100); do
     [ "$(curl -s -o /dev/null -w '%{http_code}' "$R_URL/health")" = 200 ] && break
     sleep 0.05
 done
-stream "$R_URL" 60 "$tmp/r.out"
-kill -TERM "$R_PID"
-code=$(curl -s -o "$tmp/h" -w '%{http_code}' "$R_URL/health")
-[ "$code" = 503 ] && [ "$(jq -r .status "$tmp/h")" = draining ] || fail "router /health while draining: $code $(cat "$tmp/h")"
-code=$(curl -s -o "$tmp/n" -w '%{http_code}' "$R_URL/v1/completions" -H 'Content-Type: application/json' \
-    -d '{"prompt":[1,306],"max_tokens":2}')
-[ "$code" = 503 ] && grep -q "shutting down" "$tmp/n" || fail "a new request to the draining router: $code $(cat "$tmp/n")"
-wait "$stream_pid"
-wait "$R_PID" || fail "router exit status after draining: $(tail -n 5 "$tmp/R.err")"
-[ "$(grep -c '"text"' "$tmp/r.out")" -eq 60 ] && grep -q '^data: \[DONE\]' "$tmp/r.out" ||
-    fail "the relayed stream did not end whole: $(tail -c 300 "$tmp/r.out")"
+drains R
 "$TD_BIN" router --shutdown-timeout-secs -2 --worker "$E_URL" >"$tmp/out" 2>"$tmp/err" && fail "a negative drain"
 grep -q "shutdown-timeout-secs" "$tmp/err" || fail "router flag error: $(cat "$tmp/err")"
 
