@@ -53,6 +53,7 @@ typedef struct rt_worker {
     uint64_t next_probe_ns;
     double probe_gap_s;
     char engine_id[40], kv_host[200], kv_role[24], model[200];
+    char instance[24]; /* the engine's instance_id (/health): a new one is a restart */
     int kv_port;
     bool write_mode;
     /* --dp-aware: an engine with dp_size > 1 is dp_size workers, one per rank, that share
@@ -139,8 +140,10 @@ void rt_worker_probe(rt_router *r, rt_worker *w);
  *  (not ready, logged) otherwise. Under --dp-aware a first report with ranks adds a worker
  *  per rank. */
 void rt_worker_info_apply(rt_router *r, rt_worker *w, const cJSON *j);
-/** Apply a worker's /health body (its "load", when that is an integer >= 0); j may be NULL. */
-void rt_worker_health_apply(rt_worker *w, const cJSON *j);
+/** Apply a worker's /health body (its "load", when that is an integer >= 0, and its
+ *  "instance_id"); j may be NULL. True when the instance id changed: the engine at this URL
+ *  was restarted, and what /kv_transfer_info said of it (agent port, engine id) is stale. */
+bool rt_worker_health_apply(rt_worker *w, const cJSON *j);
 void rt_workers_free(rt_router *r);
 /** JSON of every worker (GET /workers). */
 cJSON *rt_workers_json(rt_router *r);

@@ -394,8 +394,14 @@ static void info_refuse(rt_worker *w, const char *kr, const char *why)
     w->info_ok = false;
 }
 
-void rt_worker_health_apply(rt_worker *w, const cJSON *j)
+bool rt_worker_health_apply(rt_worker *w, const cJSON *j)
 {
+    const cJSON *inst = cJSON_GetObjectItemCaseSensitive(j, "instance_id");
+    bool restarted = false;
+    if (cJSON_IsString(inst) && strlen(inst->valuestring) < sizeof(w->instance)) {
+        restarted = w->instance[0] && strcmp(w->instance, inst->valuestring) != 0;
+        snprintf(w->instance, sizeof(w->instance), "%s", inst->valuestring);
+    }
     int load;
     if (json_int(cJSON_GetObjectItemCaseSensitive(j, "load"), 0, INT_MAX, &load)) {
         /* The report counts this router's own requests too; the policies add in_flight
@@ -403,6 +409,7 @@ void rt_worker_health_apply(rt_worker *w, const cJSON *j)
         w->reported_load = load;
         w->external_load = TD_MAX(w->reported_load - w->in_flight, 0);
     }
+    return restarted;
 }
 
 void rt_worker_info_apply(rt_router *r, rt_worker *w, const cJSON *j)
@@ -442,6 +449,11 @@ void rt_worker_info_apply(rt_router *r, rt_worker *w, const cJSON *j)
              cJSON_IsString(host) ? host->valuestring : w->host);
     w->kv_port = kv_port;
     w->write_mode = cJSON_IsString(mode) && !strcmp(mode->valuestring, "write");
+    /* The instance this report describes: a later /health from another one is a restart
+     * (rt_worker_health_apply), even when no health check ran in between. */
+    const cJSON *inst = cJSON_GetObjectItemCaseSensitive(j, "instance_id");
+    if (cJSON_IsString(inst) && strlen(inst->valuestring) < sizeof(w->instance))
+        snprintf(w->instance, sizeof(w->instance), "%s", inst->valuestring);
     if (w->dp_rank > 0 && !rank_agent(w, j))
         return info_refuse(w, kr,
                            "its /kv_transfer_info has a rank whose handshake_port is not a port");
@@ -508,8 +520,16 @@ static void check_end(check *c, struct evhttp_request *req, bool sent)
             cJSON *j = code == 200 || code == 503 ? body_json(req) : NULL;
             const cJSON *st = cJSON_GetObjectItemCaseSensitive(j, "status");
             bool draining = code == 503 && cJSON_IsString(st) && !strcmp(st->valuestring, "draining");
-            if (code == 200) rt_worker_health_apply(w, j);
+            bool restarted = code == 200 && rt_worker_health_apply(w, j);
             cJSON_Delete(j);
+            if (restarted && w->info_ok) {
+                /* Its transfer agent (port, engine id) is another one now: ineligible until
+                 * its /kv_transfer_info is read again (below). */
+                TD_INFO("router: %s %s restarted (a new instance at the same URL): reading its "
+                        "/kv_transfer_info again",
+                        rt_role_name(w->role), w->url);
+                w->info_ok = false;
+            }
             char why[64];
             snprintf(why, sizeof(why), code ? "/health answered %d" : "no answer", code);
             /* An engine shutting down takes no new requests: out at once, not after
@@ -521,7 +541,8 @@ static void check_end(check *c, struct evhttp_request *req, bool sent)
             health_mark(r, w, code == 200, why);
             /* A worker that answers but whose identity is unknown (or may have changed
              * after a restart): read /kv_transfer_info again. */
-            if (code == 200 && (!w->info_ok || !w->model[0])) rt_worker_probe(r, w);
+            if (code == 200 && (!w->info_ok || !w->model[0]) && !w->removed)
+                rt_worker_probe(r, w);
         }
     }
 out:

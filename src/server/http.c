@@ -177,6 +177,7 @@ static void handle_health(srv_server *s, struct evhttp_request *req)
 {
     char reason[160], pre[48], msg[320];
     cJSON *root = cJSON_CreateObject();
+    cJSON_AddStringToObject(root, "instance_id", s->instance_id);
     for (int r = 0; r < s->n_ranks; r++) {
         const srv__rank *k = &s->ranks[r];
         if (srv__engine_stopped(&s->ranks[r].eng, reason, sizeof(reason)))
@@ -310,6 +311,7 @@ static cJSON *discovery(srv_server *s)
     char fp[32];
     snprintf(fp, sizeof(fp), "%016llx", (unsigned long long)s->model_fingerprint);
     cJSON_AddStringToObject(root, "model_fingerprint", fp);
+    cJSON_AddStringToObject(root, "instance_id", s->instance_id);
     cJSON_AddNumberToObject(root, "block_size", s->cfg.block_size);
     cJSON_AddStringToObject(root, "kv_dtype", s->kv_dtype);
     cJSON_AddNumberToObject(root, "tp_size", s->cfg.tp_size);
@@ -715,6 +717,12 @@ int srv_server_create(srv_server **out, td_engine *const *engines, int n_ranks, 
     s->n_vocab = tok_n_vocab(s->tok);
     s->model_fingerprint = m->fingerprint;
     s->started_at = (long)time(NULL);
+    {
+        uint64_t id = 0;
+        if (getentropy(&id, sizeof(id)) != 0)
+            id = td_now_ns() ^ ((uint64_t)getpid() << 32) ^ (uint64_t)(uintptr_t)s;
+        snprintf(s->instance_id, sizeof(s->instance_id), "%016llx", (unsigned long long)id);
+    }
     detect_chat_template(s, e);
     srv__metrics_init(&s->metrics);
     signal(SIGPIPE, SIG_IGN);

@@ -178,6 +178,8 @@ struct srv_server {
     int outstanding;    /* I/O side: engine requests posted and not finished */
     uint64_t next_id;
     long started_at;       /* unix seconds */
+    char instance_id[17];  /* random at start, in /health and /kv_transfer_info: a router
+                              sees a restart at the same URL by it changing */
     struct srv__req *live; /* every request object alive (for shutdown) */
     struct srv__registrar *registrar; /* registration with a router (register.c), or NULL */
     /* graceful shutdown (http.c): after the first SIGTERM/SIGINT, new requests get 503 and

@@ -425,6 +425,31 @@ test('workers register themselves, are removed, restarted and evicted, with no r
   for (const x of [r, p]) x.proc.kill('SIGKILL');
 });
 
+test('a prefill given on the command line and restarted at its URL is known by its new agent, not the stale one', async () => {
+  // Not registered (no proxy in its config), so only the health checks can see the restart:
+  // its /health carries an instance id, and a new one makes the router read
+  // /kv_transfer_info again (the new agent's port and engine id).
+  const pp = await freePort();
+  const prefillOn = () => start(['serve', '--model', MODEL, '--threads', '1', '--host', '127.0.0.1',
+    '--server-port', String(pp), '--log-level', 'warn', '--kv-transfer-config', JSON.stringify({ kv_role: 'kv_producer' })]);
+  let p = await prefillOn();
+  const r = await router(['--pd-disaggregation', '--prefill', `http://127.0.0.1:${pp}`, '--decode', D1.url]);
+  const pre = async () => (await workers(r.url)).find((x) => x.role === 'prefill');
+  await until(async () => { const w = await pre(); return w && w.ready && w.engine_id; }, 'the prefill read');
+  const first = await pre();
+  const gone = new Promise((ok) => p.proc.on('exit', ok));
+  p.proc.kill('SIGKILL');
+  await gone;
+  p = await prefillOn();
+  await until(async () => { const w = await pre(); return w && w.ready && w.engine_id && w.engine_id !== first.engine_id; },
+    'the restarted prefill read again', 10000);
+  const q = prompts()[5];
+  const res = await post(r.url, '/v1/completions', { prompt: q, ...GEN });
+  assert.equal(res.status, 200, res.text);
+  assert.equal(res.json.choices[0].text, await expected(q));
+  for (const x of [r, p]) x.proc.kill('SIGTERM');
+});
+
 test('a router started before its engines serves as soon as they are up, not at the next health check', async () => {
   const [pp, dp] = [await freePort(), await freePort()];
   // health checks (and so the old way back in) once an hour: only discovery can find them

@@ -1,7 +1,8 @@
 /* Unit tests for router/workers.c: what the router takes from an engine's reports. A
  * /kv_transfer_info whose role fits and whose fields are well formed makes the worker
  * ready; a wrong role, or a handshake port that is not a port (out of range, fractional,
- * a string, a huge number), refuses it; a /health "load" that is not a count is ignored. */
+ * a string, a huge number), refuses it; a /health "load" that is not a count is ignored;
+ * a new /health "instance_id" at the same URL is a restart. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -124,6 +125,24 @@ static void test_health_load(void **state)
     assert_int_equal(f->w->reported_load, 0);
 }
 
+static void test_health_instance(void **state)
+{
+    fix *f = *state;
+    static const struct {
+        const char *json;
+        bool restarted;
+    } cases[] = {{"{\"instance_id\":\"aaaa\"}", false}, /* the first one seen */
+                 {"{\"instance_id\":\"aaaa\"}", false}, {"{}", false},
+                 {"{\"instance_id\":7}", false},          {"{\"instance_id\":\"bbbb\"}", true},
+                 {"{\"instance_id\":\"bbbb\"}", false}};
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        cJSON *j = cJSON_Parse(cases[i].json);
+        assert_int_equal(rt_worker_health_apply(f->w, j), cases[i].restarted);
+        cJSON_Delete(j);
+    }
+    assert_string_equal(f->w->instance, "bbbb");
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -132,6 +151,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_bad_port_refused, setup, teardown),
         cmocka_unit_test_setup_teardown(test_bad_rank_port_refused, setup, teardown),
         cmocka_unit_test_setup_teardown(test_health_load, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_health_instance, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
