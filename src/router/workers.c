@@ -519,7 +519,8 @@ static void check_end(check *c, struct evhttp_request *req, bool sent)
         } else {
             cJSON *j = code == 200 || code == 503 ? body_json(req) : NULL;
             const cJSON *st = cJSON_GetObjectItemCaseSensitive(j, "status");
-            bool draining = code == 503 && cJSON_IsString(st) && !strcmp(st->valuestring, "draining");
+            bool draining =
+                code == 503 && cJSON_IsString(st) && !strcmp(st->valuestring, "draining");
             bool restarted = code == 200 && rt_worker_health_apply(w, j);
             cJSON_Delete(j);
             if (restarted && w->info_ok) {

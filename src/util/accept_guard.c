@@ -11,6 +11,7 @@
 #include <event2/http.h>
 #include <event2/listener.h>
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
