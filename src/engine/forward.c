@@ -13,6 +13,7 @@
  */
 #include "engine/forward.h"
 
+#include <limits.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,6 +24,8 @@
 
 /* Most heads one attention work item covers (each thread keeps their scores). */
 #define ATT_MAX_HEADS 16
+/* Rows of one sequence whose attention runs together (att_rows). */
+#define ATT_TILE_ROWS 4
 
 static int q_dim(const td_model *m)
 {
@@ -316,7 +319,9 @@ static inline void att_prefetch(const uint8_t *blk, const uint8_t *nxt, int j, i
 }
 
 /*
- * Attention: one work item is (token, a run of up to att_heads consecutive heads).
+ * Attention: one work item is (token, a run of up to att_heads consecutive heads), or, in
+ * a batch with prefill chunks and rows enough to share, (up to ATT_TILE_ROWS tokens,
+ * heads).
  * Items are taken from a shared counter because their cost grows with the position;
  * which thread computes an item, and which heads share it, does not change any head's
  * arithmetic (the same kernel arithmetic in the same position order), so the result
@@ -334,8 +339,148 @@ static inline void att_prefetch(const uint8_t *blk, const uint8_t *nxt, int j, i
  *     bandwidth that way (BENCHMARKS.md);
  *   - rows of a prefill chunk share their sequence's KV, which stays in cache: one head
  *     at a time over a block's positions (cpu_dot_kv_multi) loads q once per 8 keys and
- *     is faster there.
+ *     is faster there; and up to ATT_TILE_ROWS rows of one chunk together
+ *     (cpu_dot_kv_rows, cpu_axpy_kv_rows) load each key and value vector once for all of
+ *     them rather than once per row: prefill attention -39% in time (llama-134m pp512:
+ *     f16 +5-15%, q8_0 +16%; BENCHMARKS.md).
  */
+/* What every attention item of one task shares. */
+typedef struct att_env {
+    task *tk;
+    const kv_pool *kv;
+    int hd, qd, bs, group, n_head;
+    size_t head_bytes, rb, ld;
+    float scale;
+} att_env;
+
+/* Whether batch row r is the only row of its sequence in the batch (a decode token). */
+static bool att_single(const task *tk, int r)
+{
+    const int32_t *seq = tk->b->seq;
+    return (r == 0 || seq[r - 1] != seq[r]) && (r + 1 >= tk->b->n_tokens || seq[r + 1] != seq[r]);
+}
+
+/* Row t (batch row r), heads [h0, h1): its scores in sc (a row of ld per head). */
+static void att_row(const att_env *e, float *sc, int t, int h0, int h1)
+{
+    task *tk = e->tk;
+    fwd_ctx *f = tk->f;
+    const kv_pool *kv = e->kv;
+    const int hd = e->hd, bs = e->bs, group = e->group, nh = h1 - h0;
+    const size_t head_bytes = e->head_bytes, rb = e->rb, ld = e->ld;
+    const float *q = f->q + (size_t)t * e->qd + (size_t)h0 * hd;
+    float *out = f->att + (size_t)t * e->qd + (size_t)h0 * hd;
+    int r = tk->row_map ? tk->row_map[t] : t;
+    const int32_t *table = tk->b->block_tables[tk->b->seq[r]];
+    int n = tk->b->pos[r] + 1;
+    /* The part of each row these heads read. */
+    size_t pf0 = (size_t)(h0 / group) * head_bytes;
+    size_t pf1 = (size_t)((h1 - 1) / group + 1) * head_bytes;
+    /* Walking rows pays when the item reads at least half of each row, and enough of it to
+     * outweigh a call per row (a tiny model's whole row can be 64 bytes). */
+    bool alone = 2 * nh >= e->n_head && pf1 - pf0 >= ATT_ROW_MIN_BYTES && att_single(tk, r);
+    for (int j0 = 0; j0 < n; j0 += bs) {
+        const uint8_t *kb = kv_k(kv, tk->il, table[j0 / bs]);
+        const uint8_t *kn = j0 + bs < n ? kv_k(kv, tk->il, table[j0 / bs + 1]) : NULL;
+        int jn = TD_MIN(bs, n - j0);
+        if (!alone) {
+            for (int i = 0; i < nh; i++)
+                cpu_dot_kv_multi(sc + (size_t)i * ld + j0, q + (size_t)i * hd,
+                                 kb + (size_t)((h0 + i) / group) * head_bytes, rb, kv->dtype, hd,
+                                 jn);
+            continue;
+        }
+        for (int j = 0; j < jn; j++) {
+            att_prefetch(kb, kn, j, bs, rb, pf0, pf1);
+            cpu_dot_kv_heads(sc + j0 + j, ld, q, kb + (size_t)j * rb, head_bytes, kv->dtype, hd, h0,
+                             nh, group);
+        }
+    }
+    for (int i = 0; i < nh; i++) {
+        float *sh = sc + (size_t)i * ld;
+        for (int j = 0; j < n; j++)
+            sh[j] *= e->scale;
+        cpu_softmax(sh, n);
+    }
+    memset(out, 0, (size_t)nh * hd * sizeof(float));
+    for (int j0 = 0; j0 < n; j0 += bs) {
+        const uint8_t *vb = kv_v(kv, tk->il, table[j0 / bs]);
+        const uint8_t *vn = j0 + bs < n ? kv_v(kv, tk->il, table[j0 / bs + 1]) : NULL;
+        int jn = TD_MIN(bs, n - j0);
+        if (!alone) {
+            for (int i = 0; i < nh; i++)
+                cpu_axpy_kv_multi(out + (size_t)i * hd, sc + (size_t)i * ld + j0,
+                                  vb + (size_t)((h0 + i) / group) * head_bytes, rb, kv->dtype, hd,
+                                  jn);
+            continue;
+        }
+        for (int j = 0; j < jn; j++) {
+            att_prefetch(vb, vn, j, bs, rb, pf0, pf1);
+            cpu_axpy_kv_heads(out, sc + j0 + j, ld, vb + (size_t)j * rb, head_bytes, kv->dtype, hd,
+                              h0, nh, group);
+        }
+    }
+}
+
+/*
+ * Rows t0 .. t0 + nr - 1 of one sequence (a prefill chunk's), heads [h0, h1): one head at a
+ * time, every KV vector read once for all the rows (cpu_dot_kv_rows, cpu_axpy_kv_rows) over
+ * the keys they all see, and row by row past the shortest row's length. The same arithmetic
+ * per row, head and key as att_row's, in the same key order, so the same bits.
+ * sc holds nr rows of ld.
+ */
+static void att_rows(const att_env *e, float *sc, int t0, int nr, int h0, int h1)
+{
+    task *tk = e->tk;
+    fwd_ctx *f = tk->f;
+    const kv_pool *kv = e->kv;
+    const int hd = e->hd, qd = e->qd, bs = e->bs;
+    const size_t ld = e->ld, rb = e->rb;
+    int n[ATT_TILE_ROWS], n_min = INT_MAX, n_max = 0;
+    for (int i = 0; i < nr; i++) {
+        int r = tk->row_map ? tk->row_map[t0 + i] : t0 + i;
+        n[i] = tk->b->pos[r] + 1;
+        n_min = TD_MIN(n_min, n[i]);
+        n_max = TD_MAX(n_max, n[i]);
+    }
+    int r0 = tk->row_map ? tk->row_map[t0] : t0;
+    const int32_t *table = tk->b->block_tables[tk->b->seq[r0]];
+    for (int h = h0; h < h1; h++) {
+        const size_t kvo = (size_t)(h / e->group) * e->head_bytes;
+        const float *q = f->q + (size_t)t0 * qd + (size_t)h * hd;
+        float *out = f->att + (size_t)t0 * qd + (size_t)h * hd;
+        for (int j0 = 0; j0 < n_max; j0 += bs) {
+            const uint8_t *kb = kv_k(kv, tk->il, table[j0 / bs]) + kvo;
+            int jc = TD_MAX(0, TD_MIN(bs, n_min - j0)); /* keys every row sees */
+            if (jc) cpu_dot_kv_rows(sc + j0, ld, q, qd, nr, kb, rb, kv->dtype, hd, jc);
+            for (int i = 0; i < nr; i++) {
+                int jn = TD_MIN(bs, n[i] - j0);
+                if (jn > jc)
+                    cpu_dot_kv_multi(sc + (size_t)i * ld + j0 + jc, q + (size_t)i * qd,
+                                     kb + (size_t)jc * rb, rb, kv->dtype, hd, jn - jc);
+            }
+        }
+        for (int i = 0; i < nr; i++) {
+            float *sh = sc + (size_t)i * ld;
+            for (int j = 0; j < n[i]; j++)
+                sh[j] *= e->scale;
+            cpu_softmax(sh, n[i]);
+            memset(out + (size_t)i * qd, 0, (size_t)hd * sizeof(float));
+        }
+        for (int j0 = 0; j0 < n_max; j0 += bs) {
+            const uint8_t *vb = kv_v(kv, tk->il, table[j0 / bs]) + kvo;
+            int jc = TD_MAX(0, TD_MIN(bs, n_min - j0));
+            if (jc) cpu_axpy_kv_rows(out, qd, sc + j0, ld, nr, vb, rb, kv->dtype, hd, jc);
+            for (int i = 0; i < nr; i++) {
+                int jn = TD_MIN(bs, n[i] - j0);
+                if (jn > jc)
+                    cpu_axpy_kv_multi(out + (size_t)i * qd, sc + (size_t)i * ld + j0 + jc,
+                                      vb + (size_t)jc * rb, rb, kv->dtype, hd, jn - jc);
+            }
+        }
+    }
+}
+
 static void task_attention(void *ctx, int ith, int nth)
 {
     (void)nth;
@@ -343,77 +488,54 @@ static void task_attention(void *ctx, int ith, int nth)
     fwd_ctx *f = tk->f;
     const td_model_shape *s = &f->model->shape;
     const kv_pool *kv = f->kv;
-    const int hd = s->head_dim, qd = q_dim(f->model), bs = kv->block_size;
-    const int group = s->n_head / s->n_head_kv;
-    const size_t head_bytes = (size_t)hd * (size_t)td_type_block_bytes(kv->dtype);
-    const size_t rb = kv->token_bytes;
-    const float scale = 1.0f / sqrtf((float)hd);
+    att_env e = {.tk = tk,
+                 .kv = kv,
+                 .hd = s->head_dim,
+                 .qd = q_dim(f->model),
+                 .bs = kv->block_size,
+                 .group = s->n_head / s->n_head_kv,
+                 .n_head = s->n_head,
+                 .head_bytes = (size_t)s->head_dim * (size_t)td_type_block_bytes(kv->dtype),
+                 .rb = kv->token_bytes,
+                 .ld = score_ld(f->max_ctx),
+                 .scale = 1.0f / sqrtf((float)s->head_dim)};
     const int hc = att_heads(f, tk->n_rows);
     TD_ASSERT(hc <= score_heads(f->model));
     const int chunks = (s->n_head + hc - 1) / hc;
-    const size_t ld = score_ld(f->max_ctx);
-    float *sc = f->scores + (size_t)ith * score_heads(f->model) * ld;
-    int64_t n_items = (int64_t)tk->n_rows * chunks;
+    float *sc = f->scores + (size_t)ith * score_heads(f->model) * e.ld;
+    /* Batches with prefill chunks, and rows enough to share: items of up to ATT_TILE_ROWS
+     * rows, whose runs of one sequence's rows go through att_rows; otherwise one row an
+     * item (decode batches keep their finer items). */
+    bool chunks_in = false;
+    for (int t = 0; t + 1 < tk->n_rows && !chunks_in; t++) {
+        int r = tk->row_map ? tk->row_map[t] : t, rn = tk->row_map ? tk->row_map[t + 1] : t + 1;
+        chunks_in = tk->b->seq[r] == tk->b->seq[rn];
+    }
+    const int G =
+        chunks_in && tk->n_rows >= 8 * f->n_threads && score_heads(f->model) >= ATT_TILE_ROWS
+            ? ATT_TILE_ROWS
+            : 1;
+    const int n_groups = (tk->n_rows + G - 1) / G;
+    int64_t n_items = (int64_t)n_groups * chunks;
     for (;;) {
         int64_t item = __atomic_fetch_add(&tk->next_item, 1, __ATOMIC_RELAXED);
         if (item >= n_items) break;
-        int t = (int)(item / chunks), h0 = (int)(item % chunks) * hc;
-        int h1 = TD_MIN(s->n_head, h0 + hc), nh = h1 - h0;
-        const float *q = f->q + (size_t)t * qd + (size_t)h0 * hd;
-        float *out = f->att + (size_t)t * qd + (size_t)h0 * hd;
-        int r = tk->row_map ? tk->row_map[t] : t;
-        int32_t pos = tk->b->pos[r];
-        const int32_t *table = tk->b->block_tables[tk->b->seq[r]];
-        int n = pos + 1;
-        /* The part of each row these heads read. */
-        size_t pf0 = (size_t)(h0 / group) * head_bytes;
-        size_t pf1 = (size_t)((h1 - 1) / group + 1) * head_bytes;
-        /* Rows of one sequence lie next to each other in a batch. Walking rows pays when
-         * the item reads at least half of each row, and enough of it to outweigh a call
-         * per row (a tiny model's whole row can be 64 bytes). */
-        const int32_t *seq = tk->b->seq;
-        bool alone = 2 * nh >= s->n_head && pf1 - pf0 >= ATT_ROW_MIN_BYTES &&
-                     (r == 0 || seq[r - 1] != seq[r]) &&
-                     (r + 1 >= tk->b->n_tokens || seq[r + 1] != seq[r]);
-        for (int j0 = 0; j0 < n; j0 += bs) {
-            const uint8_t *kb = kv_k(kv, tk->il, table[j0 / bs]);
-            const uint8_t *kn = j0 + bs < n ? kv_k(kv, tk->il, table[j0 / bs + 1]) : NULL;
-            int jn = TD_MIN(bs, n - j0);
-            if (!alone) {
-                for (int i = 0; i < nh; i++)
-                    cpu_dot_kv_multi(sc + (size_t)i * ld + j0, q + (size_t)i * hd,
-                                     kb + (size_t)((h0 + i) / group) * head_bytes, rb, kv->dtype,
-                                     hd, jn);
-                continue;
+        int g = (int)(item / chunks), h0 = (int)(item % chunks) * hc;
+        int h1 = TD_MIN(s->n_head, h0 + hc);
+        int t1 = TD_MIN(tk->n_rows, g * G + G);
+        for (int t = g * G; t < t1;) {
+            /* The run of rows from t that share t's sequence, none of them alone in it. */
+            int r = tk->row_map ? tk->row_map[t] : t, nr = 1;
+            while (t + nr < t1 && !att_single(tk, r)) {
+                int rn = tk->row_map ? tk->row_map[t + nr] : t + nr;
+                if (tk->b->seq[rn] != tk->b->seq[r]) break;
+                nr++;
             }
-            for (int j = 0; j < jn; j++) {
-                att_prefetch(kb, kn, j, bs, rb, pf0, pf1);
-                cpu_dot_kv_heads(sc + j0 + j, ld, q, kb + (size_t)j * rb, head_bytes, kv->dtype, hd,
-                                 h0, nh, group);
-            }
-        }
-        for (int i = 0; i < nh; i++) {
-            float *sh = sc + (size_t)i * ld;
-            for (int j = 0; j < n; j++) sh[j] *= scale;
-            cpu_softmax(sh, n);
-        }
-        memset(out, 0, (size_t)nh * hd * sizeof(float));
-        for (int j0 = 0; j0 < n; j0 += bs) {
-            const uint8_t *vb = kv_v(kv, tk->il, table[j0 / bs]);
-            const uint8_t *vn = j0 + bs < n ? kv_v(kv, tk->il, table[j0 / bs + 1]) : NULL;
-            int jn = TD_MIN(bs, n - j0);
-            if (!alone) {
-                for (int i = 0; i < nh; i++)
-                    cpu_axpy_kv_multi(out + (size_t)i * hd, sc + (size_t)i * ld + j0,
-                                      vb + (size_t)((h0 + i) / group) * head_bytes, rb, kv->dtype,
-                                      hd, jn);
-                continue;
-            }
-            for (int j = 0; j < jn; j++) {
-                att_prefetch(vb, vn, j, bs, rb, pf0, pf1);
-                cpu_axpy_kv_heads(out, sc + j0 + j, ld, vb + (size_t)j * rb, head_bytes, kv->dtype,
-                                  hd, h0, nh, group);
-            }
+            if (nr > 1)
+                att_rows(&e, sc, t, nr, h0, h1);
+            else
+                att_row(&e, sc, t, h0, h1);
+            t += nr;
         }
     }
 }

@@ -481,6 +481,32 @@ void cpu_axpy_kv_multi(float *y, const float *a, const void *v, size_t v_stride,
     active()->axpy_kv_multi(y, a, v, v_stride, t, n, count);
 }
 
+void cpu_dot_kv_rows(float *out, size_t out_stride, const float *q, size_t q_stride, int n_rows,
+                     const void *k, size_t k_stride, td_type t, int n, int count)
+{
+    const cpu__kernels *kt = active();
+    if (kt->dot_kv_rows) {
+        kt->dot_kv_rows(out, out_stride, q, q_stride, n_rows, k, k_stride, t, n, count);
+        return;
+    }
+    for (int r = 0; r < n_rows; r++)
+        kt->dot_kv_multi(out + (size_t)r * out_stride, q + (size_t)r * q_stride, k, k_stride, t,
+                         n, count);
+}
+
+void cpu_axpy_kv_rows(float *y, size_t y_stride, const float *a, size_t a_stride, int n_rows,
+                      const void *v, size_t v_stride, td_type t, int n, int count)
+{
+    const cpu__kernels *kt = active();
+    if (kt->axpy_kv_rows) {
+        kt->axpy_kv_rows(y, y_stride, a, a_stride, n_rows, v, v_stride, t, n, count);
+        return;
+    }
+    for (int r = 0; r < n_rows; r++)
+        kt->axpy_kv_multi(y + (size_t)r * y_stride, a + (size_t)r * a_stride, v, v_stride, t, n,
+                          count);
+}
+
 void cpu_dot_kv_heads(float *out, size_t out_stride, const float *q, const void *k,
                       size_t head_bytes, td_type t, int n, int h0, int n_heads, int group)
 {

@@ -133,6 +133,19 @@ void cpu_axpy_kv_multi(float *y, const float *a, const void *v, size_t v_stride,
                        int count);
 
 /**
+ * The batched forms for several query rows over the same run of positions (the rows of a
+ * prefill chunk share their sequence's KV), each KV vector read once for all the rows;
+ * bit-identical to one _multi call per row:
+ *   cpu_dot_kv_rows:  cpu_dot_kv_multi(out + r * out_stride, q + r * q_stride, k, ...)
+ *   cpu_axpy_kv_rows: cpu_axpy_kv_multi(y + r * y_stride, a + r * a_stride, v, ...)
+ * for r < n_rows. Strides of out, q, y and a are in floats, of k and v in bytes.
+ */
+void cpu_dot_kv_rows(float *out, size_t out_stride, const float *q, size_t q_stride, int n_rows,
+                     const void *k, size_t k_stride, td_type t, int n, int count);
+void cpu_axpy_kv_rows(float *y, size_t y_stride, const float *a, size_t a_stride, int n_rows,
+                      const void *v, size_t v_stride, td_type t, int n, int count);
+
+/**
  * One KV position (one token's row, every KV head side by side, head_bytes apart)
  * against a run of query heads h0 .. h0 + n_heads - 1, where query head h reads KV
  * head h / group. Bit-identical to one cpu_dot_kv / cpu_axpy_kv call per head:

@@ -88,6 +88,11 @@ typedef struct cpu__kernels {
                          int n, int count);
     void (*axpy_kv_multi)(float *y, const float *a, const void *v, size_t v_stride, td_type t,
                           int n, int count);
+    /* Optional (NULL: one _multi call per row). */
+    void (*dot_kv_rows)(float *out, size_t out_stride, const float *q, size_t q_stride,
+                        int n_rows, const void *k, size_t k_stride, td_type t, int n, int count);
+    void (*axpy_kv_rows)(float *y, size_t y_stride, const float *a, size_t a_stride, int n_rows,
+                         const void *v, size_t v_stride, td_type t, int n, int count);
     void (*dot_kv_heads)(float *out, size_t out_stride, const float *q, const void *k,
                          size_t head_bytes, td_type t, int n, int h0, int n_heads, int group);
     void (*axpy_kv_heads)(float *y, const float *a, size_t a_stride, const void *v,

@@ -8,6 +8,7 @@
  * NaN payloads included (the hardware converters differ there, so NaNs are patched).
  */
 #include "backend/cpu/cpu_impl.h"
+#include "backend/cpu/reduce_avx512.h"
 
 #include <immintrin.h>
 #include <math.h>
@@ -537,6 +538,138 @@ static void axpy_kv_multi(float *y, const float *a, const void *v, size_t v_stri
     }
 }
 
+/*
+ * Several query rows over the same keys (a prefill chunk's rows share their sequence's KV):
+ * tiles of 4 rows x 4 keys, 16 accumulators each built exactly as dot_kv_group builds one
+ * (multiply-adds in index order, the tail through the same masked loads) and reduced
+ * together by reduce16 (tree16 each), so every score has the bits of a per-row call, while
+ * each key vector is loaded (and widened) once for 4 rows instead of once per row. Rows and
+ * keys past the ends repeat the last one and are not stored.
+ */
+INLINE void dot_rows_tile(td_type t, float *out, size_t os, const float *q, size_t qs, int nr,
+                          const uint8_t *k, size_t ks, int n, int nk)
+{
+    const float *qr[4];
+    const uint8_t *kr[4];
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; r++)
+        qr[r] = q + (size_t)TD_MIN(r, nr - 1) * qs;
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++)
+        kr[j] = k + (size_t)TD_MIN(j, nk - 1) * ks;
+    __m512 acc[16];
+#pragma GCC unroll 16
+    for (int a = 0; a < 16; a++)
+        acc[a] = _mm512_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512 kv[4];
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++)
+            kv[j] = kv_load(t, kr[j], i);
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; r++) {
+            __m512 qv = _mm512_loadu_ps(qr[r] + i);
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++)
+                acc[4 * r + j] = _mm512_fmadd_ps(qv, kv[j], acc[4 * r + j]);
+        }
+    }
+    if (i < n) {
+        __mmask16 m = tail_mask(n - i);
+        __m512 kv[4];
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++)
+            kv[j] = kv_loadz(t, kr[j], i, m);
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; r++) {
+            __m512 qv = _mm512_maskz_loadu_ps(m, qr[r] + i);
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++)
+                acc[4 * r + j] = _mm512_fmadd_ps(qv, kv[j], acc[4 * r + j]);
+        }
+    }
+    float sums[16] __attribute__((aligned(64)));
+    _mm512_store_ps(sums, reduce16(acc));
+    for (int r = 0; r < nr; r++)
+        for (int j = 0; j < nk; j++)
+            out[(size_t)r * os + j] = sums[4 * r + j];
+}
+
+static void dot_kv_rows(float *out, size_t out_stride, const float *q, size_t q_stride, int n_rows,
+                        const void *k, size_t k_stride, td_type t, int n, int count)
+{
+    const uint8_t *kb = k;
+    for (int r0 = 0; r0 < n_rows; r0 += 4) {
+        int nr = TD_MIN(4, n_rows - r0);
+        for (int j0 = 0; j0 < count; j0 += 4) {
+            float *o = out + (size_t)r0 * out_stride + j0;
+            const float *qq = q + (size_t)r0 * q_stride;
+            const uint8_t *kk = kb + (size_t)j0 * k_stride;
+            int nk = TD_MIN(4, count - j0);
+            CPU__KV_TYPE_SWITCH(
+                t, T, dot_rows_tile(T, o, out_stride, qq, q_stride, nr, kk, k_stride, n, nk))
+        }
+    }
+}
+
+/*
+ * y_r += a[r][j] * v_j for j in order, for up to 4 rows at once: a 64-float slice of each
+ * row's y stays in registers (16 vectors) while each v_j slice is loaded (and widened) once
+ * for all the rows; per lane the multiply-adds are axpy_kv_multi's, in the same order.
+ */
+INLINE void axpy_rows_tile(td_type t, float *y, size_t ys, const float *a, size_t as, int nr,
+                           const uint8_t *v, size_t vs, int c0, int count)
+{
+    __m512 acc[4][4];
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; r++)
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++)
+            acc[r][c] =
+                r < nr ? _mm512_loadu_ps(y + (size_t)r * ys + c0 + 16 * c) : _mm512_setzero_ps();
+    for (int j = 0; j < count; j++) {
+        const uint8_t *vj = v + (size_t)j * vs;
+        __m512 vv[4];
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++)
+            vv[c] = kv_load(t, vj, c0 + 16 * c);
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; r++) {
+            if (r >= nr) break;
+            __m512 aj = _mm512_set1_ps(a[(size_t)r * as + j]);
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++)
+                acc[r][c] = _mm512_fmadd_ps(aj, vv[c], acc[r][c]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; r++)
+        if (r < nr)
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++)
+                _mm512_storeu_ps(y + (size_t)r * ys + c0 + 16 * c, acc[r][c]);
+}
+
+static void axpy_kv_rows(float *y, size_t y_stride, const float *a, size_t a_stride, int n_rows,
+                         const void *v, size_t v_stride, td_type t, int n, int count)
+{
+    if (n % 64) { /* head sizes other than multiples of 64: one row at a time */
+        for (int r = 0; r < n_rows; r++)
+            axpy_kv_multi(y + (size_t)r * y_stride, a + (size_t)r * a_stride, v, v_stride, t, n,
+                          count);
+        return;
+    }
+    for (int r0 = 0; r0 < n_rows; r0 += 4) {
+        int nr = TD_MIN(4, n_rows - r0);
+        float *yy = y + (size_t)r0 * y_stride;
+        const float *aa = a + (size_t)r0 * a_stride;
+        for (int c0 = 0; c0 < n; c0 += 64)
+            CPU__KV_TYPE_SWITCH(
+                t, T, axpy_rows_tile(T, yy, y_stride, aa, a_stride, nr, v, v_stride, c0, count))
+    }
+}
+
 /* One position and one head: the arithmetic of dot_kv_group with count 1. */
 INLINE float dot_kv1(td_type t, const float *q, const uint8_t *k, int n)
 {
@@ -581,6 +714,8 @@ const cpu__kernels cpu__avx512 = {
     .dequant_row = dequant_row,
     .dot_kv_multi = dot_kv_multi,
     .axpy_kv_multi = axpy_kv_multi,
+    .dot_kv_rows = dot_kv_rows,
+    .axpy_kv_rows = axpy_kv_rows,
     .dot_kv_heads = dot_kv_heads,
     .axpy_kv_heads = axpy_kv_heads,
 };

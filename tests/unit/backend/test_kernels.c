@@ -693,6 +693,67 @@ static void test_kv_heads(void **state)
     }
 }
 
+/* Several query rows over one run of keys: the same bits as one _multi call per row, for
+ * every ISA, KV type, head size, row count and key count (tiles of 4 x 4 and their edges). */
+static void test_kv_rows(void **state)
+{
+    (void)state;
+    td_rng rng;
+    td_rng_seed(&rng, 11);
+    static const td_type kv_types[] = {TD_TYPE_F32, TD_TYPE_F16, TD_TYPE_BF16, TD_TYPE_FP8_E4M3};
+    static const int dims[] = {5, 48, 64, 80, 128};
+    enum { MAXR = 7, MAXK = 37, QS = 131, YS = 133, AS = 41 };
+    for (size_t ti = 0; ti < TD_ARRAY_LEN(kv_types); ti++) {
+        td_type t = kv_types[ti];
+        for (size_t di = 0; di < TD_ARRAY_LEN(dims); di++) {
+            int n = dims[di];
+            size_t kb = td_row_bytes(t, n) + 16; /* a stride that is not the row's size */
+            float *q = rand_floats(&rng, (size_t)MAXR * QS, 1.0f),
+                  *src = rand_floats(&rng, (size_t)MAXK * n, 2.0f),
+                  *a = rand_floats(&rng, (size_t)MAXR * AS, 1.0f),
+                  *y0 = rand_floats(&rng, (size_t)MAXR * YS, 1.0f);
+            uint8_t *k = td_xcalloc((size_t)MAXK, kb);
+            for (int j = 0; j < MAXK; j++)
+                td_quant_row_ref(t, src + (size_t)j * n, k + (size_t)j * kb, n);
+            float *y1 = td_xmalloc(sizeof(float) * MAXR * YS),
+                  *y2 = td_xmalloc(sizeof(float) * MAXR * YS);
+            float out[MAXR * AS], want[MAXK];
+            FOR_EACH_ISA(isa)
+            {
+                for (int nr = 1; nr <= MAXR; nr++)
+                    for (int count = 1; count <= MAXK; count += (count < 9 ? 1 : 7)) {
+                        memset(out, 0, sizeof(out));
+                        cpu_dot_kv_rows(out, AS, q, QS, nr, k, kb, t, n, count);
+                        for (int r = 0; r < nr; r++) {
+                            cpu_dot_kv_multi(want, q + (size_t)r * QS, k, kb, t, n, count);
+                            if (memcmp(want, out + (size_t)r * AS, sizeof(float) * (size_t)count))
+                                fail_msg(
+                                    "isa %d dot_kv_rows %s n=%d rows %d keys %d: row %d differs",
+                                    isa, td_type_name(t), n, nr, count, r);
+                        }
+                        memcpy(y1, y0, sizeof(float) * MAXR * YS);
+                        memcpy(y2, y0, sizeof(float) * MAXR * YS);
+                        cpu_axpy_kv_rows(y1, YS, a, AS, nr, k, kb, t, n, count);
+                        for (int r = 0; r < nr; r++)
+                            cpu_axpy_kv_multi(y2 + (size_t)r * YS, a + (size_t)r * AS, k, kb, t, n,
+                                              count);
+                        /* Equal bits, and nothing written outside the rows' n values. */
+                        if (memcmp(y1, y2, sizeof(float) * MAXR * YS))
+                            fail_msg("isa %d axpy_kv_rows %s n=%d rows %d keys %d differs", isa,
+                                     td_type_name(t), n, nr, count);
+                    }
+            }
+            free(q);
+            free(src);
+            free(a);
+            free(y0);
+            free(y1);
+            free(y2);
+            free(k);
+        }
+    }
+}
+
 static void test_rope(void **state)
 {
     (void)state;
@@ -778,6 +839,7 @@ int main(void)
         cmocka_unit_test(test_row_kernels),
         cmocka_unit_test(test_kv_kernels),
         cmocka_unit_test(test_kv_heads),
+        cmocka_unit_test(test_kv_rows),
         cmocka_unit_test(test_rope),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
