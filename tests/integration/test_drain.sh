@@ -3,7 +3,8 @@
 # in flight ends whole, with [DONE]; prompt KV held for a consumer is kept until it is
 # released) while /health says "draining" and new requests get 503; past
 # --shutdown-timeout what is left ends with finish_reason "abort"; a second signal exits at
-# once. Every exit is 0. The router drains the same way.
+# once. Every exit is 0. The router drains the same way, and `tandem up` stops the router
+# first, so a stream in flight through a 1P1D cluster ends whole.
 set -euo pipefail
 source "$(dirname "$0")/serve_lib.sh"
 command -v curl >/dev/null || fail "curl is required"
@@ -113,6 +114,28 @@ for _ in 1 2 3 4; do
     [ "$code" = 200 ] || fail "a request after the drain began: $code $(cat "$tmp/x")"
 done
 wait "$stream_pid"
+
+# --- stopping `tandem up` (1P1D) loses nothing: the router drains first, then the engines
+W="$tmp/up"
+"$TD_BIN" up --model "$MODEL" --port 0 --workdir "$W" -- --enable-debug-endpoints \
+    --debug-step-delay-ms 20 >"$tmp/up.out" 2>"$tmp/up.err" &
+UP=$!
+server_pids+=("$UP")
+for _ in $(seq 1 300); do
+    grep -q '^ready:' "$tmp/up.out" && break
+    kill -0 "$UP" 2>/dev/null || fail "tandem up exited: $(cat "$tmp/up.err")"
+    sleep 0.1
+done
+UP_URL=$(sed -n 's/^tandem up: \(http[^ ]*\).*/\1/p' "$tmp/up.out")
+[ -n "$UP_URL" ] || fail "tandem up not ready: $(cat "$tmp/up.err")"
+pids=$(jq '.instances[].pid' "$W/cluster.json")
+stream "$UP_URL" 60 "$tmp/u.out"
+kill -TERM "$UP"
+wait "$stream_pid"
+wait "$UP" || fail "tandem up exit status: $(tail -n 5 "$tmp/up.err")"
+[ "$(grep -c '"text"' "$tmp/u.out")" -eq 60 ] && grep -q '^data: \[DONE\]' "$tmp/u.out" ||
+    fail "the stream through tandem up did not end whole: $(tail -c 300 "$tmp/u.out")"
+for p in $pids; do kill -0 "$p" 2>/dev/null && fail "process $p outlived tandem up"; done
 
 # --- prompt KV held for a consumer keeps a producer up until it is released
 start_server P --kv-transfer-config '{"kv_role":"kv_producer"}'
