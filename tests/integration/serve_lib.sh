@@ -52,3 +52,21 @@ expect_flag_error() {
     [ "$rc" -eq 2 ] || fail "serve $* exited $rc, expected 2: $(cat "$tmp/err")"
     grep -qF -- "$want" "$tmp/err" || fail "serve $*: stderr lacks '$want': $(cat "$tmp/err")"
 }
+
+# start_up WORKDIR [up args...] [-- serve args...]: `tandem up` on stories260K with a free
+# router port, its output in $tmp/up.out and $tmp/up.err; waits until it is ready and sets
+# UP (its pid) and UP_URL (the router's URL).
+start_up() {
+    local w=$1
+    shift
+    "$TD_BIN" up --model "$MODEL" --port 0 --workdir "$w" "$@" >"$tmp/up.out" 2>"$tmp/up.err" &
+    UP=$!
+    server_pids+=("$UP")
+    for _ in $(seq 1 300); do
+        grep -q '^ready:' "$tmp/up.out" && break
+        kill -0 "$UP" 2>/dev/null || fail "tandem up exited: $(cat "$tmp/up.err")"
+        sleep 0.1
+    done
+    grep -q '^ready:' "$tmp/up.out" || fail "tandem up not ready: $(cat "$tmp/up.err")"
+    UP_URL=$(sed -n 's/^tandem up: \(http[^ ]*\).*/\1/p' "$tmp/up.out")
+}

@@ -117,17 +117,7 @@ wait "$stream_pid"
 
 # --- stopping `tandem up` (1P1D) loses nothing: the router drains first, then the engines
 W="$tmp/up"
-"$TD_BIN" up --model "$MODEL" --port 0 --workdir "$W" -- --enable-debug-endpoints \
-    --debug-step-delay-ms 20 >"$tmp/up.out" 2>"$tmp/up.err" &
-UP=$!
-server_pids+=("$UP")
-for _ in $(seq 1 300); do
-    grep -q '^ready:' "$tmp/up.out" && break
-    kill -0 "$UP" 2>/dev/null || fail "tandem up exited: $(cat "$tmp/up.err")"
-    sleep 0.1
-done
-UP_URL=$(sed -n 's/^tandem up: \(http[^ ]*\).*/\1/p' "$tmp/up.out")
-[ -n "$UP_URL" ] || fail "tandem up not ready: $(cat "$tmp/up.err")"
+start_up "$W" -- --enable-debug-endpoints --debug-step-delay-ms 20
 pids=$(jq '.instances[].pid' "$W/cluster.json")
 stream "$UP_URL" 60 "$tmp/u.out"
 kill -TERM "$UP"

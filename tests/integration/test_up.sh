@@ -24,16 +24,8 @@ rc=0
 [ "$rc" -eq 1 ] && grep -q "no cluster" "$tmp/err" || fail "--status without a cluster: $(cat "$tmp/err")"
 
 W="$tmp/w"
-"$TD_BIN" up --model "$MODEL" --port 0 --workdir "$W" >"$tmp/up.out" 2>"$tmp/up.err" &
-UP=$!
-server_pids+=("$UP")
-for _ in $(seq 1 300); do
-    grep -q '^ready:' "$tmp/up.out" && break
-    kill -0 "$UP" 2>/dev/null || fail "tandem up exited: $(cat "$tmp/up.err")"
-    sleep 0.1
-done
-grep -q '^ready:' "$tmp/up.out" || fail "tandem up not ready: $(cat "$tmp/up.err")"
-R=$(sed -n 's/^tandem up: \(http[^ ]*\).*/\1/p' "$tmp/up.out")
+start_up "$W"
+R=$UP_URL
 grep -q "prefill-0" "$tmp/up.out" && grep -q "decode-0" "$tmp/up.out" || fail "status lines: $(cat "$tmp/up.out")"
 
 start_server AGG
