@@ -37,8 +37,6 @@
 
 #define INLINE static inline __attribute__((always_inline))
 
-/* ---- the fixed reduction tree, 16 accumulators at a time ------------------------ */
-
 /* ---- float weights ------------------------------------------------------------- */
 
 enum { WK_F32, WK_F16, WK_BF16 };

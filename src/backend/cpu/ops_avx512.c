@@ -432,8 +432,8 @@ INLINE __m512 kv_loadz(td_type t, const void *p, int i, __mmask16 m)
     }
 }
 
-/* 16 keys at a time, each with its own accumulator, reduced together by reduce16's
- * tree (equal to hsum16 of each accumulator). */
+/* Up to 8 keys at a time (dot_kv_multi), each with its own accumulator, summed by hsum16
+ * (tree16). */
 INLINE void dot_kv_group(float *out, const float *q, const uint8_t *k, size_t stride, td_type t,
                          int n, int count)
 {
