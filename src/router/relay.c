@@ -129,9 +129,9 @@ static void reply_error(rt_req *q, int status, const char *type, const char *fmt
     count_status(q->r, status);
     if (!q->started) {
         TD_WARN("router %s: %d %s", q->rid, status, msg);
-        rt_send_error(q->client, status, type, msg);
+        rt_send_error(q->r, q->client, status, type, msg);
     } else {
-        /* The answer began: end it with an SSE error event, then end the stream. */
+        /* The answer began: end it with an SSE error event and [DONE], as the engines do. */
         TD_WARN("router %s: stream cut: %s", q->rid, msg);
         if (q->stream) {
             struct evbuffer *b = evbuffer_new();
@@ -140,12 +140,13 @@ static void reply_error(rt_req *q, int status, const char *type, const char *fmt
             cJSON_AddStringToObject(err, "type", type);
             cJSON_AddNumberToObject(err, "code", status);
             char *t = cJSON_PrintUnformatted(e);
-            evbuffer_add_printf(b, "data: %s\n\n", t ? t : "{}");
+            evbuffer_add_printf(b, "data: %s\n\ndata: [DONE]\n\n", t ? t : "{}");
             free(t);
             cJSON_Delete(e);
             evhttp_send_reply_chunk(q->client, b);
             evbuffer_free(b);
         }
+        td_replies_track(&q->r->replies, q->client);
         evhttp_send_reply_end(q->client);
     }
     client_detach(q);
@@ -230,6 +231,7 @@ static void leg_failed(rt_req *q, rt_leg *leg, int status, const char *why)
         struct evbuffer *b = leg->body;
         evhttp_add_header(evhttp_request_get_output_headers(q->client), "Content-Type",
                           "application/json");
+        td_replies_track(&q->r->replies, q->client);
         evhttp_send_reply(q->client, status, "Error", b);
         client_detach(q);
     } else {
@@ -330,6 +332,7 @@ static void prefill_done(rt_req *q, rt_leg *leg)
         evbuffer_add(b, s, n);
         evhttp_add_header(evhttp_request_get_output_headers(q->client), "Content-Type",
                           "application/json");
+        td_replies_track(&q->r->replies, q->client);
         evhttp_send_reply(q->client, leg->status, "Error", b);
         evbuffer_free(b);
         client_detach(q);
@@ -401,9 +404,11 @@ static void on_leg_done(struct evhttp_request *req, void *arg)
     }
     if (leg->relay) {
         if (leg->passthrough) {
+            td_replies_track(&q->r->replies, q->client);
             evhttp_send_reply_end(q->client);
         } else if (!q->started) { /* an answer kept whole */
             count_status(q->r, status);
+            td_replies_track(&q->r->replies, q->client);
             evhttp_send_reply(q->client, status, status == 200 ? "OK" : "Error", leg->body);
         } else { /* the router streamed the first token, then the decode refused (4xx) */
             size_t n = evbuffer_get_length(leg->body);
@@ -882,7 +887,7 @@ void rt_relay_start(rt_router *r, struct evhttp_request *req, int endpoint)
     size_t len = evbuffer_get_length(in);
     char *text = malloc(len + 1);
     if (!text) {
-        rt_send_error(req, 500, "server_error", "out of memory");
+        rt_send_error(r, req, 500, "server_error", "out of memory");
         return;
     }
     evbuffer_copyout(in, text, len);
@@ -904,7 +909,7 @@ void rt_relay_start(rt_router *r, struct evhttp_request *req, int endpoint)
         cJSON_AddNumberToObject(e, "code", err.status);
         char *json = cJSON_PrintUnformatted(root);
         cJSON_Delete(root);
-        rt_send_json(req, err.status, json ? json : "{}");
+        rt_send_json(r, req, err.status, json ? json : "{}");
         free(json);
         return;
     }
@@ -913,7 +918,7 @@ void rt_relay_start(rt_router *r, struct evhttp_request *req, int endpoint)
     rt_req *q = calloc(1, sizeof(*q));
     if (!q) {
         free(text);
-        rt_send_error(req, 500, "server_error", "out of memory");
+        rt_send_error(r, req, 500, "server_error", "out of memory");
         return;
     }
     q->r = r;

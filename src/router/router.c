@@ -87,16 +87,18 @@ int rt_config_check(const rt_config *c, td_err *err)
 
 /* ---------------------------------------------------------------- replies */
 
-void rt_send_json(struct evhttp_request *req, int status, const char *json)
+void rt_send_json(rt_router *r, struct evhttp_request *req, int status, const char *json)
 {
     struct evbuffer *b = evbuffer_new();
     evbuffer_add(b, json, strlen(json));
     evhttp_add_header(evhttp_request_get_output_headers(req), "Content-Type", "application/json");
+    td_replies_track(&r->replies, req);
     evhttp_send_reply(req, status, status < 300 ? "OK" : "Error", b);
     evbuffer_free(b);
 }
 
-void rt_send_error(struct evhttp_request *req, int status, const char *type, const char *msg)
+void rt_send_error(rt_router *r, struct evhttp_request *req, int status, const char *type,
+                   const char *msg)
 {
     cJSON *root = cJSON_CreateObject(), *e = cJSON_AddObjectToObject(root, "error");
     cJSON_AddStringToObject(e, "message", msg);
@@ -105,15 +107,15 @@ void rt_send_error(struct evhttp_request *req, int status, const char *type, con
     cJSON_AddNumberToObject(e, "code", status);
     char *json = cJSON_PrintUnformatted(root);
     cJSON_Delete(root);
-    rt_send_json(req, status, json ? json : "{}");
+    rt_send_json(r, req, status, json ? json : "{}");
     free(json);
 }
 
-static void send_cjson(struct evhttp_request *req, int status, cJSON *root)
+static void send_cjson(rt_router *r, struct evhttp_request *req, int status, cJSON *root)
 {
     char *json = cJSON_PrintUnformatted(root);
     cJSON_Delete(root);
-    rt_send_json(req, status, json ? json : "{}");
+    rt_send_json(r, req, status, json ? json : "{}");
     free(json);
 }
 
@@ -132,7 +134,7 @@ static bool authorized(rt_router *r, struct evhttp_request *req)
     cJSON_AddNullToObject(e, "param");
     cJSON_AddStringToObject(e, "code", "invalid_api_key");
     r->responses_by_class[4]++;
-    send_cjson(req, 401, root);
+    send_cjson(r, req, 401, root);
     return false;
 }
 
@@ -153,7 +155,7 @@ static void handle_health(rt_router *r, struct evhttp_request *req)
     if (r->draining) missing = "the router is shutting down: it finishes what it has";
     cJSON_AddStringToObject(root, "status", r->draining ? "draining" : missing ? "error" : "ok");
     if (missing) cJSON_AddStringToObject(root, "reason", missing);
-    send_cjson(req, missing ? 503 : 200, root);
+    send_cjson(r, req, missing ? 503 : 200, root);
 }
 
 static void handle_models(rt_router *r, struct evhttp_request *req)
@@ -178,7 +180,7 @@ static void handle_models(rt_router *r, struct evhttp_request *req)
         cJSON_AddStringToObject(m, "owned_by", "tandem");
         cJSON_AddItemToArray(data, m);
     }
-    send_cjson(req, 200, root);
+    send_cjson(r, req, 200, root);
 }
 
 static void handle_metrics(rt_router *r, struct evhttp_request *req)
@@ -230,6 +232,7 @@ static void handle_metrics(rt_router *r, struct evhttp_request *req)
     rt_workers_metrics(r, b);
     evhttp_add_header(evhttp_request_get_output_headers(req), "Content-Type",
                       "text/plain; version=0.0.4");
+    td_replies_track(&r->replies, req);
     evhttp_send_reply(req, 200, "OK", b);
     evbuffer_free(b);
 }
@@ -255,7 +258,7 @@ static void handle_workers_post(rt_router *r, struct evhttp_request *req)
     struct evbuffer *in = evhttp_request_get_input_buffer(req);
     size_t n = evbuffer_get_length(in);
     char *s = malloc(n + 1);
-    if (!s) return rt_send_error(req, 500, "server_error", "out of memory");
+    if (!s) return rt_send_error(r, req, 500, "server_error", "out of memory");
     evbuffer_copyout(in, s, n);
     s[n] = 0;
     cJSON *j = cJSON_Parse(s);
@@ -268,13 +271,13 @@ static void handle_workers_post(rt_router *r, struct evhttp_request *req)
     if (!cJSON_IsString(url) ||
         (role && (!cJSON_IsString(role) || role_parse(role->valuestring, &ro)))) {
         cJSON_Delete(j);
-        return rt_send_error(req, 400, "invalid_request_error",
+        return rt_send_error(r, req, 400, "invalid_request_error",
                              "POST /workers takes {\"url\": \"http://host:port\", \"role\": "
                              "\"prefill\" | \"decode\" | \"worker\"}");
     }
     if (r->cfg.pd && ro == RT_ROLE_WORKER) {
         cJSON_Delete(j);
-        return rt_send_error(req, 400, "invalid_request_error",
+        return rt_send_error(r, req, 400, "invalid_request_error",
                              "this router runs --pd-disaggregation: role must be prefill or "
                              "decode");
     }
@@ -290,14 +293,14 @@ static void handle_workers_post(rt_router *r, struct evhttp_request *req)
         n_workers++;
     if (!w && n_workers >= RT_MAX_WORKERS) {
         cJSON_Delete(j);
-        return rt_send_error(req, 503, "service_unavailable",
+        return rt_send_error(r, req, 503, "service_unavailable",
                              "the router has as many workers as it takes (256)");
     }
     if (!w) {
         td_err err;
         if (rt_worker_add(r, url->valuestring, ro, beat, &w, &err)) {
             cJSON_Delete(j);
-            return rt_send_error(req, 400, "invalid_request_error", err.msg);
+            return rt_send_error(r, req, 400, "invalid_request_error", err.msg);
         }
         r->registrations++;
         status = 201;
@@ -327,7 +330,7 @@ static void handle_workers_post(rt_router *r, struct evhttp_request *req)
     cJSON_AddStringToObject(out, "url", w->url);
     cJSON_AddStringToObject(out, "role", rt_role_name(w->role));
     cJSON_Delete(j);
-    send_cjson(req, status, out);
+    send_cjson(r, req, status, out);
 }
 
 static void handle_workers(rt_router *r, struct evhttp_request *req, const char *path)
@@ -337,22 +340,22 @@ static void handle_workers(rt_router *r, struct evhttp_request *req, const char 
         if (m == EVHTTP_REQ_GET) {
             cJSON *root = cJSON_CreateObject();
             cJSON_AddItemToObject(root, "workers", rt_workers_json(r));
-            return send_cjson(req, 200, root);
+            return send_cjson(r, req, 200, root);
         }
         if (m == EVHTTP_REQ_POST) return handle_workers_post(r, req);
-        return rt_send_error(req, 405, "invalid_request_error", "/workers takes GET or POST");
+        return rt_send_error(r, req, 405, "invalid_request_error", "/workers takes GET or POST");
     }
     /* /workers/{id} */
     int64_t id;
     if (td_parse_i64(path + strlen("/workers/"), &id) || id < 1)
-        return rt_send_error(req, 404, "not_found_error", "no such worker");
+        return rt_send_error(r, req, 404, "not_found_error", "no such worker");
     rt_worker *w = rt_worker_find_id(r, (uint64_t)id);
-    if (!w) return rt_send_error(req, 404, "not_found_error", "no such worker");
+    if (!w) return rt_send_error(r, req, 404, "not_found_error", "no such worker");
     if (m != EVHTTP_REQ_DELETE)
-        return rt_send_error(req, 405, "invalid_request_error", "/workers/{id} takes DELETE");
+        return rt_send_error(r, req, 405, "invalid_request_error", "/workers/{id} takes DELETE");
     TD_INFO("router: %s %s removed", rt_role_name(w->role), w->url);
     rt_worker_remove(r, w);
-    rt_send_json(req, 200, "{\"deleted\":true}");
+    rt_send_json(r, req, 200, "{\"deleted\":true}");
 }
 
 static void on_request(struct evhttp_request *req, void *arg)
@@ -368,32 +371,35 @@ static void on_request(struct evhttp_request *req, void *arg)
     path[k] = 0;
     enum evhttp_cmd_type m = evhttp_request_get_command(req);
     if (!strcmp(path, "/health")) {
-        if (m != EVHTTP_REQ_GET) return rt_send_error(req, 405, "invalid_request_error", "GET only");
+        if (m != EVHTTP_REQ_GET)
+            return rt_send_error(r, req, 405, "invalid_request_error", "GET only");
         return handle_health(r, req);
     }
     if (!strcmp(path, "/metrics")) {
-        if (m != EVHTTP_REQ_GET) return rt_send_error(req, 405, "invalid_request_error", "GET only");
+        if (m != EVHTTP_REQ_GET)
+            return rt_send_error(r, req, 405, "invalid_request_error", "GET only");
         return handle_metrics(r, req);
     }
     if (!authorized(r, req)) return;
     if (!strcmp(path, "/v1/completions") || !strcmp(path, "/v1/chat/completions")) {
         if (m != EVHTTP_REQ_POST)
-            return rt_send_error(req, 405, "invalid_request_error", "POST only");
+            return rt_send_error(r, req, 405, "invalid_request_error", "POST only");
         if (r->draining)
-            return rt_send_error(req, 503, "service_unavailable",
+            return rt_send_error(r, req, 503, "service_unavailable",
                                  "the router is shutting down: it takes no new requests");
         return rt_relay_start(r, req, !strcmp(path, "/v1/chat/completions") ? SRV_EP_CHAT
                                                                               : SRV_EP_COMPLETIONS);
     }
     if (!strcmp(path, "/v1/models")) {
-        if (m != EVHTTP_REQ_GET) return rt_send_error(req, 405, "invalid_request_error", "GET only");
+        if (m != EVHTTP_REQ_GET)
+            return rt_send_error(r, req, 405, "invalid_request_error", "GET only");
         return handle_models(r, req);
     }
     if (!strcmp(path, "/workers") || !strncmp(path, "/workers/", 9))
         return handle_workers(r, req, path);
     char msg[300];
     snprintf(msg, sizeof(msg), "no route for '%.200s'", path);
-    rt_send_error(req, 404, "not_found_error", msg);
+    rt_send_error(r, req, 404, "not_found_error", msg);
 }
 
 /* ---------------------------------------------------------------- run */
@@ -424,6 +430,7 @@ static void on_signal(evutil_socket_t sig, short what, void *arg)
     rt_router *r = arg;
     if (r->draining || r->cfg.shutdown_timeout_s <= 0 || !r->reqs) {
         TD_INFO("router: signal %d: shutting down", (int)sig);
+        r->exit_now = r->draining;
         event_base_loopexit(r->base, NULL);
         return;
     }
@@ -505,6 +512,15 @@ int rt_run(const rt_config *cfg, td_err *err)
     fflush(stderr);
     event_base_dispatch(r->base);
     rt_relay_shutdown(r);
+    if (!r->exit_now) { /* refuse new connections; send the answers given (util/reply_flush.h) */
+        td_accept_guard_free(r->accept_guard);
+        r->accept_guard = NULL;
+        evhttp_del_accept_socket(r->http, r->sock);
+        int left = td_replies_flush(r->base, &r->replies, 2000);
+        if (left)
+            TD_WARN("router: exiting with %d repl%s not written out (a client not reading?)", left,
+                    left == 1 ? "y" : "ies");
+    }
 out:
     if (r->drain_ev) event_free(r->drain_ev);
     if (r->health_timer) event_free(r->health_timer);

@@ -13,6 +13,7 @@
 
 #include "router/router.h"
 #include "util/accept_guard.h"
+#include "util/reply_flush.h"
 
 typedef enum rt_role { RT_ROLE_WORKER = 0, RT_ROLE_PREFILL = 1, RT_ROLE_DECODE = 2 } rt_role;
 #define RT_N_ROLES 3
@@ -96,8 +97,9 @@ typedef struct rt_router {
     struct rt_check *checks; /* health checks and info reads in flight (for shutdown) */
     bool shutting_down;
     /* graceful shutdown (router.c): after the first SIGTERM/SIGINT */
-    bool draining;
+    bool draining, exit_now; /* exit_now: a second signal; no flush */
     uint64_t drain_deadline_ns;
+    td_replies replies; /* replies queued and not yet written (flushed at exit) */
     struct event *drain_ev;
     uint64_t next_req;
     /* metrics */
@@ -159,7 +161,8 @@ void rt_relay_shutdown(rt_router *r);
 int rt_relay_count(const rt_router *r);
 
 /* ---- router.c ---- */
-void rt_send_error(struct evhttp_request *req, int status, const char *type, const char *msg);
-void rt_send_json(struct evhttp_request *req, int status, const char *json);
+void rt_send_error(rt_router *r, struct evhttp_request *req, int status, const char *type,
+                   const char *msg);
+void rt_send_json(rt_router *r, struct evhttp_request *req, int status, const char *json);
 
 #endif

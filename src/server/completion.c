@@ -470,6 +470,7 @@ static void send_complete(srv__req *q)
     s->metrics.http_requests[2]++;
     struct evhttp_request *req = q->req;
     http_done(q);
+    td_replies_track(&q->s->replies, req);
     evhttp_send_reply(req, 200, "OK", b);
     evbuffer_free(b);
 }
@@ -531,6 +532,7 @@ static void flush(srv__req *q)
             evhttp_send_reply_chunk(q->req, q->pending);
             struct evhttp_request *req = q->req;
             http_done(q);
+            td_replies_track(&q->s->replies, req);
             evhttp_send_reply_end(req);
         }
         req_free(q);
@@ -562,6 +564,7 @@ static void flush(srv__req *q)
     if (q->outstanding == 0) {
         struct evhttp_request *req = q->req;
         http_done(q);
+        td_replies_track(&q->s->replies, req);
         evhttp_send_reply_end(req);
         req_free(q);
     }

@@ -130,6 +130,7 @@ void srv__send_json(srv_server *s, struct evhttp_request *req, int status, const
                          : status == 429 ? "Too Many Requests"
                          : status == 503 ? "Service Unavailable"
                                          : "Error";
+    td_replies_track(&s->replies, req);
     evhttp_send_reply(req, status, reason, b);
     evbuffer_free(b);
 }
@@ -283,6 +284,7 @@ static void handle_metrics(srv_server *s, struct evhttp_request *req)
     evhttp_add_header(evhttp_request_get_output_headers(req), "Content-Type",
                       "text/plain; version=0.0.4");
     count_status(s, 200);
+    td_replies_track(&s->replies, req);
     evhttp_send_reply(req, 200, "OK", b);
     evbuffer_free(b);
 }
@@ -567,6 +569,7 @@ static void on_signal(evutil_socket_t sig, short what, void *arg)
     int leases, n = drain_count(s, &leases);
     if (s->draining || s->cfg.shutdown_timeout_s <= 0 || (n == 0 && leases == 0)) {
         TD_INFO("signal %d: shutting down", (int)sig);
+        s->exit_now = s->draining;
         event_base_loopexit(s->base, NULL);
         return;
     }
@@ -761,6 +764,7 @@ int srv_server_create(srv_server **out, td_engine *const *engines, int n_ranks, 
     socklen_t sl = sizeof(ss);
     if (getsockname(evhttp_bound_socket_get_fd(bound), (struct sockaddr *)&ss, &sl) == 0)
         s->port = ntohs(((struct sockaddr_in *)&ss)->sin_port);
+    s->listener = bound;
     s->accept_guard = td_accept_guard_new(s->base, bound, "serve");
 
     /* Each rank: its connector, then its engine thread (which owns the engine from then on;
@@ -811,9 +815,23 @@ fail_engines: /* no engine thread started: the engines are still ours to free */
     return rc;
 }
 
+/* At most this long after the loop ends for the replies already queued to be written. */
+#define REPLY_FLUSH_MS 2000
+
 int srv_server_run(srv_server *s)
 {
-    return event_base_dispatch(s->base) < 0 ? TD_EIO : 0;
+    int rc = event_base_dispatch(s->base) < 0 ? TD_EIO : 0;
+    if (s->exit_now) return rc;
+    /* No new connections (they are refused now, not cut later); the answers given are sent. */
+    td_accept_guard_free(s->accept_guard);
+    s->accept_guard = NULL;
+    if (s->listener) evhttp_del_accept_socket(s->http, s->listener);
+    s->listener = NULL;
+    int left = td_replies_flush(s->base, &s->replies, REPLY_FLUSH_MS);
+    if (left)
+        TD_WARN("exiting with %d repl%s not written out (a client not reading?)", left,
+                left == 1 ? "y" : "ies");
+    return rc;
 }
 
 void srv_server_stop(srv_server *s)

@@ -12,6 +12,7 @@
 #include "tandem/ep.h"
 #include "server/server.h"
 #include "util/accept_guard.h"
+#include "util/reply_flush.h"
 
 /* ---- engine thread (engine_thread.c) ---- */
 
@@ -165,7 +166,9 @@ struct srv_server {
     struct event_base *base;
     struct evhttp *http;
     struct event *wake_ev, *sigint_ev, *sigterm_ev;
+    struct evhttp_bound_socket *listener;
     td_accept_guard *accept_guard; /* the listener pauses when out of descriptors */
+    td_replies replies;            /* replies queued and not yet written (flushed at exit) */
     int port;
     srv__rank *ranks; /* [n_ranks] */
     int n_ranks;
@@ -184,7 +187,7 @@ struct srv_server {
     struct srv__registrar *registrar; /* registration with a router (register.c), or NULL */
     /* graceful shutdown (http.c): after the first SIGTERM/SIGINT, new requests get 503 and
      * /health says "draining" until nothing is in flight or held, or the deadline */
-    bool draining, drain_cut;
+    bool draining, drain_cut, exit_now; /* exit_now: a second signal; no flush */
     uint64_t drain_deadline_ns;
     struct event *drain_ev;
 };

@@ -18,7 +18,7 @@ stream() {
         -d "{\"prompt\":[1,306],\"max_tokens\":$2,\"ignore_eos\":true,\"stream\":true}" >"$3" &
     stream_pid=$!
     for _ in $(seq 1 100); do grep -q '"text"' "$3" 2>/dev/null && return; sleep 0.05; done
-    fail "no token streamed from $1"
+    fail "no token streamed from $1: $(cat "$3")"
 }
 # gone PID TENTHS: the process has exited within TENTHS tenths of a second
 gone() {
@@ -42,7 +42,8 @@ drains() {
         -H 'Content-Type: application/json' -d '{"prompt":[1,306],"max_tokens":2}')
     [ "$code" = 503 ] && grep -q "shutting down" "$tmp/n" ||
         fail "$1: a new request while draining: $code $(cat "$tmp/n")"
-    wait "$stream_pid"
+    wait "$stream_pid" ||
+        fail "$1: the streaming client failed (curl exit $?): $(tail -c 300 "$tmp/$1.out")"
     wait "$pid" || fail "$1: exit status after draining: $(tail -n 5 "$tmp/$1.err")"
     [ "$(grep -c '"text"' "$tmp/$1.out")" -eq 60 ] && grep -q '^data: \[DONE\]' "$tmp/$1.out" ||
         fail "$1: the stream did not end whole: $(tail -c 300 "$tmp/$1.out")"
@@ -58,7 +59,7 @@ grep -q "draining: 1 request" "$tmp/A.err" || fail "log: $(cat "$tmp/A.err")"
 start_server B --enable-debug-endpoints --debug-step-delay-ms 20 --shutdown-timeout 0.5
 stream "$B_URL" 120 "$tmp/b.out"
 kill -TERM "$B_PID"
-wait "$stream_pid"
+wait "$stream_pid" || fail "the cut stream's client failed (curl exit $?)"
 wait "$B_PID" || fail "exit status after the timeout: $(tail -n 5 "$tmp/B.err")"
 grep -q '"finish_reason":"abort"' "$tmp/b.out" && grep -q '^data: \[DONE\]' "$tmp/b.out" ||
     fail "the cut stream: $(tail -c 300 "$tmp/b.out")"
@@ -83,6 +84,23 @@ for _ in $(seq 1 100); do
     sleep 0.05
 done
 drains R
+# past --shutdown-timeout-secs the router ends a relayed stream with an error event and
+# [DONE], and those last bytes reach the client before it exits
+: >"$tmp/R3.err"
+"$TD_BIN" router --host 127.0.0.1 --port 0 --log-level warn --worker "$E_URL" \
+    --shutdown-timeout-secs 0.3 2>"$tmp/R3.err" &
+server_pids+=("$!")
+wait_listening R3 "$!" 127.0.0.1
+for _ in $(seq 1 100); do
+    [ "$(curl -s -o /dev/null -w '%{http_code}' "$R3_URL/health")" = 200 ] && break
+    sleep 0.05
+done
+stream "$R3_URL" 120 "$tmp/r3.out"
+kill -TERM "$R3_PID"
+wait "$stream_pid" || fail "the router's cut stream: curl exit $?: $(tail -c 300 "$tmp/r3.out")"
+wait "$R3_PID" || fail "router exit status after the timeout: $(tail -n 5 "$tmp/R3.err")"
+grep -q 'shutting down' "$tmp/r3.out" && grep -q '^data: \[DONE\]' "$tmp/r3.out" ||
+    fail "the router's cut stream did not end with an error event: $(tail -c 300 "$tmp/r3.out")"
 "$TD_BIN" router --shutdown-timeout-secs -2 --worker "$E_URL" >"$tmp/out" 2>"$tmp/err" && fail "a negative drain"
 grep -q "shutdown-timeout-secs" "$tmp/err" || fail "router flag error: $(cat "$tmp/err")"
 
@@ -113,7 +131,7 @@ for _ in 1 2 3 4; do
         -d '{"prompt":[1,306],"max_tokens":2}')
     [ "$code" = 200 ] || fail "a request after the drain began: $code $(cat "$tmp/x")"
 done
-wait "$stream_pid"
+wait "$stream_pid" || fail "the stream on the draining engine failed (curl exit $?)"
 
 # --- stopping `tandem up` (1P1D) loses nothing: the router drains first, then the engines
 W="$tmp/up"
@@ -121,7 +139,7 @@ start_up "$W" -- --enable-debug-endpoints --debug-step-delay-ms 20
 pids=$(jq '.instances[].pid' "$W/cluster.json")
 stream "$UP_URL" 60 "$tmp/u.out"
 kill -TERM "$UP"
-wait "$stream_pid"
+wait "$stream_pid" || fail "the stream through tandem up failed (curl exit $?)"
 wait "$UP" || fail "tandem up exit status: $(tail -n 5 "$tmp/up.err")"
 [ "$(grep -c '"text"' "$tmp/u.out")" -eq 60 ] && grep -q '^data: \[DONE\]' "$tmp/u.out" ||
     fail "the stream through tandem up did not end whole: $(tail -c 300 "$tmp/u.out")"
