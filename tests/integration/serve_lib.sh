@@ -15,6 +15,10 @@ cleanup() {
 }
 trap cleanup EXIT
 fail() { echo "FAIL: $*" >&2; exit 1; }
+# Under set -e a failing command (a curl in $(...), a wait on a client) ends the test with
+# no word; say which one, and where.
+set -E
+trap 'rc=$?; echo "FAIL: $(basename "$0") line $LINENO: \"$BASH_COMMAND\" exited $rc" >&2' ERR
 
 start_server() {
     local name=$1
