@@ -515,9 +515,11 @@ static void leg_start_on(rt_req *q, rt_leg *leg, rt_worker *w)
     int rc = evhttp_make_request(leg->conn, e, EVHTTP_REQ_POST, q->path);
     leg->sending = false;
     if (rc || leg->failed_at_once) {
+        /* Failed before it left this process (no descriptor or memory for the socket): not
+         * the worker's fault, so its breaker is not charged (a router out of descriptors
+         * would otherwise eject every worker); its health checks judge it. */
         leg->ereq = NULL; /* libevent freed it */
         leg->state = LEG_DONE;
-        rt_worker_result(r, w, false, -1);
         leg->failed_on = w;
         leg_release(q, leg);
         leg_failed(q, leg, 0, "cannot send the request");
