@@ -74,27 +74,28 @@ gone "$C_PID" 10 || fail "still running 1 s after a second SIGTERM"
 wait "$stream_pid" || true
 
 # --- the router drains the same way: the stream it relays ends whole, new requests get 503
+# start_router NAME ARGS...: a router (log $tmp/NAME.err), its URL and pid as start_server's,
+# started in the background until its /health says 200 (its workers answered) or 5 s pass
+start_router() {
+    local name=$1
+    shift
+    : >"$tmp/$name.err"
+    "$TD_BIN" router --host 127.0.0.1 --port 0 --log-level warn "$@" 2>"$tmp/$name.err" &
+    server_pids+=("$!")
+    wait_listening "$name" "$!" 127.0.0.1
+    local url
+    url=$(eval echo "\$${name}_URL")
+    for _ in $(seq 1 100); do
+        [ "$(curl -s -o /dev/null -w '%{http_code}' "$url/health")" = 200 ] && break
+        sleep 0.05
+    done
+}
 start_server E --enable-debug-endpoints --debug-step-delay-ms 20
-: >"$tmp/R.err"
-"$TD_BIN" router --host 127.0.0.1 --port 0 --log-level warn --worker "$E_URL" 2>"$tmp/R.err" &
-server_pids+=("$!")
-wait_listening R "$!" 127.0.0.1
-for _ in $(seq 1 100); do
-    [ "$(curl -s -o /dev/null -w '%{http_code}' "$R_URL/health")" = 200 ] && break
-    sleep 0.05
-done
+start_router R --worker "$E_URL"
 drains R
 # past --shutdown-timeout-secs the router ends a relayed stream with an error event and
 # [DONE], and those last bytes reach the client before it exits
-: >"$tmp/R3.err"
-"$TD_BIN" router --host 127.0.0.1 --port 0 --log-level warn --worker "$E_URL" \
-    --shutdown-timeout-secs 0.3 2>"$tmp/R3.err" &
-server_pids+=("$!")
-wait_listening R3 "$!" 127.0.0.1
-for _ in $(seq 1 100); do
-    [ "$(curl -s -o /dev/null -w '%{http_code}' "$R3_URL/health")" = 200 ] && break
-    sleep 0.05
-done
+start_router R3 --worker "$E_URL" --shutdown-timeout-secs 0.3
 stream "$R3_URL" 120 "$tmp/r3.out"
 kill -TERM "$R3_PID"
 wait "$stream_pid" || fail "the router's cut stream: curl exit $?: $(tail -c 300 "$tmp/r3.out")"
