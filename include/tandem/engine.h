@@ -34,6 +34,12 @@ typedef struct td_engine_config {
     uint64_t seed;               /* dummy weights and requests without their own seed */
     int n_threads;               /* compute threads, 0 = all available CPUs */
     bool pin_threads;            /* pin compute threads to CPUs (default true) */
+    const char *cpus;            /* the compute threads' CPUs, e.g. "0-3,8" (one thread each;
+                                    NULL: the first n_threads CPUs this process may use) */
+    const char *cpu_board;       /* a CPU board file (util/cpuboard.h) shared with the other
+                                    engines of this host: this engine lends its CPUs while it
+                                    is idle, and borrows the idle ones of the others among the
+                                    CPUs it may use; NULL: off */
     int block_size;              /* tokens per KV block (default 16) */
     const char *kv_cache_dtype;  /* "f32", "f16" (default), "bf16", "fp8" ("fp8_e4m3") */
     uint64_t kv_cache_memory;    /* bytes for KV blocks; 0 = default (see engine.c) */
@@ -296,6 +302,9 @@ typedef struct td_engine_stats {
                                     every step (each run reads that expert's weights once) */
     uint64_t ep_exchange_bytes;  /* expert parallelism: the exchange's buffers (apart from the
                                     KV pool and counted in the workspace) */
+    uint64_t cpu_borrowed_runs;  /* cpu_board: parallel runs that had borrowed CPUs */
+    uint64_t cpu_reclaims;       /* cpu_board: times this engine waited for its CPUs back */
+    uint64_t cpu_reclaim_ns;     /* ... and for how long in all */
 } td_engine_stats;
 
 void td_engine_get_stats(const td_engine *e, td_engine_stats *st);

@@ -31,6 +31,12 @@ int engine_opts_register(engine_opts *o, cli_flag *f)
     f[n++] = CLI_FLAG("threads", CLI_FLAG_INT, &o->threads, "compute threads (0 = all CPUs)");
     f[n++] = CLI_FLAG("no-pin-threads", CLI_FLAG_BOOL, &o->no_pin_threads,
                         "do not pin compute threads to CPUs");
+    f[n++] = CLI_FLAG("cpus", CLI_FLAG_STR, &o->cpus,
+                        "CPUs for the compute threads, one each, e.g. 0-3,8 (default: the "
+                        "first --threads CPUs this process may use)");
+    f[n++] = CLI_FLAG("cpu-board", CLI_FLAG_STR, &o->cpu_board,
+                        "a file shared with the other engines of this host: lend this "
+                        "engine's CPUs while it is idle, and borrow theirs (tandem up sets it)");
     f[n++] = CLI_FLAG("block-size", CLI_FLAG_INT, &o->block_size, "tokens per KV block (16)");
     f[n++] = CLI_FLAG("kv-cache-dtype", CLI_FLAG_STR, &o->kv_cache_dtype,
                         "f32 | f16 | bf16 | fp8 (default f16)");
@@ -85,6 +91,8 @@ int engine_opts_apply(const engine_opts *o, td_engine_config *c)
     c->seed = (uint64_t)o->seed;
     c->n_threads = (int)o->threads;
     c->pin_threads = !o->no_pin_threads;
+    c->cpus = o->cpus;
+    c->cpu_board = o->cpu_board;
     c->block_size = (int)o->block_size;
     c->kv_cache_dtype = o->kv_cache_dtype;
     c->kv_cache_memory = o->kv_cache_memory;

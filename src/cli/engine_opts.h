@@ -12,6 +12,7 @@
 
 typedef struct engine_opts {
     const char *model, *load_format, *dtype, *kv_cache_dtype, *log_level, *device;
+    const char *cpus, *cpu_board;
     int64_t threads, block_size, max_num_seqs, max_num_batched_tokens, max_model_len, seed;
     uint64_t kv_cache_memory;
     bool no_prefix_caching, no_pin_threads;

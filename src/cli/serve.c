@@ -140,6 +140,13 @@ int cli_serve(int argc, char **argv)
         fprintf(stderr, "error: --data-parallel-size must be in [1, %d], got %lld\n", SRV_MAX_DP, (long long)dp);
         return 2;
     }
+    if (dp > 1 && (eo.cpus || eo.cpu_board)) {
+        fprintf(stderr,
+                "error: --%s: data-parallel ranks split this process's CPUs between "
+                "them; give each rank's process its CPUs with taskset or tandem up instead\n",
+                eo.cpus ? "cpus" : "cpu-board");
+        return 2;
+    }
     if (expert_parallel && dp < 2) {
         fprintf(stderr, "error: --enable-expert-parallel splits the experts across data-parallel ranks: "
                         "it needs --data-parallel-size 2 or more\n");
@@ -252,6 +259,10 @@ int cli_serve(int argc, char **argv)
     bool io_saved = pthread_getaffinity_np(pthread_self(), sizeof(io_cpus), &io_cpus) == 0;
     int created = (expert_parallel && td_ep_group_create(&ep, (int)dp, &err)) ||
                   create_ranks(engines, cpus, (int)dp, &cfg, ep, &err);
+    /* With --cpu-board the other CPUs are other engines', lent only while they idle: the
+     * I/O and transfer threads stay on this engine's own CPUs. */
+    cpu_set_t home;
+    if (!created && cfg.cpu_board && td_engine_cpus(engines[0], &home) > 0) io_cpus = home;
     if (io_saved) pthread_setaffinity_np(pthread_self(), sizeof(io_cpus), &io_cpus);
     if (created) {
         fprintf(stderr, "error: %s\n", err.msg);

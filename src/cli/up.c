@@ -45,6 +45,7 @@ typedef struct inst {
     char addr[64];    /* where it listens */
     int port, hport;  /* HTTP port; KV handshake port (PD engines) */
     int cpu0, n_cpus; /* engines: CPUs [cpu0, cpu0 + n_cpus) of the allowed set; n 0 = all */
+    bool lend;        /* those are its own; it may borrow the others' while they idle */
     int gpu;          /* engines with --gpus: the GPU they run on (--device cuda:N), else -1 */
     pid_t pid;
     int restarts;
@@ -159,6 +160,23 @@ static void inst_arg(inst *in, const char *fmt, ...)
     in->argv[in->argc] = NULL;
 }
 
+/* "0-3,8" for a CPU set (ranges of consecutive CPUs). */
+static void cpu_list_format(const cpu_set_t *set, char *buf, size_t cap)
+{
+    size_t len = 0;
+    buf[0] = 0;
+    for (int c = 0; c < CPU_SETSIZE && len + 1 < cap; c++) {
+        if (!CPU_ISSET(c, set)) continue;
+        int d = c;
+        while (d + 1 < CPU_SETSIZE && CPU_ISSET(d + 1, set))
+            d++;
+        int w = d > c ? snprintf(buf + len, cap - len, "%s%d-%d", len ? "," : "", c, d)
+                      : snprintf(buf + len, cap - len, "%s%d", len ? "," : "", c);
+        len += (size_t)w;
+        c = d;
+    }
+}
+
 static pid_t inst_start(inst *in, const cpu_set_t *allowed)
 {
     pid_t parent = getpid();
@@ -172,7 +190,7 @@ static pid_t inst_start(inst *in, const cpu_set_t *allowed)
             dup2(fd, 1);
             dup2(fd, 2);
         }
-        if (in->n_cpus > 0) { /* the k-th .. of the CPUs we may use */
+        if (in->n_cpus > 0 && !in->lend) { /* the k-th .. of the CPUs we may use */
             cpu_set_t mine;
             CPU_ZERO(&mine);
             int k = 0;
@@ -505,7 +523,7 @@ int cli_up(int argc, char **argv)
     const char *model = NULL, *protocol = "tcp", *mode = "read", *host = "127.0.0.1",
                *workdir = ".tandem", *level = "warn", *config = NULL, *this_host = NULL, *gpus_arg = NULL;
     int64_t n_prefill = 1, n_decode = 1, n_agg = 0, port = 8000, threads = 0;
-    bool want_status = false;
+    bool want_status = false, no_lend = false;
     cli_flag f[] = {
         CLI_FLAG("model", CLI_FLAG_STR, &model,
                  "GGUF model (default: WORKDIR/models/llama-134m-f16.gguf, made by mkmodel "
@@ -513,16 +531,20 @@ int cli_up(int argc, char **argv)
         CLI_FLAG("prefill", CLI_FLAG_INT, &n_prefill, "prefill instances (1)"),
         CLI_FLAG("decode", CLI_FLAG_INT, &n_decode, "decode instances (1)"),
         CLI_FLAG("aggregated", CLI_FLAG_INT, &n_agg, "K plain engines instead of prefill/decode"),
-        CLI_FLAG("protocol", CLI_FLAG_STR, &protocol, "KV transfer: tcp | shm | ucx | cuda_ipc (tcp; cuda_ipc with -- --device cuda)"),
+        CLI_FLAG("protocol", CLI_FLAG_STR, &protocol,
+                 "KV transfer: tcp | shm | ucx | cuda_ipc (tcp; cuda_ipc with -- --device cuda)"),
         CLI_FLAG("transfer-mode", CLI_FLAG_STR, &mode, "read | write (read)"),
         CLI_FLAG("host", CLI_FLAG_STR, &host, "the router's address (127.0.0.1)"),
         CLI_FLAG("port", CLI_FLAG_INT, &port, "the router's port (8000; 0 = a free one)"),
         CLI_FLAG("threads", CLI_FLAG_INT, &threads,
                  "threads per engine (0: the CPUs split evenly between the engines)"),
+        CLI_FLAG("no-lend-cpus", CLI_FLAG_BOOL, &no_lend,
+                 "keep each engine on its own CPUs even while another engine is idle"),
         CLI_FLAG("workdir", CLI_FLAG_STR, &workdir,
                  "logs, the state file and the default model (.tandem)"),
         CLI_FLAG("log-level", CLI_FLAG_STR, &level, "the instances' log level (warn)"),
-        CLI_FLAG("status", CLI_FLAG_BOOL, &want_status, "report on the cluster running from WORKDIR"),
+        CLI_FLAG("status", CLI_FLAG_BOOL, &want_status,
+                 "report on the cluster running from WORKDIR"),
         CLI_FLAG("config", CLI_FLAG_STR, &config,
                  "a JSON file describing a cluster over several hosts (see README)"),
         CLI_FLAG("this-host", CLI_FLAG_STR, &this_host, "with --config: which host this is"),
@@ -630,6 +652,19 @@ int cli_up(int argc, char **argv)
     int n_cpu = CPU_COUNT(&allowed);
     if (n_cpu < 1) n_cpu = 1;
     int share = n_cpu / n_eng; /* whole CPUs per engine; 0 when there are more engines */
+    /* Engines that split the CPUs lend theirs to each other while idle (a CPU board in the
+     * workdir; docs/ARCHITECTURE.md), unless told not to or they compute elsewhere or place
+     * their threads themselves. */
+    bool lend = !no_lend && share > 0 && n_eng > 1 && !threads && !n_gpus;
+    static const char *const own_placement[] = {
+        "--device",         "--cpus", "--cpu-board",         "--threads",
+        "--no-pin-threads", "--dp",   "--data-parallel-size"};
+    for (int k = 0; k < n_pass && lend; k++)
+        for (size_t j = 0; j < TD_ARRAY_LEN(own_placement); j++)
+            if (!strcmp(pass[k], own_placement[j])) lend = false;
+    char board[600];
+    snprintf(board, sizeof(board), "%s/cpu-board", workdir);
+    unlink(board); /* a fresh board: none of a previous cluster's marks */
 
     inst *v = calloc(MAX_INST, sizeof(inst));
     int n = 0;
@@ -681,6 +716,22 @@ int cli_up(int argc, char **argv)
         inst_arg(e, "%d", e->port);
         inst_arg(e, "--threads");
         inst_arg(e, "%d", t);
+        if (lend) {
+            cpu_set_t mine;
+            CPU_ZERO(&mine);
+            for (int c = 0, k = 0; c < CPU_SETSIZE; c++)
+                if (CPU_ISSET(c, &allowed)) {
+                    if (k >= e->cpu0 && k < e->cpu0 + e->n_cpus) CPU_SET(c, &mine);
+                    k++;
+                }
+            char list[1000];
+            cpu_list_format(&mine, list, sizeof(list));
+            e->lend = true;
+            inst_arg(e, "--cpus");
+            inst_arg(e, "%s", list);
+            inst_arg(e, "--cpu-board");
+            inst_arg(e, "%s", board);
+        }
         inst_arg(e, "--log-level");
         inst_arg(e, "%s", level);
         if (reg) {
@@ -760,7 +811,8 @@ int cli_up(int argc, char **argv)
     for (int i = 0; i < n; i++) {
         char cpus[32] = "shared";
         if (v[i].n_cpus > 0)
-            snprintf(cpus, sizeof(cpus), "cpus %d-%d", v[i].cpu0, v[i].cpu0 + v[i].n_cpus - 1);
+            snprintf(cpus, sizeof(cpus), "cpus %d-%d%s", v[i].cpu0, v[i].cpu0 + v[i].n_cpus - 1,
+                     v[i].lend ? " +lent" : "");
         char url[96];
         snprintf(url, sizeof(url), "http://%s:%d", v[i].addr, v[i].port);
         if (v[i].gpu >= 0 && strcmp(v[i].role, "router")) {

@@ -172,7 +172,7 @@ int td_engine_create(td_engine **out, const td_engine_config *cfg, td_err *err)
     e->max_batched = cfg->max_num_batched_tokens;
 
     int n_threads = cfg->n_threads > 0 ? cfg->n_threads : available_cpus();
-    rc = td_pool_create(&e->pool, n_threads, cfg->pin_threads, err);
+    rc = lend__create_pool(e, cfg, n_threads, err);
     if (rc) goto fail;
 
     /* Activation workspace first: a step of max_batched tokens must always fit. */
@@ -319,6 +319,7 @@ void td_engine_free(td_engine *e)
     free(e->samp);
     free(e->b_tok);
     free(e->b_samp_s);
+    lend__free(e);
     td_pool_free(e->pool);
     tok_free(e->tok);
     td_model_free(e->model);
@@ -370,11 +371,17 @@ void td_engine_describe(const td_engine *e, char *buf, size_t cap)
     snprintf(buf, cap,
              "%s; %d threads (%s); memory plan: weights %.1f MiB, workspace %.1f MiB for %d "
              "tokens/step, KV %.1f MiB = %d blocks x %d tokens (%s, %d tokens); max_model_len %d",
-             mdesc, td_pool_size(e->pool), cpu_isa_name(cpu_get_isa()),
-             (double)e->model->weight_bytes / 1048576.0,
-             (double)e->fwd.workspace_bytes / 1048576.0, e->max_batched,
-             (double)e->kv.total_bytes / 1048576.0, e->kv.n_blocks, e->kv.block_size,
-             td_type_name(e->kv.dtype), e->kv.n_blocks * e->kv.block_size, e->max_model_len);
+             mdesc, td_pool_size(e->pool) - td_pool_guests(e->pool), cpu_isa_name(cpu_get_isa()),
+             (double)e->model->weight_bytes / 1048576.0, (double)e->fwd.workspace_bytes / 1048576.0,
+             e->max_batched, (double)e->kv.total_bytes / 1048576.0, e->kv.n_blocks,
+             e->kv.block_size, td_type_name(e->kv.dtype), e->kv.n_blocks * e->kv.block_size,
+             e->max_model_len);
+    if (e->lend.board) {
+        size_t n = strlen(buf);
+        snprintf(buf + n, cap > n ? cap - n : 0,
+                 "; lends its CPUs while idle and may borrow %d idle CPU%s (--cpu-board)",
+                 e->lend.n_guests, e->lend.n_guests == 1 ? "" : "s");
+    }
     if (e->fwd.ep) {
         int lo, hi;
         td_ep_experts(e->fwd.ep, e->fwd.ep_rank, e->model->shape.n_expert, &lo, &hi);

@@ -132,8 +132,22 @@ struct td_engine {
     td_layer_progress *lp; /* [max_num_seqs] this step's streaming requests */
     int n_lp;
 
+    struct { /* lend.c: CPUs lent and borrowed through a CPU board (cfg.cpu_board) */
+        struct td_cpuboard *board;
+        bool busy;    /* the home CPUs are marked busy */
+        int n_guests; /* the pool's guest threads, one per CPU that may be borrowed */
+        bool *on;     /* [n_guests] borrowed now */
+        int n_on;
+    } lend;
+
     td_engine_stats stats;
 };
+
+/* lend.c */
+int lend__create_pool(td_engine *e, const td_engine_config *cfg, int n_threads, td_err *err);
+void lend__begin(td_engine *e);
+void lend__end(td_engine *e, bool idle);
+void lend__free(td_engine *e);
 
 /* sched.c */
 void sched__release_blocks(td_engine *e, req *r);

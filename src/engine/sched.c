@@ -710,5 +710,10 @@ int sched__kv_release(td_engine *e, uint64_t id)
 
 int td_engine_step(td_engine *e, td_err *err)
 {
-    return sched__step(e, err);
+    uint64_t steps = e->stats.steps;
+    if (td_engine_has_work(e)) lend__begin(e);
+    int rc = sched__step(e, err);
+    /* Nothing left to compute (or nothing this step could): lend the CPUs out. */
+    lend__end(e, !td_engine_has_work(e) || e->stats.steps == steps);
+    return rc;
 }

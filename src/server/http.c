@@ -240,6 +240,9 @@ void srv__snapshot_sum(const srv_server *s, srv__snapshot *out)
         o->kv_tokens_skipped += i->kv_tokens_skipped;
         o->moe_expert_runs += i->moe_expert_runs;
         o->ep_exchange_bytes += i->ep_exchange_bytes;
+        o->cpu_borrowed_runs += i->cpu_borrowed_runs;
+        o->cpu_reclaims += i->cpu_reclaims;
+        o->cpu_reclaim_ns += i->cpu_reclaim_ns;
     }
 }
 

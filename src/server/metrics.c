@@ -116,6 +116,15 @@ char *srv__metrics_render(const srv__metrics *m, const srv__snapshot *s, const c
     gauge(&o, "tandem_ep_exchange_bytes", "gauge",
           "Expert parallelism: the expert exchange's buffers, apart from the KV pool.", model,
           (double)st->ep_exchange_bytes);
+    gauge(&o, "tandem_cpu_borrowed_runs_total", "counter",
+          "--cpu-board: parallel runs that used CPUs borrowed from an idle engine.", model,
+          (double)st->cpu_borrowed_runs);
+    gauge(&o, "tandem_cpu_reclaims_total", "counter",
+          "--cpu-board: times this engine waited for a borrower to give its CPUs back.", model,
+          (double)st->cpu_reclaims);
+    gauge(&o, "tandem_cpu_reclaim_seconds_total", "counter",
+          "--cpu-board: time spent waiting for lent CPUs to come back.", model,
+          (double)st->cpu_reclaim_ns / 1e9);
     gauge(&o, "tandem_prompt_tokens_total", "counter", "Prompt tokens of finished requests.", model,
           (double)m->prompt_tokens);
     gauge(&o, "tandem_generation_tokens_total", "counter", "Generated tokens.", model,

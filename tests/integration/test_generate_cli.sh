@@ -28,6 +28,14 @@ want=$(echo "$line" | sed -E 's/.*"output_ids": \[([^]]*)\].*/\1/' | tr -d ',')
 got=$("$TD_BIN" generate --model "$M" --prompt-ids "$prompt" -n 24 --print-ids --threads 2 --log-level warn 2>/dev/null)
 [ "$got" = "$want" ] || fail "golden mismatch: got '$got' want '$want'"
 
+# The same on one CPU of its own and one borrowed through a CPU board (nobody owns it).
+first=$(taskset -pc $$ | sed 's/.*: //; s/[-,].*//') # the first CPU this shell may use
+if [ "$(nproc)" -ge 2 ]; then
+    got=$("$TD_BIN" generate --model "$M" --prompt-ids "$prompt" -n 24 --print-ids --cpus "$first" \
+        --cpu-board "$tmp/board" --log-level warn 2>/dev/null)
+    [ "$got" = "$want" ] || fail "golden mismatch with a borrowed CPU: got '$got' want '$want'"
+fi
+
 # Text in, text out.
 "$TD_BIN" generate --model "$M" --prompt "Once upon a time" -n 8 --log-level warn >"$tmp/out" 2>"$tmp/err"
 grep -q "8 generated" "$tmp/err" || fail "text generation: $(cat "$tmp/err")"
@@ -46,6 +54,11 @@ expect 2 "--kv-cache-dtype" --model "$M" --prompt hi --kv-cache-dtype q3
 expect 2 "maximum context length is 128" --model "$M" --prompt-ids 1,2,3 -n 500
 expect 2 "invalid UTF-8" --model "$M" --prompt "$(printf 'ab\xffcd')"
 expect 1 "not found" --model "$tmp/nope.gguf" --prompt hi
+expect 2 "--cpus: bad CPU list '0-x'" --model "$M" --prompt hi --cpus 0-x
+expect 2 "disagree" --model "$M" --prompt hi --cpus "$first" --threads 3
+expect 2 "--no-pin-threads" --model "$M" --prompt hi --cpus "$first" --no-pin-threads
+echo garbage >"$tmp/notaboard"
+expect 1 "not a tandem CPU board" --model "$M" --prompt hi --cpu-board "$tmp/notaboard"
 
 # Broken model files: one clear line, exit 1, never a crash.
 printf 'GGUX\003\000\000\000' >"$tmp/magic.gguf"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# `tandem up`: a 1P1D cluster from one command answers through its router; an engine
-# killed is restarted and back behind the router; --status reports; SIGTERM stops every
+# `tandem up`: a 1P1D cluster from one command answers through its router; its engines
+# lend each other their CPUs while idle; an engine killed is restarted and back behind the
+# router; --status reports; SIGTERM stops every
 # process (no orphans) and removes the state file. Bad flags are usage errors.
 set -euo pipefail
 source "$(dirname "$0")/serve_lib.sh"
@@ -35,6 +36,18 @@ want=$(ask "$AGG_URL" | jq -r '.choices[0].text')
 got=$(ask "$R")
 [ "$(echo "$got" | jq -r '.choices[0].text')" = "$want" ] || fail "through tandem up: $got, want $want"
 [ "$(echo "$got" | jq -r '.kv_transfer_params.kv_load')" = transferred ] || fail "no transfer: $got"
+
+# The engines split the CPUs and lend them to each other while idle (--cpu-board): with
+# the prefill engine idle, the decode engine's steps ran on both CPUs, with the same answer.
+if [ "$(nproc)" -ge 2 ]; then
+    [ "$(grep -c '+lent' "$tmp/up.out")" -eq 2 ] || fail "engines not lending: $(cat "$tmp/up.out")"
+    borrowed=0
+    for u in $(jq -r '.instances[] | select(.name != "router") | .url' "$W/cluster.json"); do
+        n=$(curl -sf "$u/metrics" | awk '/^tandem_cpu_borrowed_runs_total/ {print int($2)}')
+        borrowed=$((borrowed + ${n:-0}))
+    done
+    [ "$borrowed" -gt 0 ] || fail "no engine borrowed an idle CPU"
+fi
 
 # Every instance listens below the ephemeral port range, where no outgoing connection can
 # take its port while it is down (so its restart below can bind it again).

@@ -1,5 +1,6 @@
 /* Unit tests for util/pool.c: every thread runs once per run, many tiny runs in a row,
- * the barrier, sleeping workers waking up, and pinning. */
+ * the barrier, sleeping workers waking up, pinning, guest threads switched on and off,
+ * and CPU lists. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -242,6 +243,132 @@ static void test_pins_each_new_runner(void **state)
     td_pool_free(pool);
 }
 
+/* Guests: a run sees only the active threads, numbered 0..nth-1, each once. */
+typedef struct {
+    td_pool *pool;
+    bool on[4];
+    int n_guests;
+    uint32_t rng;
+    int toggles;
+} guest_hook;
+
+static void toggle_hook(void *ctx)
+{
+    guest_hook *h = ctx;
+    h->rng = h->rng * 1664525u + 1013904223u;
+    if ((h->rng >> 28) < 6) return; /* most runs keep the set */
+    int k = (int)(h->rng >> 8) % h->n_guests;
+    h->on[k] = !h->on[k];
+    h->toggles++;
+    td_pool_set_guests(h->pool, h->on);
+}
+
+static int allowed_cpus(int *cpus, int n)
+{
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    assert_int_equal(sched_getaffinity(0, sizeof(set), &set), 0);
+    int k = 0, all[CPU_SETSIZE];
+    for (int c = 0; c < CPU_SETSIZE; c++)
+        if (CPU_ISSET(c, &set)) all[k++] = c;
+    for (int i = 0; i < n; i++)
+        cpus[i] = all[i % k]; /* wraps: shares CPUs when few */
+    return k;
+}
+
+static void check_active_run(td_pool *pool, int expect_nth, int r)
+{
+    count_job job;
+    memset(&job, 0, sizeof(job));
+    job.n = 777 + r % 5;
+    for (int i = 0; i < 16; i++)
+        job.nth_seen[i] = -1;
+    td_pool_run(pool, count_fn, &job);
+    int nth = td_pool_active(pool);
+    if (expect_nth > 0) assert_int_equal(nth, expect_nth);
+    for (int i = 0; i < 16; i++) {
+        int want = i < nth ? 1 : 0;
+        if (atomic_load(&job.hits[i]) != want)
+            fail_msg("run %d (%d active): rank %d ran %d times", r, nth, i, job.hits[i]);
+        if (want) assert_int_equal(job.nth_seen[i], nth);
+    }
+    assert_true(atomic_load(&job.sum) == job.n * (job.n - 1) / 2);
+}
+
+static void test_guests(void **state)
+{
+    (void)state;
+    int cpus[5];
+    allowed_cpus(cpus, 5);
+    td_pool *pool;
+    td_err err;
+    assert_int_equal(td_pool_create_on(&pool, cpus, 5, 2, &err), 0);
+    assert_int_equal(td_pool_size(pool), 5);
+    assert_int_equal(td_pool_guests(pool), 3);
+    assert_int_equal(td_pool_guest_cpu(pool, 0), cpus[2]);
+    cpu_set_t home;
+    assert_int_equal(td_pool_cpus(pool, &home) > 0, true); /* the home threads' CPUs only */
+    assert_true(CPU_ISSET(cpus[0], &home) && CPU_ISSET(cpus[1], &home));
+    /* guests start off */
+    for (int r = 0; r < 200; r++)
+        check_active_run(pool, 2, r);
+    bool on[3] = {false, true, true};
+    td_pool_set_guests(pool, on);
+    for (int r = 0; r < 200; r++)
+        check_active_run(pool, 4, r);
+    /* off, then on again after they went to sleep */
+    bool off[3] = {false, false, false};
+    td_pool_set_guests(pool, off);
+    check_active_run(pool, 2, 0);
+    usleep(300 * 1000);
+    bool all[3] = {true, true, true};
+    td_pool_set_guests(pool, all);
+    check_active_run(pool, 5, 0);
+    /* on and off again with no run between */
+    td_pool_set_guests(pool, off);
+    td_pool_set_guests(pool, all);
+    td_pool_set_guests(pool, on);
+    for (int r = 0; r < 50; r++)
+        check_active_run(pool, 4, r);
+    /* switched from the before-run hook, at random, over many tiny runs */
+    guest_hook h = {.pool = pool, .n_guests = 3, .rng = 12345};
+    memcpy(h.on, on, sizeof(on));
+    td_pool_set_hook(pool, toggle_hook, &h);
+    for (int r = 0; r < 20000; r++)
+        check_active_run(pool, 0, r);
+    assert_true(h.toggles > 1000);
+    /* the barrier counts the active threads */
+    for (int r = 0; r < 300; r++) {
+        barrier_job job;
+        memset(&job, 0, sizeof(job));
+        job.pool = pool;
+        td_pool_run(pool, barrier_fn, &job);
+        assert_int_equal(atomic_load(&job.errors), 0);
+    }
+    td_pool_free(pool); /* sleeping and spinning guests alike must stop */
+
+    assert_int_equal(td_pool_create_on(&pool, cpus, 2, 0, &err), TD_EINVAL);
+    assert_int_equal(td_pool_create_on(&pool, cpus, 2, 3, &err), TD_EINVAL);
+    int bad[2] = {0, -1};
+    assert_int_equal(td_pool_create_on(&pool, bad, 2, 1, &err), TD_EINVAL);
+    assert_null(pool);
+}
+
+static void test_cpu_list(void **state)
+{
+    (void)state;
+    cpu_set_t s;
+    assert_int_equal(td_parse_cpu_list("0-3,8,10-11", &s), 0);
+    assert_int_equal(CPU_COUNT(&s), 7);
+    assert_true(CPU_ISSET(3, &s) && CPU_ISSET(8, &s) && CPU_ISSET(11, &s) && !CPU_ISSET(9, &s));
+    assert_int_equal(td_parse_cpu_list("5", &s), 0);
+    assert_int_equal(CPU_COUNT(&s), 1);
+    const char *bad[] = {"", "a", "1-", "-1", "3-1", "1,,2", "1,", "0-99999", "1 2", "2-x"};
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++)
+        if (td_parse_cpu_list(bad[i], &s) != TD_EINVAL) fail_msg("accepted '%s'", bad[i]);
+    assert_int_equal(td_parse_cpu_list(NULL, &s), TD_EINVAL);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -251,6 +378,8 @@ int main(void)
         cmocka_unit_test(test_null_pool_and_errors),
         cmocka_unit_test(test_pins_the_running_thread),
         cmocka_unit_test(test_pins_each_new_runner),
+        cmocka_unit_test(test_guests),
+        cmocka_unit_test(test_cpu_list),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

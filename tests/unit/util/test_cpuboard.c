@@ -1,0 +1,209 @@
+/* Unit tests for util/cpuboard.c: two real processes share a board file. The owner lends
+ * its CPU while idle and gets it back when it turns busy; a borrower that dies holding a
+ * CPU does not keep it; a file that is not a board is refused. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <cmocka.h>
+
+#include <fcntl.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "util/cpuboard.h"
+
+static char board_path[64];
+
+static int setup(void **state)
+{
+    (void)state;
+    snprintf(board_path, sizeof(board_path), "/tmp/td-cpuboard-test-%d", (int)getpid());
+    unlink(board_path);
+    return 0;
+}
+
+static int teardown(void **state)
+{
+    (void)state;
+    unlink(board_path);
+    return 0;
+}
+
+static cpu_set_t one_cpu(int c)
+{
+    cpu_set_t s;
+    CPU_ZERO(&s);
+    CPU_SET(c, &s);
+    return s;
+}
+
+static void send_byte(int fd, char c)
+{
+    assert_int_equal(write(fd, &c, 1), 1);
+}
+
+static char recv_byte(int fd)
+{
+    char c = 0;
+    assert_int_equal(read(fd, &c, 1), 1);
+    return c;
+}
+
+/*
+ * The child owns CPU 7 and the parent borrows it. Steps (the pipes keep them in order):
+ * busy owner: no borrowing; idle owner: borrowed; the owner turns busy: it waits until the
+ * parent, seeing it wanted, gives it back.
+ */
+static void test_lend_and_reclaim(void **state)
+{
+    (void)state;
+    int to_child[2], to_parent[2];
+    assert_int_equal(pipe(to_child), 0);
+    assert_int_equal(pipe(to_parent), 0);
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        cpu_set_t home = one_cpu(7);
+        td_cpuboard *b;
+        td_err err;
+        if (td_cpuboard_open(&b, board_path, &home, &err)) _exit(10);
+        td_cpuboard_set_busy(b, true);
+        send_byte(to_parent[1], 'B'); /* busy */
+        recv_byte(to_child[0]);
+        td_cpuboard_set_busy(b, false);
+        send_byte(to_parent[1], 'I'); /* idle */
+        recv_byte(to_child[0]);       /* the parent holds the CPU now */
+        uint64_t t0 = td_now_ns();
+        uint64_t waited = td_cpuboard_set_busy(b, true); /* until the parent gives it back */
+        uint64_t took = td_now_ns() - t0;
+        send_byte(to_parent[1], 'R');
+        /* the parent gives it back 50 ms after it sees the owner busy */
+        if (waited < 30000000ull || took < 30000000ull || took >= TD_CPUBOARD_WAIT_NS) _exit(11);
+        td_cpuboard_close(b);
+        _exit(0);
+    }
+    cpu_set_t mine = one_cpu(3);
+    td_cpuboard *b;
+    td_err err;
+    assert_int_equal(recv_byte(to_parent[0]), 'B');
+    assert_int_equal(td_cpuboard_open(&b, board_path, &mine, &err), 0);
+    assert_false(td_cpuboard_borrow(b, 7)); /* its owner is busy */
+    assert_false(td_cpuboard_borrow(b, 3)); /* one's own CPU is never borrowed */
+    send_byte(to_child[1], 'g');
+    assert_int_equal(recv_byte(to_parent[0]), 'I');
+    assert_true(td_cpuboard_borrow(b, 7));
+    assert_false(td_cpuboard_wanted(b, 7));
+    send_byte(to_child[1], 'g');
+    while (!td_cpuboard_wanted(b, 7))
+        usleep(1000); /* the owner wants it back */
+    usleep(50 * 1000);
+    td_cpuboard_give_back(b, 7);
+    assert_int_equal(recv_byte(to_parent[0]), 'R');
+    int st;
+    assert_int_equal(waitpid(pid, &st, 0), pid);
+    assert_true(WIFEXITED(st));
+    assert_int_equal(WEXITSTATUS(st), 0);
+    /* the owner closed: the CPU is unowned and idle, so free to borrow */
+    assert_true(td_cpuboard_borrow(b, 7));
+    td_cpuboard_close(b);
+    close(to_child[0]), close(to_child[1]), close(to_parent[0]), close(to_parent[1]);
+}
+
+/* A borrower killed while it holds the CPU: the owner turning busy finds it gone and does
+ * not wait out the bound. */
+static void test_dead_borrower(void **state)
+{
+    (void)state;
+    cpu_set_t home = one_cpu(5);
+    td_cpuboard *b;
+    td_err err;
+    assert_int_equal(td_cpuboard_open(&b, board_path, &home, &err), 0);
+    int p[2];
+    assert_int_equal(pipe(p), 0);
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        cpu_set_t other = one_cpu(6);
+        td_cpuboard *c;
+        if (td_cpuboard_open(&c, board_path, &other, &err) || !td_cpuboard_borrow(c, 5)) _exit(10);
+        send_byte(p[1], 'H');
+        pause(); /* killed holding CPU 5 */
+        _exit(0);
+    }
+    assert_int_equal(recv_byte(p[0]), 'H');
+    kill(pid, SIGKILL);
+    int st;
+    assert_int_equal(waitpid(pid, &st, 0), pid);
+    uint64_t t0 = td_now_ns();
+    td_cpuboard_set_busy(b, true);
+    assert_true(td_now_ns() - t0 < TD_CPUBOARD_WAIT_NS / 2);
+    td_cpuboard_close(b);
+    close(p[0]), close(p[1]);
+}
+
+/* A borrower that never gives the CPU back (alive, but stuck): the owner runs anyway
+ * after the bound. */
+static void test_wait_is_bounded(void **state)
+{
+    (void)state;
+    cpu_set_t home = one_cpu(9);
+    td_cpuboard *b;
+    td_err err;
+    assert_int_equal(td_cpuboard_open(&b, board_path, &home, &err), 0);
+    int p[2];
+    assert_int_equal(pipe(p), 0);
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        cpu_set_t other = one_cpu(10);
+        td_cpuboard *c;
+        if (td_cpuboard_open(&c, board_path, &other, &err) || !td_cpuboard_borrow(c, 9)) _exit(10);
+        send_byte(p[1], 'H');
+        pause();
+        _exit(0);
+    }
+    assert_int_equal(recv_byte(p[0]), 'H');
+    uint64_t waited = td_cpuboard_set_busy(b, true);
+    assert_true(waited >= TD_CPUBOARD_WAIT_NS);
+    assert_true(waited < 3 * TD_CPUBOARD_WAIT_NS);
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+    td_cpuboard_close(b);
+    close(p[0]), close(p[1]);
+}
+
+static void test_not_a_board(void **state)
+{
+    (void)state;
+    cpu_set_t home = one_cpu(0);
+    td_cpuboard *b = (td_cpuboard *)1;
+    td_err err;
+    int fd = open(board_path, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    assert_true(fd >= 0);
+    assert_int_equal(write(fd, "garbage\n", 8), 8);
+    close(fd);
+    assert_int_equal(td_cpuboard_open(&b, board_path, &home, &err), TD_EFORMAT);
+    assert_null(b);
+    assert_non_null(strstr(err.msg, "not a tandem CPU board"));
+    /* the right size, the wrong header */
+    assert_int_equal(truncate(board_path, 64 + CPU_SETSIZE * 64), 0);
+    assert_int_equal(td_cpuboard_open(&b, board_path, &home, &err), TD_EFORMAT);
+    assert_non_null(strstr(err.msg, "bad header"));
+    assert_int_equal(td_cpuboard_open(&b, "/nonexistent-dir/board", &home, &err), TD_EIO);
+    unlink(board_path);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_setup_teardown(test_lend_and_reclaim, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_dead_borrower, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_wait_is_bounded, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_not_a_board, setup, teardown),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
