@@ -290,14 +290,15 @@ static void task_block_crc(void *ctx, int ith, int nth)
 static int att_heads(const fwd_ctx *f, int n_rows)
 {
     int n_head = f->model->shape.n_head;
+    int nt = td_pool_active(f->pool); /* this run's threads (borrowed CPUs come and go) */
     /* A lone thread has nothing to balance: whole rows read the cache in order. */
-    int chunks = f->n_threads == 1 ? 1 : TD_MIN(n_head, (4 * f->n_threads + n_rows - 1) / n_rows);
+    int chunks = nt == 1 ? 1 : TD_MIN(n_head, (4 * nt + n_rows - 1) / n_rows);
     /* A decode row walks the cache row by row only when its item covers half a row or
      * more (task_attention). Where half a row is big enough for that, and two items per
      * row still give every thread one, they read in address order and beat more,
      * narrower items that read it strided: at batch 1 with 2 threads, attention took 18%
      * of a step in 2-head items. */
-    if (chunks > 2 && 2 * n_rows >= f->n_threads && f->kv->token_bytes / 2 >= ATT_ROW_MIN_BYTES)
+    if (chunks > 2 && 2 * n_rows >= nt && f->kv->token_bytes / 2 >= ATT_ROW_MIN_BYTES)
         chunks = 2;
     chunks = TD_MAX(chunks, (n_head + ATT_MAX_HEADS - 1) / ATT_MAX_HEADS);
     return (n_head + chunks - 1) / chunks;
@@ -483,7 +484,6 @@ static void att_rows(const att_env *e, float *sc, int t0, int nr, int h0, int h1
 
 static void task_attention(void *ctx, int ith, int nth)
 {
-    (void)nth;
     task *tk = ctx;
     fwd_ctx *f = tk->f;
     const td_model_shape *s = &f->model->shape;
@@ -512,7 +512,7 @@ static void task_attention(void *ctx, int ith, int nth)
         chunks_in = tk->b->seq[r] == tk->b->seq[rn];
     }
     const int G =
-        chunks_in && tk->n_rows >= 8 * f->n_threads && score_heads(f->model) >= ATT_TILE_ROWS
+        chunks_in && tk->n_rows >= 8 * nth && score_heads(f->model) >= ATT_TILE_ROWS
             ? ATT_TILE_ROWS
             : 1;
     const int n_groups = (tk->n_rows + G - 1) / G;

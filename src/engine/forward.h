@@ -35,7 +35,7 @@ typedef struct fwd_ctx {
     const td_model *model;
     kv_pool *kv;
     td_pool *pool;
-    int max_tokens, max_logits, max_ctx, n_threads;
+    int max_tokens, max_logits, max_ctx, n_threads; /* n_threads: the pool's, guests included */
     /* Workspace, planned at start-up for max_tokens rows (shapes per row): */
     float *x;      /* [max_tokens][n_embd] residual stream */
     float *xb;     /* [max_tokens][n_embd] normed input of a sub-layer */
