@@ -168,9 +168,47 @@ INLINE int32_t quant_block(const float *x, int8_t *q, uint16_t *dh)
     return _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
 }
 
+/* Sixteen q8_0 blocks at once, exactly as quant_block does each: the scales' division
+ * and the reductions run on vectors rather than once per block. */
+INLINE void quant_x16(const float *x, int offset, int8_t *xq, float *xd, int32_t *xc)
+{
+    __m512 am[16];
+#pragma GCC unroll 16
+    for (int b = 0; b < 16; b++) {
+        __m512 a = _mm512_loadu_ps(x + 32 * b), c = _mm512_loadu_ps(x + 32 * b + 16);
+        __m512 m = _mm512_max_ps(_mm512_abs_ps(a), _mm512_setzero_ps());
+        am[b] = _mm512_max_ps(_mm512_abs_ps(c), m);
+    }
+    __m512 amax = reduce16_op(R16_MAX, am);
+    __m512 d = _mm512_div_ps(amax, _mm512_set1_ps(127.0f));
+    __mmask16 nz = _mm512_cmp_ps_mask(d, _mm512_setzero_ps(), _CMP_NEQ_UQ);
+    __m512 id = _mm512_maskz_div_ps(nz, _mm512_set1_ps(1.0f), d);
+    __m256i dh = _mm512_cvtps_ph(d, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm512_storeu_ps(xd, _mm512_cvtph_ps(dh));
+    float ids[16];
+    _mm512_storeu_ps(ids, id);
+    __m512 sums[16];
+#pragma GCC unroll 16
+    for (int b = 0; b < 16; b++) {
+        __m512 vid = _mm512_set1_ps(ids[b]);
+        __m512i qa =
+            _mm512_cvttps_epi32(round_away(_mm512_mul_ps(_mm512_loadu_ps(x + 32 * b), vid)));
+        __m512i qb =
+            _mm512_cvttps_epi32(round_away(_mm512_mul_ps(_mm512_loadu_ps(x + 32 * b + 16), vid)));
+        _mm_storeu_si128((__m128i *)(xq + 32 * b), _mm512_cvtepi32_epi8(qa));
+        _mm_storeu_si128((__m128i *)(xq + 32 * b + 16), _mm512_cvtepi32_epi8(qb));
+        sums[b] = _mm512_castsi512_ps(_mm512_add_epi32(qa, qb));
+    }
+    __m512i sum = _mm512_castps_si512(reduce16_op(R16_ADD_I32, sums));
+    _mm512_storeu_si512(xc, _mm512_mullo_epi32(sum, _mm512_set1_epi32(-offset)));
+}
+
 static void quant_x(const float *x, int K, int offset, int8_t *xq, float *xd, int32_t *xc)
 {
-    for (int b = 0; b < K / 32; b++) {
+    int b = 0;
+    for (; b + 16 <= K / 32; b += 16)
+        quant_x16(x + b * 32, offset, xq + b * 32, xd + b, xc + b);
+    for (; b < K / 32; b++) {
         uint16_t dh;
         int32_t sum = quant_block(x + b * 32, xq + b * 32, &dh);
         xd[b] = _cvtsh_ss(dh);

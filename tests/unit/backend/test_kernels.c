@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "backend/cpu/cpu.h"
+#include "backend/cpu/cpu_impl.h"
 #include "util/pool.h"
 
 static const double U = 1.0 / 16777216.0;
@@ -39,6 +40,18 @@ static cpu_isa best_isa;
 /* Run the body once per ISA the CPU supports; the last pass leaves the best one set. */
 #define FOR_EACH_ISA(isa)                                                                          \
     for (int isa = 0; isa <= (int)best_isa && cpu_set_isa((cpu_isa)isa) == 0; isa++)
+
+/* The kernel tables of the ISAs this CPU runs (the generic one first). */
+static int isa_tables(const cpu__kernels **out)
+{
+    int n = 0;
+    out[n++] = &cpu__generic;
+#if defined(__x86_64__)
+    if (best_isa >= CPU_ISA_AVX2) out[n++] = &cpu__avx2;
+    if (best_isa >= CPU_ISA_AVX512) out[n++] = &cpu__avx512;
+#endif
+    return n;
+}
 
 /* ---- conversions ------------------------------------------------------------------ */
 
@@ -323,6 +336,65 @@ static void run_matmul(td_pool *pool, const weights *w, float *y, int64_t ldy, c
 
 static const td_type all_types[] = {TD_TYPE_F32, TD_TYPE_F16, TD_TYPE_BF16, TD_TYPE_Q8_0,
                                     TD_TYPE_Q4_0};
+
+/*
+ * The activations' q8_0 quantization of every ISA (the int8 matmuls' x) equals the plain
+ * C one bit for bit: quantized values, fp16 scales and the offset sums, for row lengths
+ * around the 16-block groups of the AVX-512 version, with an all-zero block, subnormal
+ * and huge values, and halfway cases (x * 127 / amax landing on k + 0.5).
+ */
+static void test_quant_x_exact(void **state)
+{
+    (void)state;
+    td_rng rng;
+    td_rng_seed(&rng, 11);
+    const cpu__kernels *k[3];
+    int nk = isa_tables(k);
+    static const int Ks[] = {32, 64, 480, 512, 544, 768, 1056, 2048};
+    enum { KMAX = 2048 };
+    float *x = td_xmalloc(sizeof(float) * KMAX);
+    int8_t q0[KMAX], q1[KMAX];
+    float d0[KMAX / 32], d1[KMAX / 32];
+    int32_t c0[KMAX / 32], c1[KMAX / 32];
+    for (size_t ki = 0; ki < TD_ARRAY_LEN(Ks); ki++) {
+        int K = Ks[ki];
+        for (int round = 0; round < 40; round++) {
+            for (int i = 0; i < K; i++)
+                x[i] = (2.0f * td_rng_float(&rng) - 1.0f) * 4.0f;
+            int b = (int)(td_rng_float(&rng) * (float)(K / 32));
+            switch (round % 5) {
+            case 1:
+                memset(x + b * 32, 0, 32 * sizeof(float));
+                break;
+            case 2: /* tiny, some subnormal (1/d stays finite: the reference casts it) */
+                for (int j = 0; j < 32; j++)
+                    x[b * 32 + j] *= j % 4 ? 1e-30f : 1e-40f;
+                break;
+            case 3:
+                for (int j = 0; j < 32; j++)
+                    x[b * 32 + j] *= 1e30f;
+                break;
+            case 4: /* amax 127: x * id = x, so these are exact halves */
+                for (int j = 0; j < 32; j++)
+                    x[b * 32 + j] = (float)(j - 16) + 0.5f;
+                x[b * 32 + 31] = -127.0f;
+                break;
+            }
+            for (int offset = 0; offset <= 128; offset += 120) {
+                cpu__quant_x_ref(x, K, offset, q0, d0, c0);
+                for (int t = 1; t < nk; t++) {
+                    memset(q1, 0x55, sizeof(q1));
+                    k[t]->quant_x(x, K, offset, q1, d1, c1);
+                    if (memcmp(q0, q1, (size_t)K) || memcmp(d0, d1, sizeof(float) * (K / 32)) ||
+                        memcmp(c0, c1, sizeof(int32_t) * (K / 32)))
+                        fail_msg("quant_x of table %d differs from the reference: K=%d round %d", t,
+                                 K, round);
+                }
+            }
+        }
+    }
+    free(x);
+}
 
 static void test_matmul_accuracy(void **state)
 {
@@ -833,6 +905,7 @@ int main(void)
         cmocka_unit_test(test_narrowing_patterns),
         cmocka_unit_test(test_fp8_exhaustive),
         cmocka_unit_test(test_block_quant),
+        cmocka_unit_test(test_quant_x_exact),
         cmocka_unit_test(test_matmul_accuracy),
         cmocka_unit_test(test_matmul_batch_invariance),
         cmocka_unit_test(test_matmul_multi),
