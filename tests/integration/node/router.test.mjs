@@ -4,12 +4,14 @@
 // openai client, SSE framing and [DONE] intact) and not. Then the failures: a prefill
 // killed (the other one takes over), the only decode killed (a clear 5xx), a hung
 // prefill (SIGSTOP: 504 within the timeout), a client that hangs up (both engines free
-// their blocks), bad requests (the engines' error shapes), a wrong API key (401), and
-// workers added, removed and restarted at run time. Started by test_router.sh.
+// their blocks), bad requests (the engines' error shapes), a wrong API key (401),
+// workers added, removed and restarted at run time, and processes out of descriptors
+// (accepting again; an engine's heartbeats resuming). Started by test_router.sh.
 // No test asserts on timing: deadlines only bound waits for state that must arrive.
 import { test, after } from 'node:test';
 import { metrics, until, startTandem, refText, freePort } from './lib.mjs';
 import assert from 'node:assert/strict';
+import { execFileSync } from 'node:child_process';
 import http from 'node:http';
 import net from 'node:net';
 import OpenAI from 'openai';
@@ -535,6 +537,32 @@ test('out of descriptors, the router and an engine pause accepting, keep their s
     const code = await new Promise((ok) => { p.proc.on('exit', (c) => ok(c)); p.proc.kill('SIGTERM'); });
     assert.equal(code, 0, p.stderr().slice(-2000));
   }
+});
+
+test('an engine out of descriptors while its router restarts registers again once both are back', async () => {
+  // The router on a fixed port, so that a new one can take over at the same address.
+  const port = await freePort();
+  const routerOn = () => start(['router', '--host', '127.0.0.1', '--port', String(port), '--log-level', 'warn',
+    '--pd-disaggregation', '--health-check-interval-secs', '0.2']);
+  let r = await routerOn();
+  const d = await serve({ kv_role: 'kv_consumer', proxy_ip: '127.0.0.1', proxy_ping_port: port });
+  const registered = async () => (await workers(r.url)).some((w) => w.url === d.url);
+  await until(registered, 'the decode engine registered');
+  // No descriptor left for the engine (a limit of 3: every new socket fails with EMFILE),
+  // then the router goes away: the engine's next heartbeat needs a new connection and
+  // fails inside evhttp_make_request, which answers it before returning.
+  const pid = String(d.proc.pid);
+  const [soft, hard] = execFileSync('prlimit', ['--pid', pid, '--nofile', '--raw', '--noheadings',
+    '--output=SOFT,HARD']).toString().trim().split(/\s+/);
+  execFileSync('prlimit', ['--pid', pid, '--nofile=3:' + hard]);
+  await new Promise((ok) => { r.proc.on('exit', ok); r.proc.kill('SIGKILL'); });
+  await until(async () => d.stderr().includes('cannot register with the router'), 'a heartbeat failed', 15000);
+  // Descriptors back and a router at the same address: the heartbeats go on (a registrar
+  // left waiting for that failed request's answer would never send another).
+  execFileSync('prlimit', ['--pid', pid, `--nofile=${soft}:${hard}`]);
+  r = await routerOn();
+  await until(registered, 'the decode engine registered again', 20000);
+  for (const p of [r, d]) p.proc.kill('SIGKILL');
 });
 
 test('every engine is idle at the end, and the routers shut down cleanly', async () => {
