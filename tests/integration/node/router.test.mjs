@@ -565,6 +565,45 @@ test('an engine out of descriptors while its router restarts registers again onc
   for (const p of [r, d]) p.proc.kill('SIGKILL');
 });
 
+test('a router out of descriptors fails the requests it cannot send without blaming the worker', async () => {
+  // One failure would open the breaker for a minute; health checks stay out of the way.
+  const e = await serve(null);
+  const r = await router(['--worker', e.url, '--cb-failure-threshold', '1', '--cb-timeout-duration-secs', '60',
+    '--health-check-interval-secs', '60', '--retry-max-retries', '1']);
+  await until(async () => (await fetch(r.url + '/health')).status === 200, 'the router healthy');
+  // Four client connections, accepted while the router still had descriptors.
+  const socks = await Promise.all([0, 1, 2, 3].map(() => new Promise((ok, bad) => {
+    const c = net.connect(r.port, '127.0.0.1', () => ok(c));
+    c.on('error', bad);
+  })));
+  await new Promise((ok) => setTimeout(ok, 500));
+  const pid = String(r.proc.pid);
+  const [soft, hard] = execFileSync('prlimit', ['--pid', pid, '--nofile', '--raw', '--noheadings',
+    '--output=SOFT,HARD']).toString().trim().split(/\s+/);
+  execFileSync('prlimit', ['--pid', pid, '--nofile=3:' + hard]);
+  // Four at once: at most one finds an idle pooled connection to the engine; the others
+  // need a new socket, which fails inside evhttp_make_request.
+  const body = JSON.stringify({ prompt: [1, 306], ...GEN });
+  const answers = await Promise.all(socks.map((c) => new Promise((ok) => {
+    let text = '';
+    c.on('data', (d) => { text += d; });
+    c.on('close', () => ok(text));
+    c.write(`POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n` +
+      `Connection: close\r\nContent-Length: ${body.length}\r\n\r\n${body}`);
+  })));
+  execFileSync('prlimit', ['--pid', pid, `--nofile=${soft}:${hard}`]);
+  const refused = answers.filter((a) => /^HTTP\/1\.1 5\d\d/.test(a) && a.includes('cannot send the request'));
+  assert.ok(refused.length >= 1, `no request failed for want of a descriptor: ${answers.map((a) => a.slice(0, 60))}`);
+  // Not the engine's fault: its breaker is closed and the next request is served.
+  const w = (await workers(r.url)).find((x) => x.url === e.url);
+  assert.equal(w.circuit_breaker, 'closed');
+  const res = await post(r.url, '/v1/completions', { prompt: [1, 306], ...GEN });
+  assert.equal(res.status, 200, res.text);
+  const direct = await post(e.url, '/v1/completions', { prompt: [1, 306], ...GEN });
+  assert.equal(res.json.choices[0].text, direct.json.choices[0].text);
+  for (const p of [r, e]) p.proc.kill('SIGKILL');
+});
+
 test('every engine is idle at the end, and the routers shut down cleanly', async () => {
   for (const e of [P1, P2, D1, D2, PW]) await idle(e.url, e.url);
   for (const r of [R1, R2, RA, RW]) {
