@@ -113,28 +113,38 @@ static void test_lend_and_reclaim(void **state)
     close(to_child[0]), close(to_child[1]), close(to_parent[0]), close(to_parent[1]);
 }
 
-/* A borrower killed while it holds the CPU: the owner turning busy finds it gone and does
- * not wait out the bound. */
-static void test_dead_borrower(void **state)
+/* Open the board as the owner of CPU `own`, then fork a process that borrows it and then
+ * waits to be killed; returns the child's pid once it holds the CPU. */
+static pid_t own_and_lend(int own, td_cpuboard **b)
 {
-    (void)state;
-    cpu_set_t home = one_cpu(5);
-    td_cpuboard *b;
+    cpu_set_t home = one_cpu(own);
     td_err err;
-    assert_int_equal(td_cpuboard_open(&b, board_path, &home, &err), 0);
+    assert_int_equal(td_cpuboard_open(b, board_path, &home, &err), 0);
     int p[2];
     assert_int_equal(pipe(p), 0);
     pid_t pid = fork();
     assert_true(pid >= 0);
     if (pid == 0) {
-        cpu_set_t other = one_cpu(6);
+        cpu_set_t other = one_cpu(own + 1);
         td_cpuboard *c;
-        if (td_cpuboard_open(&c, board_path, &other, &err) || !td_cpuboard_borrow(c, 5)) _exit(10);
+        if (td_cpuboard_open(&c, board_path, &other, &err) || !td_cpuboard_borrow(c, own))
+            _exit(10);
         send_byte(p[1], 'H');
-        pause(); /* killed holding CPU 5 */
+        pause(); /* killed holding the CPU */
         _exit(0);
     }
     assert_int_equal(recv_byte(p[0]), 'H');
+    close(p[0]), close(p[1]);
+    return pid;
+}
+
+/* A borrower killed while it holds the CPU: the owner turning busy finds it gone and does
+ * not wait out the bound. */
+static void test_dead_borrower(void **state)
+{
+    (void)state;
+    td_cpuboard *b;
+    pid_t pid = own_and_lend(5, &b);
     kill(pid, SIGKILL);
     int st;
     assert_int_equal(waitpid(pid, &st, 0), pid);
@@ -142,7 +152,6 @@ static void test_dead_borrower(void **state)
     td_cpuboard_set_busy(b, true);
     assert_true(td_now_ns() - t0 < TD_CPUBOARD_WAIT_NS / 2);
     td_cpuboard_close(b);
-    close(p[0]), close(p[1]);
 }
 
 /* A borrower that never gives the CPU back (alive, but stuck): the owner runs anyway
@@ -150,30 +159,14 @@ static void test_dead_borrower(void **state)
 static void test_wait_is_bounded(void **state)
 {
     (void)state;
-    cpu_set_t home = one_cpu(9);
     td_cpuboard *b;
-    td_err err;
-    assert_int_equal(td_cpuboard_open(&b, board_path, &home, &err), 0);
-    int p[2];
-    assert_int_equal(pipe(p), 0);
-    pid_t pid = fork();
-    assert_true(pid >= 0);
-    if (pid == 0) {
-        cpu_set_t other = one_cpu(10);
-        td_cpuboard *c;
-        if (td_cpuboard_open(&c, board_path, &other, &err) || !td_cpuboard_borrow(c, 9)) _exit(10);
-        send_byte(p[1], 'H');
-        pause();
-        _exit(0);
-    }
-    assert_int_equal(recv_byte(p[0]), 'H');
+    pid_t pid = own_and_lend(9, &b);
     uint64_t waited = td_cpuboard_set_busy(b, true);
     assert_true(waited >= TD_CPUBOARD_WAIT_NS);
     assert_true(waited < 3 * TD_CPUBOARD_WAIT_NS);
     kill(pid, SIGKILL);
     waitpid(pid, NULL, 0);
     td_cpuboard_close(b);
-    close(p[0]), close(p[1]);
 }
 
 static void test_not_a_board(void **state)

@@ -99,19 +99,24 @@ static void barrier_fn(void *ctx, int ith, int nth)
     }
 }
 
+static void check_barrier_runs(td_pool *pool, int runs)
+{
+    for (int r = 0; r < runs; r++) {
+        barrier_job job;
+        memset(&job, 0, sizeof(job));
+        job.pool = pool;
+        td_pool_run(pool, barrier_fn, &job);
+        assert_int_equal(atomic_load(&job.errors), 0);
+    }
+}
+
 static void test_barrier(void **state)
 {
     (void)state;
     for (int n = 1; n <= 3; n++) {
         td_pool *pool;
         assert_int_equal(td_pool_create(&pool, n, false, NULL), 0);
-        for (int r = 0; r < 300; r++) {
-            barrier_job job;
-            memset(&job, 0, sizeof(job));
-            job.pool = pool;
-            td_pool_run(pool, barrier_fn, &job);
-            assert_int_equal(atomic_load(&job.errors), 0);
-        }
+        check_barrier_runs(pool, 300);
         td_pool_free(pool);
     }
 }
@@ -337,14 +342,7 @@ static void test_guests(void **state)
     for (int r = 0; r < 20000; r++)
         check_active_run(pool, 0, r);
     assert_true(h.toggles > 1000);
-    /* the barrier counts the active threads */
-    for (int r = 0; r < 300; r++) {
-        barrier_job job;
-        memset(&job, 0, sizeof(job));
-        job.pool = pool;
-        td_pool_run(pool, barrier_fn, &job);
-        assert_int_equal(atomic_load(&job.errors), 0);
-    }
+    check_barrier_runs(pool, 300); /* the barrier counts the active threads */
     td_pool_free(pool); /* sleeping and spinning guests alike must stop */
 
     assert_int_equal(td_pool_create_on(&pool, cpus, 2, 0, &err), TD_EINVAL);
