@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # `tandem up`: a 1P1D cluster from one command answers through its router; its engines
-# lend each other their CPUs while idle; an engine killed is restarted and back behind the
+# lend each other their CPUs while idle (not with --no-lend-cpus); an engine killed is
+# restarted and back behind the
 # router; --status reports; SIGTERM stops every
 # process (no orphans) and removes the state file. Bad flags are usage errors.
 set -euo pipefail
@@ -85,6 +86,23 @@ for p in $pids; do
 done
 [ ! -f "$W/cluster.json" ] || fail "the state file is still there"
 [ -s "$W/prefill-0.log" ] && [ -f "$W/router.log" ] || fail "per-instance logs missing"
+
+# --no-lend-cpus: each engine confined to its share, nothing borrowed.
+if [ "$(nproc)" -ge 2 ]; then
+    start_up "$tmp/w2" --no-lend-cpus
+    grep -q '+lent' "$tmp/up.out" && fail "--no-lend-cpus still lends: $(cat "$tmp/up.out")"
+    got=$(ask "$UP_URL")
+    [ "$(echo "$got" | jq -r '.choices[0].text')" = "$want" ] || fail "--no-lend-cpus: $got"
+    for u in $(jq -r '.instances[] | select(.name != "router") | .url' "$tmp/w2/cluster.json"); do
+        n=$(curl -sf "$u/metrics" | awk '/^tandem_cpu_borrowed_runs_total/ {print int($2)}')
+        [ "${n:-0}" -eq 0 ] || fail "$u borrowed with --no-lend-cpus"
+        pid=$(jq -r ".instances[] | select(.url == \"$u\") | .pid" "$tmp/w2/cluster.json")
+        [ "$(taskset -pc "$pid" | sed 's/.*: //')" != "$(taskset -pc $$ | sed 's/.*: //')" ] ||
+            fail "$u is not confined to its share"
+    done
+    kill -TERM "$UP"
+    wait "$UP" || fail "tandem up --no-lend-cpus exited non-zero on SIGTERM"
+fi
 # Several hosts from one config file: host "a" runs the router and the prefill engine,
 # host "b" the decode engine, each under its own `tandem up` (both on loopback here).
 # The router's port: a free one below the ephemeral range (as tandem up picks its own).
