@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # `tandem up`: a 1P1D cluster from one command answers through its router; its engines
 # lend each other their CPUs while idle (not with --no-lend-cpus); an engine killed is
-# restarted and back behind the
-# router; --status reports; SIGTERM stops every
-# process (no orphans) and removes the state file. Bad flags are usage errors.
+# restarted and back behind the router; --status reports; SIGTERM stops every process
+# (no orphans) and removes the state file. Bad flags are usage errors.
 set -euo pipefail
 source "$(dirname "$0")/serve_lib.sh"
 command -v curl >/dev/null || fail "curl is required"
