@@ -7,13 +7,17 @@
 // engine's, token for token. Then every failure: producer killed mid-transfer, consumer
 // gone after the producer answered, connection cut, corrupted bytes, mismatched layouts,
 // a wrong auth token, a guessed transfer id. Each request ends (recomputed, or a clear
-// error under kv_load_failure_policy fail) and no KV block leaks on either side.
+// error under kv_load_failure_policy fail) and no KV block leaks on either side. The main
+// producer and consumer lend each other their CPUs while idle, as under tandem up.
 // No test asserts on timing: deadlines only bound waits for state that must arrive.
 import { test, after } from 'node:test';
 import { metrics, until, freePort } from './lib.mjs';
 import assert from 'node:assert/strict';
-import { spawn } from 'node:child_process';
+import { execFileSync, spawn } from 'node:child_process';
+import fs from 'node:fs';
 import net from 'node:net';
+import os from 'node:os';
+import path from 'node:path';
 import crypto from 'node:crypto';
 
 const BIN = process.env.TD_BIN;
@@ -116,11 +120,26 @@ async function expected(prompt) {
   return want.get(key);
 }
 
+// With two CPUs or more, the producer and the consumer own one each and lend it to the
+// other while idle (--cpus, --cpu-board, as tandem up runs them), so every test below
+// also runs with CPUs changing hands between the parallel runs of a step.
+function lendFlags() {
+  const list = execFileSync('taskset', ['-pc', String(process.pid)]).toString().split(': ')[1].trim();
+  const cpus = list.split(',').flatMap((r) => {
+    const [a, b] = r.split('-').map(Number);
+    return Array.from({ length: (b ?? a) - a + 1 }, (_, i) => a + i);
+  });
+  if (cpus.length < 2) return [[], []];
+  const board = path.join(fs.mkdtempSync(path.join(os.tmpdir(), 'td-pd-')), 'cpu-board');
+  return [0, 1].map((i) => ['--cpus', String(cpus[i]), '--cpu-board', board]);
+}
+const LEND = lendFlags();
+
 test('start the servers', async () => {
   [AGG, PROD, CONS, CONS_FAIL] = await Promise.all([
     serve([]),
-    serve(['--kv-transfer-config', '{"kv_role":"kv_producer","kv_connector":"moriio"}']),
-    serve(['--kv-transfer-config', '{"kv_role":"kv_consumer","transfer_timeout_ms":5000}']),
+    serve(['--kv-transfer-config', '{"kv_role":"kv_producer","kv_connector":"moriio"}', ...LEND[0]]),
+    serve(['--kv-transfer-config', '{"kv_role":"kv_consumer","transfer_timeout_ms":5000}', ...LEND[1]]),
     serve(['--kv-transfer-config', '{"kv_role":"kv_consumer","kv_load_failure_policy":"fail","transfer_timeout_ms":5000}']),
   ]);
   assert.ok(PROD.agentPort > 0);
@@ -155,6 +174,8 @@ test('equivalence: 40 prompts through producer -> consumer, 16 at a time', async
   await noLeaks(CONS.url, 'consumer');
   const pm = await metrics(PROD.url);
   assert.equal(pm.tandem_kv_leases_expired_total, 0);
+  // The producer's first prefills found the consumer idle, waiting for KV: they borrowed.
+  if (LEND[0].length) assert.ok(pm.tandem_cpu_borrowed_runs_total > 0, 'the producer never borrowed');
 });
 
 // The same invariant over the ucx transport (one-sided gets), on UCX's tcp and
