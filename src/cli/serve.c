@@ -11,6 +11,7 @@
 #include <pthread.h>
 #include <sched.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -18,14 +19,18 @@
 #include "cli/engine_opts.h"
 #include "kvx/kvx.h"
 #include "server/server.h"
+#include "util/pool.h"
 
 /*
  * The data-parallel ranks' engines. With more than one, the CPUs this process may use are
  * split evenly between them (a rank's compute threads are pinned inside its share, as
- * `tandem up` splits them between processes), and --threads is the total.
+ * `tandem up` splits them between processes), and --threads is the total. Unless told not
+ * to (or the ranks step together, with expert parallelism), the ranks lend each other
+ * their shares while idle through a CPU board of their own (engine.h, cpu_board): a lone
+ * request then runs on every CPU, not on its rank's share.
  */
 static int create_ranks(td_engine **engines, cpu_set_t *cpus, int n, const td_engine_config *base,
-                        td_ep_group *ep, td_err *err)
+                        td_ep_group *ep, bool lend, td_err *err)
 {
     if (n == 1) return td_engine_create(&engines[0], base, err);
     cpu_set_t all;
@@ -33,6 +38,23 @@ static int create_ranks(td_engine **engines, cpu_set_t *cpus, int n, const td_en
     bool pin = sched_getaffinity(0, sizeof(all), &all) == 0;
     int ncpu = pin ? CPU_COUNT(&all) : (int)sysconf(_SC_NPROCESSORS_ONLN);
     if (ncpu < 1) ncpu = 1;
+    /* Each rank's own CPUs (--cpus) and the board; a board that cannot be made (no
+     * writable temporary directory) leaves the ranks on their shares. */
+    static char board[64], lists[SRV_MAX_DP][1000];
+    lend = lend && pin && !ep && base->pin_threads && ncpu >= n &&
+           (base->n_threads == 0 || base->n_threads / n == ncpu / n || base->n_threads == ncpu);
+    if (lend) {
+        snprintf(board, sizeof(board), "/dev/shm/tandem-cpu-board-XXXXXX");
+        int fd = mkstemp(board);
+        if (fd < 0) {
+            snprintf(board, sizeof(board), "/tmp/tandem-cpu-board-XXXXXX");
+            fd = mkstemp(board);
+        }
+        if (fd < 0)
+            lend = false;
+        else
+            close(fd);
+    }
     int rc = 0;
     for (int r = 0; r < n && !rc; r++) {
         td_engine_config cfg = *base;
@@ -50,7 +72,15 @@ static int create_ranks(td_engine **engines, cpu_set_t *cpus, int n, const td_en
                     if (k >= lo && k < hi) CPU_SET(c, &mine);
                     k++;
                 }
-            sched_setaffinity(0, sizeof(mine), &mine); /* the engine's threads start inside it */
+            if (lend) { /* its threads on its share, its guests on the others' */
+                td_format_cpu_list(&mine, lists[r], sizeof(lists[r]));
+                cfg.cpus = lists[r];
+                cfg.cpu_board = board;
+                cfg.n_threads = CPU_COUNT(&mine);
+            } else {
+                sched_setaffinity(0, sizeof(mine),
+                                  &mine); /* the engine's threads start inside it */
+            }
             cpus[r] = mine;
         }
         rc = td_engine_create(&engines[r], &cfg, err);
@@ -61,6 +91,7 @@ static int create_ranks(td_engine **engines, cpu_set_t *cpus, int n, const td_en
         }
     }
     if (pin) sched_setaffinity(0, sizeof(all), &all);
+    if (lend) unlink(board); /* the ranks have it mapped */
     if (rc)
         for (int r = 0; r < n; r++) td_engine_free(engines[r]);
     return rc;
@@ -78,7 +109,7 @@ int cli_serve(int argc, char **argv)
             kv_corrupt = 0;
     uint64_t max_body = sc.max_body_size;
     double stall = sc.health_stall_s, drain = sc.shutdown_timeout_s;
-    bool debug = false, dp_attention = false, expert_parallel = false;
+    bool debug = false, dp_attention = false, expert_parallel = false, no_lend = false;
     flags[nf++] = CLI_FLAG("served-model-name", CLI_FLAG_STR, &served,
                            "the model name clients use (default: the --model argument)");
     flags[nf++] = CLI_FLAG("host", CLI_FLAG_STR, &host, "address to listen on (0.0.0.0)");
@@ -92,6 +123,9 @@ int cli_serve(int argc, char **argv)
                            "scheduler, KV pool, compute threads (the CPUs split between the ranks) "
                            "and transfer agent (handshake_port + rank)");
     flags[nf++] = CLI_FLAG("dp", CLI_FLAG_INT, &dp, "same as --data-parallel-size");
+    flags[nf++] = CLI_FLAG("no-lend-cpus", CLI_FLAG_BOOL, &no_lend,
+                           "with --data-parallel-size: keep each rank on its own CPUs even while "
+                           "another rank is idle");
     flags[nf++] = CLI_FLAG("enable-dp-attention", CLI_FLAG_BOOL, &dp_attention,
                            "accepted for the seed recipes: the ranks' attention is always "
                            "data-parallel (each rank attends over its own requests)");
@@ -258,7 +292,7 @@ int cli_serve(int argc, char **argv)
     cpu_set_t io_cpus;
     bool io_saved = pthread_getaffinity_np(pthread_self(), sizeof(io_cpus), &io_cpus) == 0;
     int created = (expert_parallel && td_ep_group_create(&ep, (int)dp, &err)) ||
-                  create_ranks(engines, cpus, (int)dp, &cfg, ep, &err);
+                  create_ranks(engines, cpus, (int)dp, &cfg, ep, !no_lend, &err);
     /* With --cpu-board the other CPUs are other engines', lent only while they idle: the
      * I/O and transfer threads stay on this engine's own CPUs. */
     cpu_set_t home;

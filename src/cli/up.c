@@ -34,6 +34,7 @@
 
 #include "cli/cli.h"
 #include "cli/flags.h"
+#include "util/pool.h"
 #include "util/td.h"
 
 #define MAX_INST 33 /* 32 engines and the router */
@@ -158,23 +159,6 @@ static void inst_arg(inst *in, const char *fmt, ...)
     va_end(ap);
     if (in->argc < 95) in->argv[in->argc++] = strdup(buf);
     in->argv[in->argc] = NULL;
-}
-
-/* "0-3,8" for a CPU set (ranges of consecutive CPUs). */
-static void cpu_list_format(const cpu_set_t *set, char *buf, size_t cap)
-{
-    size_t len = 0;
-    buf[0] = 0;
-    for (int c = 0; c < CPU_SETSIZE && len + 1 < cap; c++) {
-        if (!CPU_ISSET(c, set)) continue;
-        int d = c;
-        while (d + 1 < CPU_SETSIZE && CPU_ISSET(d + 1, set))
-            d++;
-        int w = d > c ? snprintf(buf + len, cap - len, "%s%d-%d", len ? "," : "", c, d)
-                      : snprintf(buf + len, cap - len, "%s%d", len ? "," : "", c);
-        len += (size_t)w;
-        c = d;
-    }
 }
 
 static pid_t inst_start(inst *in, const cpu_set_t *allowed)
@@ -725,7 +709,7 @@ int cli_up(int argc, char **argv)
                     k++;
                 }
             char list[1000];
-            cpu_list_format(&mine, list, sizeof(list));
+            td_format_cpu_list(&mine, list, sizeof(list));
             e->lend = true;
             inst_arg(e, "--cpus");
             inst_arg(e, "%s", list);

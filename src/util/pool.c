@@ -30,6 +30,7 @@
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
@@ -443,4 +444,21 @@ int td_parse_cpu_list(const char *s, cpu_set_t *set)
         if (*p++ != ',') return TD_EINVAL;
     }
     return CPU_COUNT(set) > 0 ? 0 : TD_EINVAL;
+}
+
+void td_format_cpu_list(const cpu_set_t *set, char *buf, size_t cap)
+{
+    size_t len = 0;
+    if (cap) buf[0] = 0;
+    for (int c = 0; c < CPU_SETSIZE && len + 1 < cap; c++) {
+        if (!CPU_ISSET(c, set)) continue;
+        int d = c;
+        while (d + 1 < CPU_SETSIZE && CPU_ISSET(d + 1, set))
+            d++;
+        int w = d > c ? snprintf(buf + len, cap - len, "%s%d-%d", len ? "," : "", c, d)
+                      : snprintf(buf + len, cap - len, "%s%d", len ? "," : "", c);
+        if (w < 0 || (size_t)w >= cap - len) break; /* cut: keep what fitted */
+        len += (size_t)w;
+        c = d;
+    }
 }

@@ -82,6 +82,8 @@ void td_pool_barrier(td_pool *pool);
  * ranges ascending); returns 0 or TD_EINVAL.
  */
 int td_parse_cpu_list(const char *s, cpu_set_t *set);
+/** Write set as a CPU list ("0-3,8") into buf (cap bytes, NUL-terminated, cut if short). */
+void td_format_cpu_list(const cpu_set_t *set, char *buf, size_t cap);
 
 /** Split [0, n) into nth nearly equal contiguous parts; part ith is [*begin, *end). */
 static inline void td_split_range(int64_t n, int ith, int nth, int64_t *begin, int64_t *end)

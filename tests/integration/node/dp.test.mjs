@@ -4,11 +4,13 @@
 // picks the rank and an out-of-range one is a 400; prefill/decode works for every
 // (prefill rank, decode rank) pair, each consumer rank reading from either producer
 // rank's agent; and through `tandem router --dp-aware` every rank is a worker, paired
-// freely or index to index. Started by tests/integration/test_dp.sh.
+// freely or index to index. The ranks lend each other their CPUs while idle (not with
+// --no-lend-cpus). Started by tests/integration/test_dp.sh.
 // No test asserts on timing: deadlines only bound waits for state that must arrive.
 import { test, after } from 'node:test';
 import { metrics, until, startTandem, postJson, tokenPrompts, refText } from './lib.mjs';
 import assert from 'node:assert/strict';
+import os from 'node:os';
 
 const BIN = process.env.TD_BIN;
 const MODEL = process.env.TD_MODEL;
@@ -25,6 +27,10 @@ const router = (args) => start(['router', '--host', '127.0.0.1', '--port', '0', 
   '--health-check-interval-secs', '0.2', '--health-check-timeout-secs', '1', ...args]);
 
 const post = (base, body) => postJson(base, '/v1/completions', body);
+
+// Parallel runs with borrowed CPUs, summed over the ranks.
+const borrowed = (m) => Object.keys(m).filter((k) => k.startsWith('tandem_cpu_borrowed_runs_total'))
+  .reduce((a, k) => a + m[k], 0);
 
 async function idle(base, what) {
   await until(async () => {
@@ -80,6 +86,18 @@ test('aggregated: the same greedy output on rank 0, rank 1 and the least-loaded 
   const m = await metrics(DP.url);
   assert.equal(m.tandem_generation_tokens_total - before.tandem_generation_tokens_total, 12 * GEN.max_tokens);
   await idle(DP.url, 'aggregated');
+  // A request on one rank, the other idle: it borrowed the idle rank's CPUs (with two CPUs
+  // or more, one rank each), and the output above did not change for it.
+  if (os.availableParallelism() >= 2) assert.ok(borrowed(m) > 0, 'no rank borrowed an idle CPU');
+});
+
+test('--no-lend-cpus keeps each rank on its own CPUs', async () => {
+  const s = await serve(['--dp', '2', '--no-lend-cpus']);
+  const p = prompts(1)[0];
+  const r = await post(s.url, { prompt: p, ...GEN, data_parallel_rank: 1 });
+  assert.equal(r.json.choices[0].text, await expected(p));
+  assert.equal(borrowed(await metrics(s.url)), 0);
+  s.proc.kill('SIGKILL');
 });
 
 test('data_parallel_rank out of range, or of the wrong type, is a 400 that names it', async () => {
