@@ -280,6 +280,12 @@ typedef struct td_output {
 /** Next queued output; returns false when none is left. */
 bool td_engine_poll(td_engine *e, td_output *out);
 
+/* Steps by the tokens they computed: upper bounds 1, 2, 4, ..., 2^(TD_STEP_TOKEN_BUCKETS-1),
+ * then one counter for more; and by their duration: td_step_seconds_bounds, then more. */
+#define TD_STEP_TOKEN_BUCKETS 14
+#define TD_STEP_TIME_BUCKETS 14
+extern const double td_step_seconds_bounds[TD_STEP_TIME_BUCKETS];
+
 /** Counters for metrics and tests. */
 typedef struct td_engine_stats {
     int num_blocks_total;
@@ -305,6 +311,12 @@ typedef struct td_engine_stats {
     uint64_t cpu_borrowed_runs;  /* cpu_board: parallel runs that had borrowed CPUs */
     uint64_t cpu_reclaims;       /* cpu_board: times this engine waited for its CPUs back */
     uint64_t cpu_reclaim_ns;     /* ... and for how long in all */
+    /* Steps: each one's forward pass and sampling, timed. A prefill step computed prompt
+     * tokens (with or without decode rows beside them); a decode step only decode rows. */
+    uint64_t steps_prefill;
+    uint64_t step_ns_prefill, step_ns_decode;
+    uint64_t step_tokens_hist[TD_STEP_TOKEN_BUCKETS + 1];
+    uint64_t step_time_hist[TD_STEP_TIME_BUCKETS + 1];
 } td_engine_stats;
 
 void td_engine_get_stats(const td_engine *e, td_engine_stats *st);

@@ -408,6 +408,29 @@ static void samp_rows(void *ctx, int ith, int nth)
     }
 }
 
+const double td_step_seconds_bounds[TD_STEP_TIME_BUCKETS] = {
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10};
+
+/* A step of T tokens (prefill: some were prompt tokens) that took ns. */
+static void count_step(td_engine *e, int T, bool prefill, uint64_t ns)
+{
+    td_engine_stats *st = &e->stats;
+    int b = 0;
+    while (b < TD_STEP_TOKEN_BUCKETS && T > 1 << b)
+        b++;
+    st->step_tokens_hist[b]++;
+    double s = (double)ns / 1e9;
+    for (b = 0; b < TD_STEP_TIME_BUCKETS && s > td_step_seconds_bounds[b];)
+        b++;
+    st->step_time_hist[b]++;
+    if (prefill) {
+        st->steps_prefill++;
+        st->step_ns_prefill += ns;
+    } else {
+        st->step_ns_decode += ns;
+    }
+}
+
 int sched__step(td_engine *e, td_err *err)
 {
     (void)err;
@@ -500,6 +523,7 @@ int sched__step(td_engine *e, td_err *err)
     }
 
     /* Build the flat batch. */
+    const uint64_t t_step = td_now_ns();
     int T = 0, n_logits = 0;
     for (int s = 0; s < n_sched; s++) {
         req *r = e->b_reqs[s];
@@ -587,6 +611,7 @@ int sched__step(td_engine *e, td_err *err)
         }
         li++;
     }
+    const uint64_t prefilled = e->stats.tokens_prefilled;
     /* (a GPU engine never runs its CPU pool: running it would pin this thread) */
     if (job.n > 1 && !device_argmax) td_pool_run(e->pool, samp_rows, &job);
     else if (job.n > 0) samp_rows(&job, 0, 1);
@@ -623,6 +648,7 @@ int sched__step(td_engine *e, td_err *err)
         else e->running[w++] = e->running[i];
     }
     e->n_running = w;
+    count_step(e, T, e->stats.tokens_prefilled != prefilled, td_now_ns() - t_step);
     return T;
 }
 

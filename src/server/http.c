@@ -243,6 +243,13 @@ void srv__snapshot_sum(const srv_server *s, srv__snapshot *out)
         o->cpu_borrowed_runs += i->cpu_borrowed_runs;
         o->cpu_reclaims += i->cpu_reclaims;
         o->cpu_reclaim_ns += i->cpu_reclaim_ns;
+        o->steps_prefill += i->steps_prefill;
+        o->step_ns_prefill += i->step_ns_prefill;
+        o->step_ns_decode += i->step_ns_decode;
+        for (int b = 0; b <= TD_STEP_TOKEN_BUCKETS; b++)
+            o->step_tokens_hist[b] += i->step_tokens_hist[b];
+        for (int b = 0; b <= TD_STEP_TIME_BUCKETS; b++)
+            o->step_time_hist[b] += i->step_time_hist[b];
     }
 }
 

@@ -79,6 +79,24 @@ static void hist(out *o, const char *name, const char *help, const srv__hist *h,
          h->sum, name, model, (unsigned long long)h->count);
 }
 
+/* A histogram the engine keeps (counts by bucket, the last one past every bound). */
+static void engine_hist(out *o, const char *name, const char *help, const double *bounds,
+                        const uint64_t *counts, int n, double sum, const char *model)
+{
+    emit(o, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
+    uint64_t cum = 0;
+    for (int i = 0; i < n; i++) {
+        cum += counts[i];
+        emit(o, "%s_bucket{model_name=\"%s\",le=\"%g\"} %llu\n", name, model, bounds[i],
+             (unsigned long long)cum);
+    }
+    cum += counts[n];
+    emit(o, "%s_bucket{model_name=\"%s\",le=\"+Inf\"} %llu\n", name, model,
+         (unsigned long long)cum);
+    emit(o, "%s_sum{model_name=\"%s\"} %.9g\n%s_count{model_name=\"%s\"} %llu\n", name, model, sum,
+         name, model, (unsigned long long)cum);
+}
+
 static void gauge(out *o, const char *name, const char *type, const char *help, const char *model,
                   double v)
 {
@@ -125,6 +143,29 @@ char *srv__metrics_render(const srv__metrics *m, const srv__snapshot *s, const c
     gauge(&o, "tandem_cpu_reclaim_seconds_total", "counter",
           "--cpu-board: time spent waiting for lent CPUs to come back.", model,
           (double)st->cpu_reclaim_ns / 1e9);
+    /* The engine's steps: how full they ran and where its time went. */
+    emit(&o, "# HELP tandem_engine_steps_total Engine steps (forward passes), by kind: prefill "
+             "(computed prompt tokens, with or without decode rows) or decode (decode rows "
+             "only).\n# TYPE tandem_engine_steps_total counter\n");
+    emit(&o, "tandem_engine_steps_total{model_name=\"%s\",kind=\"prefill\"} %llu\n", model,
+         (unsigned long long)st->steps_prefill);
+    emit(&o, "tandem_engine_steps_total{model_name=\"%s\",kind=\"decode\"} %llu\n", model,
+         (unsigned long long)(st->steps - st->steps_prefill));
+    emit(&o, "# HELP tandem_engine_step_seconds_total Time in engine steps, by kind (as "
+             "tandem_engine_steps_total).\n# TYPE tandem_engine_step_seconds_total counter\n");
+    emit(&o, "tandem_engine_step_seconds_total{model_name=\"%s\",kind=\"prefill\"} %.9g\n", model,
+         (double)st->step_ns_prefill / 1e9);
+    emit(&o, "tandem_engine_step_seconds_total{model_name=\"%s\",kind=\"decode\"} %.9g\n", model,
+         (double)st->step_ns_decode / 1e9);
+    double tok_bounds[TD_STEP_TOKEN_BUCKETS];
+    for (int i = 0; i < TD_STEP_TOKEN_BUCKETS; i++)
+        tok_bounds[i] = (double)(1 << i);
+    engine_hist(&o, "tandem_iteration_tokens", "Tokens computed per engine step.", tok_bounds,
+                st->step_tokens_hist, TD_STEP_TOKEN_BUCKETS,
+                (double)(st->tokens_prefilled + st->tokens_decoded), model);
+    engine_hist(&o, "tandem_engine_step_duration_seconds", "Duration of an engine step.",
+                td_step_seconds_bounds, st->step_time_hist, TD_STEP_TIME_BUCKETS,
+                (double)(st->step_ns_prefill + st->step_ns_decode) / 1e9, model);
     gauge(&o, "tandem_prompt_tokens_total", "counter", "Prompt tokens of finished requests.", model,
           (double)m->prompt_tokens);
     gauge(&o, "tandem_generation_tokens_total", "counter", "Generated tokens.", model,

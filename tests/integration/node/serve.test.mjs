@@ -228,6 +228,15 @@ test('discovery endpoints: /v1/models, /server_info, /kv_transfer_info, /metrics
     assert.ok(text.includes(name), `metrics lack ${name}`);
   assert.ok(await metric('tandem_generation_tokens_total') > 0);
   assert.ok(await metric('tandem_kv_blocks_total') > 0);
+  // The engine's steps: each one in the histograms, and time in both kinds by now.
+  const steps = await metric('tandem_engine_steps_total\\{[^}]*kind="prefill"\\}') +
+    await metric('tandem_engine_steps_total\\{[^}]*kind="decode"\\}');
+  assert.ok(steps > 0);
+  assert.equal(await metric('tandem_iteration_tokens_count'), steps);
+  assert.equal(await metric('tandem_engine_step_duration_seconds_bucket\\{[^}]*le="\\+Inf"\\}'), steps);
+  assert.ok(await metric('tandem_iteration_tokens_sum') >= steps);
+  assert.ok(await metric('tandem_engine_step_seconds_total\\{[^}]*kind="prefill"\\}') > 0);
+  assert.ok(await metric('tandem_engine_step_seconds_total\\{[^}]*kind="decode"\\}') > 0);
 });
 
 test('client disconnect aborts the request and frees its KV blocks', async () => {

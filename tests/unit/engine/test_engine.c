@@ -177,6 +177,43 @@ static void test_abort_frees_everything(void **state)
     td_engine_free(e);
 }
 
+/* The step counters behind /metrics' tandem_engine_step_* and tandem_iteration_tokens:
+ * every step lands in one bucket of each histogram, no step computes more than the token
+ * budget, and the tokens add up to the prompts and the decode rows. */
+static void test_step_counters(void **state)
+{
+    (void)state;
+    load_golden();
+    td_engine *e = make_engine(2, 16, 0, "f32", false);
+    const int32_t *prompts[4];
+    int lens[4], n_outs[4], prompt_total = 0;
+    int32_t outs[4][N_OUT];
+    for (int i = 0; i < 4; i++) {
+        prompts[i] = g_cases[i].prompt;
+        lens[i] = g_cases[i].n_prompt;
+        prompt_total += lens[i];
+    }
+    run_all(e, prompts, lens, 4, N_OUT, outs, n_outs);
+    td_engine_stats st;
+    td_engine_get_stats(e, &st);
+    uint64_t n_tok = 0, n_time = 0;
+    for (int b = 0; b <= TD_STEP_TOKEN_BUCKETS; b++) {
+        n_tok += st.step_tokens_hist[b];
+        if ((1 << b) > 16 || b == TD_STEP_TOKEN_BUCKETS)
+            assert_int_equal(st.step_tokens_hist[b], 0);
+    }
+    for (int b = 0; b <= TD_STEP_TIME_BUCKETS; b++)
+        n_time += st.step_time_hist[b];
+    assert_int_equal(n_tok, st.steps);
+    assert_int_equal(n_time, st.steps);
+    assert_int_equal(st.tokens_prefilled, prompt_total);
+    assert_int_equal(st.tokens_decoded, 4 * (N_OUT - 1)); /* the first token comes from prefill */
+    assert_true(st.steps_prefill >= (uint64_t)(prompt_total + 15) / 16);
+    assert_true(st.steps_prefill < st.steps);
+    assert_true(st.step_ns_prefill > 0 && st.step_ns_decode > 0);
+    td_engine_free(e);
+}
+
 static void test_refuses_what_never_fits(void **state)
 {
     (void)state;
@@ -382,19 +419,13 @@ static void test_llama2_tiny_first_token(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_golden_alone),
-        cmocka_unit_test(test_golden_one_thread),
-        cmocka_unit_test(test_golden_batched),
-        cmocka_unit_test(test_kv_dtypes),
-        cmocka_unit_test(test_golden_chunked),
-        cmocka_unit_test(test_golden_prefix_cache),
-        cmocka_unit_test(test_golden_preemption),
-        cmocka_unit_test(test_abort_frees_everything),
-        cmocka_unit_test(test_refuses_what_never_fits),
-        cmocka_unit_test(test_seeded_sampling),
-        cmocka_unit_test(test_stop_string),
-        cmocka_unit_test(test_logprobs_and_timings),
-        cmocka_unit_test(test_llama2_tiny_first_token),
+        cmocka_unit_test(test_golden_alone),         cmocka_unit_test(test_golden_one_thread),
+        cmocka_unit_test(test_golden_batched),       cmocka_unit_test(test_kv_dtypes),
+        cmocka_unit_test(test_golden_chunked),       cmocka_unit_test(test_golden_prefix_cache),
+        cmocka_unit_test(test_golden_preemption),    cmocka_unit_test(test_abort_frees_everything),
+        cmocka_unit_test(test_step_counters),        cmocka_unit_test(test_refuses_what_never_fits),
+        cmocka_unit_test(test_seeded_sampling),      cmocka_unit_test(test_stop_string),
+        cmocka_unit_test(test_logprobs_and_timings), cmocka_unit_test(test_llama2_tiny_first_token),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
