@@ -22,8 +22,8 @@ void td_crc32c_copy_blocks(uint8_t *dst, const uint8_t *src, uint64_t block_byte
 
 /*
  * Use CRC32C implementation impl (0 portable, 1 the crc32 instruction, 2 pclmulqdq
- * folding) from now on; returns the one used before, or -1 if this CPU lacks impl. For
- * tests, with no checksum running.
+ * folding, 3 the same folding four lanes at a time with AVX-512) from now on; returns the one used
+ * before, or -1 if this CPU lacks impl. For tests, with no checksum running.
  */
 int td_crc32c_use(int impl);
 
