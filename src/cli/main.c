@@ -20,7 +20,7 @@ static const struct {
     {"up", cli_up, "a whole local cluster (router + prefill and decode engines) from one command"},
     {"bench", cli_bench, "the serving benchmark against any OpenAI-compatible server"},
     {"bench-router", cli_bench_router, "the router's own overhead against a stub upstream"},
-    {"bench-xfer", cli_bench_xfer, "KV transfer throughput (kvx tcp) against the machine's limits"},
+    {"bench-xfer", cli_bench_xfer, "KV transfer throughput (kvx tcp, shm, ucx) against the machine's limits"},
     {"bench-xfer-cuda", cli_bench_xfer_cuda, "kvx cuda_ipc between two processes on a GPU, against D2D copies"},
 };
 
