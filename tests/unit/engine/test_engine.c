@@ -419,13 +419,20 @@ static void test_llama2_tiny_first_token(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_golden_alone),         cmocka_unit_test(test_golden_one_thread),
-        cmocka_unit_test(test_golden_batched),       cmocka_unit_test(test_kv_dtypes),
-        cmocka_unit_test(test_golden_chunked),       cmocka_unit_test(test_golden_prefix_cache),
-        cmocka_unit_test(test_golden_preemption),    cmocka_unit_test(test_abort_frees_everything),
-        cmocka_unit_test(test_step_counters),        cmocka_unit_test(test_refuses_what_never_fits),
-        cmocka_unit_test(test_seeded_sampling),      cmocka_unit_test(test_stop_string),
-        cmocka_unit_test(test_logprobs_and_timings), cmocka_unit_test(test_llama2_tiny_first_token),
+        cmocka_unit_test(test_golden_alone),
+        cmocka_unit_test(test_golden_one_thread),
+        cmocka_unit_test(test_golden_batched),
+        cmocka_unit_test(test_kv_dtypes),
+        cmocka_unit_test(test_golden_chunked),
+        cmocka_unit_test(test_golden_prefix_cache),
+        cmocka_unit_test(test_golden_preemption),
+        cmocka_unit_test(test_abort_frees_everything),
+        cmocka_unit_test(test_step_counters),
+        cmocka_unit_test(test_refuses_what_never_fits),
+        cmocka_unit_test(test_seeded_sampling),
+        cmocka_unit_test(test_stop_string),
+        cmocka_unit_test(test_logprobs_and_timings),
+        cmocka_unit_test(test_llama2_tiny_first_token),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
