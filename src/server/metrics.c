@@ -63,24 +63,8 @@ static void emit(out *o, const char *fmt, ...)
     }
 }
 
-static void hist(out *o, const char *name, const char *help, const srv__hist *h, const char *model)
-{
-    emit(o, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
-    uint64_t cum = 0;
-    for (int i = 0; i < SRV__HIST_BUCKETS; i++) {
-        cum += h->counts[i];
-        emit(o, "%s_bucket{model_name=\"%s\",le=\"%g\"} %llu\n", name, model, h->bounds[i],
-             (unsigned long long)cum);
-    }
-    cum += h->counts[SRV__HIST_BUCKETS];
-    emit(o, "%s_bucket{model_name=\"%s\",le=\"+Inf\"} %llu\n", name, model,
-         (unsigned long long)cum);
-    emit(o, "%s_sum{model_name=\"%s\"} %.9g\n%s_count{model_name=\"%s\"} %llu\n", name, model,
-         h->sum, name, model, (unsigned long long)h->count);
-}
-
-/* A histogram the engine keeps (counts by bucket, the last one past every bound). */
-static void engine_hist(out *o, const char *name, const char *help, const double *bounds,
+/* A histogram: counts by bucket, the last one past every bound. */
+static void counts_hist(out *o, const char *name, const char *help, const double *bounds,
                         const uint64_t *counts, int n, double sum, const char *model)
 {
     emit(o, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
@@ -95,6 +79,11 @@ static void engine_hist(out *o, const char *name, const char *help, const double
          (unsigned long long)cum);
     emit(o, "%s_sum{model_name=\"%s\"} %.9g\n%s_count{model_name=\"%s\"} %llu\n", name, model, sum,
          name, model, (unsigned long long)cum);
+}
+
+static void hist(out *o, const char *name, const char *help, const srv__hist *h, const char *model)
+{
+    counts_hist(o, name, help, h->bounds, h->counts, SRV__HIST_BUCKETS, h->sum, model);
 }
 
 static void gauge(out *o, const char *name, const char *type, const char *help, const char *model,
@@ -160,10 +149,10 @@ char *srv__metrics_render(const srv__metrics *m, const srv__snapshot *s, const c
     double tok_bounds[TD_STEP_TOKEN_BUCKETS];
     for (int i = 0; i < TD_STEP_TOKEN_BUCKETS; i++)
         tok_bounds[i] = (double)(1 << i);
-    engine_hist(&o, "tandem_iteration_tokens", "Tokens computed per engine step.", tok_bounds,
+    counts_hist(&o, "tandem_iteration_tokens", "Tokens computed per engine step.", tok_bounds,
                 st->step_tokens_hist, TD_STEP_TOKEN_BUCKETS,
                 (double)(st->tokens_prefilled + st->tokens_decoded), model);
-    engine_hist(&o, "tandem_engine_step_duration_seconds", "Duration of an engine step.",
+    counts_hist(&o, "tandem_engine_step_duration_seconds", "Duration of an engine step.",
                 td_step_seconds_bounds, st->step_time_hist, TD_STEP_TIME_BUCKETS,
                 (double)(st->step_ns_prefill + st->step_ns_decode) / 1e9, model);
     gauge(&o, "tandem_prompt_tokens_total", "counter", "Prompt tokens of finished requests.", model,
