@@ -214,6 +214,24 @@ __attribute__((target("pclmul,sse4.2"))) static uint32_t crc_clmul_raw(uint32_t 
                             _mm_loadu_si128((const __m128i *)(p + 48)), p + 64, len - 64);
 }
 
+#define TD_VCLMUL_TARGET __attribute__((target("avx512f,avx512bw,vpclmulqdq,pclmul,sse4.2")))
+
+/* The 256 bytes at p as four vectors, also stored to dst when it is set. */
+TD_VCLMUL_TARGET static inline void vload256(const uint8_t *p, uint8_t *dst, __m512i y[4])
+{
+    for (int k = 0; k < 4; k++) {
+        y[k] = _mm512_loadu_si512(p + 64 * k);
+        if (dst) _mm512_storeu_si512(dst + 64 * k, y[k]);
+    }
+}
+
+/* x folded forward by the distance of k (its lanes' x^(D+32), x^(D-32)), xor y. */
+TD_VCLMUL_TARGET static inline __m512i vfold(__m512i x, __m512i k, __m512i y)
+{
+    return _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(x, k, 0x00),
+                                     _mm512_clmulepi64_epi128(x, k, 0x11), y, 0x96);
+}
+
 /*
  * The same fold four lanes at a time with AVX-512's vpclmulqdq: four 512-bit accumulators
  * take 256 bytes a step (constants x^(2048+32) and x^(2048-32) mod P, reflected and
@@ -222,60 +240,34 @@ __attribute__((target("pclmul,sse4.2"))) static uint32_t crc_clmul_raw(uint32_t 
  * `dst`, each loaded byte is also stored there (the copy of crc_clmul_copy_raw). Same
  * contract as crc_clmul_raw, with len at least 256.
  */
-__attribute__((target("avx512f,avx512bw,vpclmulqdq,pclmul,sse4.2"))) static uint32_t
-crc_vclmul_raw(uint32_t crc, uint8_t *dst, const uint8_t *p, size_t len)
+TD_VCLMUL_TARGET static uint32_t crc_vclmul_raw(uint32_t crc, uint8_t *dst, const uint8_t *p,
+                                                size_t len)
 {
     const __m512i k256 = _mm512_broadcast_i32x4(_mm_set_epi64x(0xb9e02b86, 0xdcb17aa4));
     const __m512i k64 = _mm512_broadcast_i32x4(_mm_set_epi64x(0x9e4addf8, 0x740eef02));
-    __m512i y0 = _mm512_loadu_si512(p), y1 = _mm512_loadu_si512(p + 64);
-    __m512i y2 = _mm512_loadu_si512(p + 128), y3 = _mm512_loadu_si512(p + 192);
-    if (dst) {
-        _mm512_storeu_si512(dst, y0);
-        _mm512_storeu_si512(dst + 64, y1);
-        _mm512_storeu_si512(dst + 128, y2);
-        _mm512_storeu_si512(dst + 192, y3);
-        dst += 256;
+    __m512i x[4], y[4];
+    vload256(p, dst, x);
+    x[0] = _mm512_xor_si512(x[0], _mm512_zextsi128_si512(_mm_cvtsi32_si128((int)crc)));
+    for (p += 256, len -= 256, dst = dst ? dst + 256 : NULL; len >= 256;
+         p += 256, len -= 256, dst = dst ? dst + 256 : NULL) {
+        vload256(p, dst, y);
+        for (int k = 0; k < 4; k++)
+            x[k] = vfold(x[k], k256, y[k]);
     }
-    __m512i x0 = _mm512_xor_si512(y0, _mm512_zextsi128_si512(_mm_cvtsi32_si128((int)crc)));
-    __m512i x1 = y1, x2 = y2, x3 = y3;
-    p += 256;
-    len -= 256;
-#define FOLD(x, k, y)                                                                              \
-    _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(x, k, 0x00),                                \
-                              _mm512_clmulepi64_epi128(x, k, 0x11), y, 0x96)
-    for (; len >= 256; p += 256, len -= 256) {
-        y0 = _mm512_loadu_si512(p);
-        y1 = _mm512_loadu_si512(p + 64);
-        y2 = _mm512_loadu_si512(p + 128);
-        y3 = _mm512_loadu_si512(p + 192);
-        if (dst) {
-            _mm512_storeu_si512(dst, y0);
-            _mm512_storeu_si512(dst + 64, y1);
-            _mm512_storeu_si512(dst + 128, y2);
-            _mm512_storeu_si512(dst + 192, y3);
-            dst += 256;
-        }
-        x0 = FOLD(x0, k256, y0);
-        x1 = FOLD(x1, k256, y1);
-        x2 = FOLD(x2, k256, y2);
-        x3 = FOLD(x3, k256, y3);
-    }
-    x0 = FOLD(x0, k64, x1);
-    x0 = FOLD(x0, k64, x2);
-    x0 = FOLD(x0, k64, x3);
+    for (int k = 1; k < 4; k++)
+        x[0] = vfold(x[0], k64, x[k]);
     for (; len >= 64; p += 64, len -= 64) {
-        y0 = _mm512_loadu_si512(p);
+        y[0] = _mm512_loadu_si512(p);
         if (dst) {
-            _mm512_storeu_si512(dst, y0);
+            _mm512_storeu_si512(dst, y[0]);
             dst += 64;
         }
-        x0 = FOLD(x0, k64, y0);
+        x[0] = vfold(x[0], k64, y[0]);
     }
-#undef FOLD
     if (dst) memcpy(dst, p, len); /* the last 16-byte pieces (crc_clmul_finish reads them) */
-    return crc_clmul_finish(_mm512_extracti32x4_epi32(x0, 0), _mm512_extracti32x4_epi32(x0, 1),
-                            _mm512_extracti32x4_epi32(x0, 2), _mm512_extracti32x4_epi32(x0, 3), p,
-                            len);
+    return crc_clmul_finish(_mm512_extracti32x4_epi32(x[0], 0), _mm512_extracti32x4_epi32(x[0], 1),
+                            _mm512_extracti32x4_epi32(x[0], 2), _mm512_extracti32x4_epi32(x[0], 3),
+                            p, len);
 }
 
 /*
@@ -482,4 +474,3 @@ void td_crc32c_blocks(const uint8_t *p, uint64_t block_bytes, uint32_t count, ui
     for (; i < count; i++)
         out[i] = td_crc32c(0, p + i * block_bytes, block_bytes);
 }
-
