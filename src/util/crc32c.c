@@ -279,10 +279,6 @@ __attribute__((target("pclmul,sse4.2"))) static uint32_t
 crc_clmul_copy_raw(uint32_t crc, uint8_t *d, const uint8_t *p, size_t len)
 {
     const __m128i k1k2 = _mm_set_epi64x(0x9e4addf8, 0x740eef02);
-    const __m128i k3k4 = _mm_set_epi64x(0x14cd00bd6, 0xf20c0dfe);
-    const __m128i k5 = _mm_set_epi64x(0, 0xdd45aab8);
-    const __m128i poly = _mm_set_epi64x(0xdea713f1, 0x105ec76f1);
-    const __m128i low32 = _mm_setr_epi32(~0, 0, ~0, 0);
     __m128i y1 = _mm_loadu_si128((const __m128i *)p),
             y2 = _mm_loadu_si128((const __m128i *)(p + 16));
     __m128i y3 = _mm_loadu_si128((const __m128i *)(p + 32)),
@@ -313,25 +309,8 @@ crc_clmul_copy_raw(uint32_t crc, uint8_t *d, const uint8_t *p, size_t len)
         x3 = _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(x3, k1k2, 0x11), t3), y3);
         x4 = _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(x4, k1k2, 0x11), t4), y4);
     }
-    __m128i t = _mm_clmulepi64_si128(x1, k3k4, 0x00);
-    x1 = _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(x1, k3k4, 0x11), x2), t);
-    t = _mm_clmulepi64_si128(x1, k3k4, 0x00);
-    x1 = _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(x1, k3k4, 0x11), x3), t);
-    t = _mm_clmulepi64_si128(x1, k3k4, 0x00);
-    x1 = _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(x1, k3k4, 0x11), x4), t);
-    for (; len >= 16; p += 16, d += 16, len -= 16) {
-        y1 = _mm_loadu_si128((const __m128i *)p);
-        _mm_storeu_si128((__m128i *)d, y1);
-        t = _mm_clmulepi64_si128(x1, k3k4, 0x00);
-        x1 = _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(x1, k3k4, 0x11), y1), t);
-    }
-    __m128i x2b = _mm_clmulepi64_si128(x1, k3k4, 0x10);
-    x1 = _mm_xor_si128(_mm_srli_si128(x1, 8), x2b);
-    x2b = _mm_srli_si128(x1, 4);
-    x1 = _mm_xor_si128(_mm_clmulepi64_si128(_mm_and_si128(x1, low32), k5, 0x00), x2b);
-    x2b = _mm_and_si128(_mm_clmulepi64_si128(_mm_and_si128(x1, low32), poly, 0x10), low32);
-    x2b = _mm_clmulepi64_si128(x2b, poly, 0x00);
-    return (uint32_t)_mm_extract_epi32(_mm_xor_si128(x1, x2b), 1);
+    memcpy(d, p, len); /* the last 16-byte pieces, which crc_clmul_finish folds in */
+    return crc_clmul_finish(x1, x2, x3, x4, p, len);
 }
 
 static uint32_t crc_clmul(uint32_t crc, const uint8_t *p, size_t n)

@@ -720,8 +720,8 @@ static void test_crc32c_impls(void **state)
                                  td_crc32c_portable(7, data + off, len));
         assert_int_equal(td_crc32c(td_crc32c(0, data, 100), data + 100, 5000),
                          td_crc32c_portable(0, data, 5100));
-        const uint64_t sizes[] = {1027, 4096, 8192};
-        for (size_t s = 0; s < 3; s++)
+        const uint64_t sizes[] = {1000, 1027, 4096, 8192}; /* 1000: 16-byte pieces at the end */
+        for (size_t s = 0; s < 4; s++)
             for (uint32_t count = 1; count <= 13; count++) {
                 uint32_t out[13], out2[13];
                 td_crc32c_blocks(data + 1, sizes[s], count, out);
