@@ -355,11 +355,19 @@ static bool lease_has_block(const lease *l, uint32_t b)
 }
 
 /*
- * Data is sent in batches of about BATCH_BYTES: each batch's blocks are checksummed just
- * before the batch is handed to the kernel, so the bytes are read from DRAM once and the
- * copy into the socket finds them in cache. The checksums follow the data (the trailer).
+ * Host memory goes out in writes of up to SEND_BYTES, as large as the largest piece a
+ * consumer asks for (client.c), so a piece is usually one sendmsg. Where the producer has
+ * no kept checksum for a block (--producer-checksums grant, a partial last block), the
+ * write's blocks are checksummed just before it is handed to the kernel, so that the copy
+ * into the socket finds them in cache (at most 8 MiB a connection). Writes of 256 KiB, as
+ * before, cost 16-64 MiB transfers a quarter to a third of their CPU per byte over loopback
+ * TCP (BENCHMARKS.md, kvx). The checksums follow the data (the trailer).
+ *
+ * GPU memory goes through pinned host staging in batches of about STAGE_BYTES
+ * (send_staged).
  */
-#define BATCH_BYTES (256u << 10)
+#define SEND_BYTES KVX__MAX_PIECE_BYTES
+#define STAGE_BYTES (256u << 10)
 
 /* Find a lease and pin it (inflight) so that it cannot be given back; NULL if unknown. */
 static lease *lease_pin(kvx_agent *a, const uint8_t id[KVX_ID_BYTES])
@@ -461,8 +469,8 @@ static void region_crcs(const kvx_region *r, uint32_t seg, uint32_t block, uint3
  * READ out of GPU memory, through pinned host staging in two halves, so that the copy of
  * one batch off the device overlaps the send of the one before: a batch's copies are
  * started into a half (its slot), then the other half's batch is waited for, checksummed
- * there and sent. Batches are cut as for host memory (under 2 per_chunk blocks each, at
- * most one entry per descriptor). hdr (hn bytes, or none) goes before the first batch,
+ * there and sent. A batch holds under 2 per_chunk blocks (STAGE_BYTES each) and at most
+ * one entry per descriptor. hdr (hn bytes, or none) goes before the first batch,
  * the checksum trailer after the last.
  */
 typedef struct staged_batch {
@@ -496,7 +504,7 @@ static int send_staged(int fd, conn_bufs *b, const kvx_region *r, const kvx_msg 
                        bool want_crc, uint32_t n_crc, uint8_t *hdr, size_t hn, uint64_t deadline,
                        td_err *e)
 {
-    const uint32_t per_chunk = kvx__batch_blocks(r->block_bytes, BATCH_BYTES);
+    const uint32_t per_chunk = kvx__batch_blocks(r->block_bytes, STAGE_BYTES);
     const size_t half = 2 * (size_t)per_chunk * r->block_bytes;
     struct iovec *iovs = malloc(2 * (KVX_MAX_DESC + 2) * sizeof(*iovs));
     if (!iovs) return td_err_set(e, TD_ENOMEM, "kvx: out of memory");
@@ -560,11 +568,15 @@ static int serve_read(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m)
     ranges_ok(a, l, m, want_crc, &total, &n_blocks, msg, sizeof(msg));
     /* GPU memory goes out through pinned host staging (send_staged): two halves of twice
      * a batch each. */
-    uint32_t at = 0, per_chunk = kvx__batch_blocks(r->block_bytes, BATCH_BYTES);
+    int test_send = atomic_load(&kvx__test_send_bytes);
+    uint32_t at = 0, per_chunk = kvx__batch_blocks(
+                         r->block_bytes, test_send > 0 ? (uint64_t)test_send : SEND_BYTES);
     uint8_t *stage = NULL;
     td_err se;
     if (!msg[0] && r->device &&
-        kvx__stage_buf(r->device_id, 4 * (size_t)per_chunk * r->block_bytes, &stage, &se))
+        kvx__stage_buf(r->device_id,
+                       4 * (size_t)kvx__batch_blocks(r->block_bytes, STAGE_BYTES) * r->block_bytes,
+                       &stage, &se))
         snprintf(msg, sizeof(msg), "%.190s", se.msg);
     if (msg[0]) {
         rc = send_error(fd, b, tag, stage || !r->device ? TD_ERANGE : TD_ENOMEM, msg);

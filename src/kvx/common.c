@@ -24,6 +24,7 @@
 _Atomic int kvx__test_corrupt_pieces;
 _Atomic int kvx__test_answers_taken;
 _Atomic int kvx__test_send_delay_ms;
+_Atomic int kvx__test_send_bytes;
 _Atomic int kvx__test_pieces_grouped;
 _Atomic int kvx__test_pieces_helped;
 _Atomic int kvx__test_no_wait_help;

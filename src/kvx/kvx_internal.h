@@ -309,6 +309,8 @@ extern _Atomic int kvx__test_answers_taken;
  * counting each such sleep that begins in kvx__test_sends_delayed. */
 extern _Atomic int kvx__test_send_delay_ms;
 extern _Atomic int kvx__test_sends_delayed;
+/* When above 0, the size of the tcp producer's writes from host memory (SEND_BYTES). */
+extern _Atomic int kvx__test_send_bytes;
 /* When > 0, ucx producers and consumers made from now on stage host regions as they do
  * GPU memory (ucx.c: copied through a registered staging area, memcpy for cudaMemcpy),
  * and a producer's area has this many slots: the staged path without a GPU. */

@@ -381,10 +381,50 @@ static void test_deadline_while_queued(void **state)
 
 /* An odd geometry: blocks of 1000 bytes (not a multiple of 8), 3 segments, runs of every
  * length from 1 to 12, checksummed batches that do not divide the runs. */
+enum { ODD_SEGS = 3, ODD_NB = 300, ODD_BB = 1000, ODD_STR = ODD_NB * ODD_BB + 8 };
+
+/* 78 blocks in runs of 1..12 with gaps between, from a's region into c's; checks the
+ * bytes that arrived. */
+static void odd_runs(kvx_agent *a, kvx_client *c, const uint8_t *pm, const uint8_t *cm)
+{
+    int32_t src[ODD_NB], dst[ODD_NB];
+    int n = 0, next_src = 0, next_dst = 5;
+    for (int run = 1; run <= 12; run++) {
+        for (int j = 0; j < run; j++)
+            src[n] = next_src + j, dst[n++] = next_dst + j;
+        next_src += run + 3;
+        next_dst += run + (run % 2); /* some consumer runs touch, some do not */
+    }
+    char tid[KVX_ID_HEX];
+    td_err err;
+    assert_int_equal(kvx_agent_register(a, src, n, 0, NULL, tid, &err), 0);
+    kvx_read_req rq = {.host = "127.0.0.1",
+                       .port = kvx_agent_port(a),
+                       .engine_id = kvx_agent_engine_id(a),
+                       .transfer_id = tid,
+                       .src_blocks = src,
+                       .dst_blocks = dst,
+                       .n_blocks = n};
+    kvx_xfer *x;
+    assert_int_equal(kvx_read_start(c, &rq, &x, &err), 0);
+    td_err res;
+    int rc = kvx_xfer_wait(x, &res);
+    if (rc) fprintf(stderr, "%s\n", res.msg);
+    assert_int_equal(rc, 0);
+    kvx_xfer_info info;
+    kvx_xfer_get_info(x, &info);
+    assert_int_equal(info.n_runs, 12);
+    kvx_xfer_free(x);
+    for (int sgm = 0; sgm < ODD_SEGS; sgm++)
+        for (int i = 0; i < n; i++)
+            assert_memory_equal(cm + (size_t)sgm * ODD_STR + (size_t)dst[i] * ODD_BB,
+                                pm + (size_t)sgm * ODD_STR + (size_t)src[i] * ODD_BB, ODD_BB);
+}
+
 static void test_odd_geometry(void **state)
 {
     (void)state;
-    enum { SEGS = 3, NB = 300, BB = 1000, STR = NB * BB + 8 };
+    enum { SEGS = ODD_SEGS, NB = ODD_NB, BB = ODD_BB, STR = ODD_STR };
     uint8_t *pm = malloc(SEGS * STR), *cm = calloc(SEGS, STR);
     td_rng rng;
     td_rng_seed(&rng, 99);
@@ -405,46 +445,33 @@ static void test_odd_geometry(void **state)
     td_err err;
     assert_int_equal(kvx_agent_create(&a, &ao, &err), 0);
     assert_int_equal(kvx_client_create(&c, &co, &err), 0);
-    int32_t src[NB], dst[NB];
-    int n = 0, next_src = 0, next_dst = 5;
-    for (int run = 1; run <= 12; run++) { /* 78 blocks in runs of 1..12, gaps between */
-        for (int j = 0; j < run; j++)
-            src[n] = next_src + j, dst[n++] = next_dst + j;
-        next_src += run + 3;
-        next_dst += run + (run % 2); /* some consumer runs touch, some do not */
-    }
+    odd_runs(a, c, pm, cm);
+    /* Again with the producer's writes cut short (6 blocks each, against runs of up to 12
+     * blocks), so that longer runs are split over writes, and a write ends inside a run. */
+    memset(cm, 0, SEGS * STR);
+    atomic_store(&kvx__test_send_bytes, 6 * BB);
+    odd_runs(a, c, pm, cm);
+    atomic_store(&kvx__test_send_bytes, 0);
+    /* Pieces of exactly one checksum batch of the consumer each (258 blocks of 1000 bytes:
+     * a segment's run per piece), so every answer's last batch is full and carries the
+     * trailer. */
+    enum { WHOLE = 258 };
+    int32_t src[WHOLE], dst[WHOLE];
+    for (int i = 0; i < WHOLE; i++)
+        src[i] = i, dst[i] = NB - WHOLE + i;
     char tid[KVX_ID_HEX];
-    assert_int_equal(kvx_agent_register(a, src, n, 0, NULL, tid, &err), 0);
+    assert_int_equal(kvx_agent_register(a, src, WHOLE, 0, NULL, tid, &err), 0);
     kvx_read_req rq = {.host = "127.0.0.1",
                        .port = kvx_agent_port(a),
                        .engine_id = kvx_agent_engine_id(a),
                        .transfer_id = tid,
                        .src_blocks = src,
                        .dst_blocks = dst,
-                       .n_blocks = n};
+                       .n_blocks = WHOLE};
     kvx_xfer *x;
     assert_int_equal(kvx_read_start(c, &rq, &x, &err), 0);
     td_err res;
     int rc = kvx_xfer_wait(x, &res);
-    if (rc) fprintf(stderr, "%s\n", res.msg);
-    assert_int_equal(rc, 0);
-    kvx_xfer_info info;
-    kvx_xfer_get_info(x, &info);
-    assert_int_equal(info.n_runs, 12);
-    kvx_xfer_free(x);
-    for (int sgm = 0; sgm < SEGS; sgm++)
-        for (int i = 0; i < n; i++)
-            assert_memory_equal(cm + (size_t)sgm * STR + (size_t)dst[i] * BB,
-                                pm + (size_t)sgm * STR + (size_t)src[i] * BB, BB);
-    /* Pieces of exactly one checksum batch each (258 blocks of 1000 bytes: a segment's
-     * run per piece), so every answer's last batch is full and carries the trailer. */
-    enum { WHOLE = 258 };
-    for (int i = 0; i < WHOLE; i++)
-        src[i] = i, dst[i] = NB - WHOLE + i;
-    assert_int_equal(kvx_agent_register(a, src, WHOLE, 0, NULL, tid, &err), 0);
-    rq.n_blocks = WHOLE;
-    assert_int_equal(kvx_read_start(c, &rq, &x, &err), 0);
-    rc = kvx_xfer_wait(x, &res);
     if (rc) fprintf(stderr, "%s\n", res.msg);
     assert_int_equal(rc, 0);
     kvx_xfer_free(x);
