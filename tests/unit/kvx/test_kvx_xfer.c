@@ -383,18 +383,11 @@ static void test_deadline_while_queued(void **state)
  * length from 1 to 12, checksummed batches that do not divide the runs. */
 enum { ODD_SEGS = 3, ODD_NB = 300, ODD_BB = 1000, ODD_STR = ODD_NB * ODD_BB + 8 };
 
-/* 78 blocks in runs of 1..12 with gaps between, from a's region into c's; checks the
- * bytes that arrived. */
-static void odd_runs(kvx_agent *a, kvx_client *c, const uint8_t *pm, const uint8_t *cm)
+/* Blocks src[i] of a's region into dst[i] of c's, in n_runs runs; checks the bytes that
+ * arrived. */
+static void odd_read(kvx_agent *a, kvx_client *c, const int32_t *src, const int32_t *dst,
+                     int n, int n_runs, const uint8_t *pm, const uint8_t *cm)
 {
-    int32_t src[ODD_NB], dst[ODD_NB];
-    int n = 0, next_src = 0, next_dst = 5;
-    for (int run = 1; run <= 12; run++) {
-        for (int j = 0; j < run; j++)
-            src[n] = next_src + j, dst[n++] = next_dst + j;
-        next_src += run + 3;
-        next_dst += run + (run % 2); /* some consumer runs touch, some do not */
-    }
     char tid[KVX_ID_HEX];
     td_err err;
     assert_int_equal(kvx_agent_register(a, src, n, 0, NULL, tid, &err), 0);
@@ -413,12 +406,26 @@ static void odd_runs(kvx_agent *a, kvx_client *c, const uint8_t *pm, const uint8
     assert_int_equal(rc, 0);
     kvx_xfer_info info;
     kvx_xfer_get_info(x, &info);
-    assert_int_equal(info.n_runs, 12);
+    assert_int_equal(info.n_runs, n_runs);
     kvx_xfer_free(x);
     for (int sgm = 0; sgm < ODD_SEGS; sgm++)
         for (int i = 0; i < n; i++)
             assert_memory_equal(cm + (size_t)sgm * ODD_STR + (size_t)dst[i] * ODD_BB,
                                 pm + (size_t)sgm * ODD_STR + (size_t)src[i] * ODD_BB, ODD_BB);
+}
+
+/* 78 blocks in runs of 1..12 with gaps between. */
+static void odd_runs(kvx_agent *a, kvx_client *c, const uint8_t *pm, const uint8_t *cm)
+{
+    int32_t src[ODD_NB], dst[ODD_NB];
+    int n = 0, next_src = 0, next_dst = 5;
+    for (int run = 1; run <= 12; run++) {
+        for (int j = 0; j < run; j++)
+            src[n] = next_src + j, dst[n++] = next_dst + j;
+        next_src += run + 3;
+        next_dst += run + (run % 2); /* some consumer runs touch, some do not */
+    }
+    odd_read(a, c, src, dst, n, 12, pm, cm);
 }
 
 static void test_odd_geometry(void **state)
@@ -459,25 +466,7 @@ static void test_odd_geometry(void **state)
     int32_t src[WHOLE], dst[WHOLE];
     for (int i = 0; i < WHOLE; i++)
         src[i] = i, dst[i] = NB - WHOLE + i;
-    char tid[KVX_ID_HEX];
-    assert_int_equal(kvx_agent_register(a, src, WHOLE, 0, NULL, tid, &err), 0);
-    kvx_read_req rq = {.host = "127.0.0.1",
-                       .port = kvx_agent_port(a),
-                       .engine_id = kvx_agent_engine_id(a),
-                       .transfer_id = tid,
-                       .src_blocks = src,
-                       .dst_blocks = dst,
-                       .n_blocks = WHOLE};
-    kvx_xfer *x;
-    assert_int_equal(kvx_read_start(c, &rq, &x, &err), 0);
-    td_err res;
-    int rc = kvx_xfer_wait(x, &res);
-    if (rc) fprintf(stderr, "%s\n", res.msg);
-    assert_int_equal(rc, 0);
-    kvx_xfer_free(x);
-    for (int sgm = 0; sgm < SEGS; sgm++)
-        assert_memory_equal(cm + (size_t)sgm * STR + (size_t)dst[0] * BB, pm + (size_t)sgm * STR,
-                            (size_t)WHOLE * BB);
+    odd_read(a, c, src, dst, WHOLE, 1, pm, cm);
     kvx_client_destroy(c);
     kvx_agent_destroy(a);
     free(pm);
