@@ -385,8 +385,8 @@ enum { ODD_SEGS = 3, ODD_NB = 300, ODD_BB = 1000, ODD_STR = ODD_NB * ODD_BB + 8 
 
 /* Blocks src[i] of a's region into dst[i] of c's, in n_runs runs; checks the bytes that
  * arrived. */
-static void odd_read(kvx_agent *a, kvx_client *c, const int32_t *src, const int32_t *dst,
-                     int n, int n_runs, const uint8_t *pm, const uint8_t *cm)
+static void odd_read(kvx_agent *a, kvx_client *c, const int32_t *src, const int32_t *dst, int n,
+                     int n_runs, const uint8_t *pm, const uint8_t *cm)
 {
     char tid[KVX_ID_HEX];
     td_err err;
