@@ -21,7 +21,10 @@ for type in f32 f16 q8_0; do
         $c["n_prompt"] == p && $c["n_gen"] == g { print $c["avg_ts"] }'; }
     lpp=$(col 512 0)
     ltg=$(col 0 128)
-    [ -n "$lpp" ] && [ -n "$ltg" ] || { echo "vs_llamacpp.sh: no pp512/tg128 rows from $LB" >&2; exit 1; }
+    if [ -z "$lpp" ] || [ -z "$ltg" ]; then
+        echo "vs_llamacpp.sh: no pp512/tg128 rows from $LB" >&2
+        exit 1
+    fi
     te=$($T bench-engine --model "$m" --threads 2 --prompt-len 512 --log-level warn 2>&1)
     tpp=$(echo "$te" | awk '/^pp512/ {print $3}')
     ttg=$(echo "$te" | awk '/^tg128@b1/ {print $3}')
