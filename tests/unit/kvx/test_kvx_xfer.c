@@ -391,13 +391,7 @@ static void odd_read(kvx_agent *a, kvx_client *c, const int32_t *src, const int3
     char tid[KVX_ID_HEX];
     td_err err;
     assert_int_equal(kvx_agent_register(a, src, n, 0, NULL, tid, &err), 0);
-    kvx_read_req rq = {.host = "127.0.0.1",
-                       .port = kvx_agent_port(a),
-                       .engine_id = kvx_agent_engine_id(a),
-                       .transfer_id = tid,
-                       .src_blocks = src,
-                       .dst_blocks = dst,
-                       .n_blocks = n};
+    kvx_read_req rq = req_for(a, tid, src, dst, n, 0);
     kvx_xfer *x;
     assert_int_equal(kvx_read_start(c, &rq, &x, &err), 0);
     td_err res;
