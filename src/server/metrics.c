@@ -32,7 +32,6 @@ void srv__hist_observe(srv__hist *h, double v)
         i++;
     h->counts[i]++;
     h->sum += v;
-    h->count++;
 }
 
 typedef struct out {

@@ -118,8 +118,7 @@ bool srv__engine_stopped(srv__engine *x, char *reason, size_t cap);
 typedef struct srv__hist {
     const double *bounds; /* [SRV__HIST_BUCKETS] upper bounds, seconds */
     uint64_t counts[SRV__HIST_BUCKETS + 1];
-    double sum;
-    uint64_t count;
+    double sum; /* the count is the counts' total */
 } srv__hist;
 
 typedef struct srv__metrics {
