@@ -2,7 +2,7 @@
 # On the GPU machine, in one run: unpack the kit (scripts/gpu_kit.sh made it on the CPU
 # machine), build with -DTANDEM_CUDA=ON, run the GPU tests, then the benchmarks whose
 # figures BENCHMARKS.md records (each with the floor measured in the same run).
-#   bench/gpu.sh [all | a comma list of test,bench,xfer,xfertcp,xferucx,pd,pdtcp,pducx,dec,sample,mega,gpus,profile, or megaclock]   (default all; logs
+#   bench/gpu.sh [all | a comma list of test,bench,xfer,xfertcp,xferucx,pd,pdtcp,pducx,dec,sample,mega,tg,gpus,profile, or megaclock]   (default all; logs
 #   also go to $OUT if set)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -139,6 +139,16 @@ if want sample; then # sampled decode: on the GPU, or the logits to the host (TD
     echo "== the same with top-k 40, on the GPU" | log
     "${b8[@]}" --prompt-len 128 --context 1024 --gen-len 32 --batch 1,16 --max-num-batched-tokens 2048 \
         --temperature 0.8 --top-k 40 --no-floor 2>&1 | grep -E "^(tg|decode samples)" | log
+fi
+if want tg; then # batch-1 decode as llama.cpp's tg128 measures it (from an empty context, 128 tokens),
+    # alternating with the 1024-token contexts of the other batch-1 figures; each run measures its floor
+    for i in 1 2 3; do
+        for c in 1 1024; do
+            echo "== decode at batch 1, 128 tokens from a $c-token context (run $i)" | log
+            "${b8[@]}" --prompt-len 16 --context $c --gen-len 128 --batch 1 --max-num-batched-tokens 2048 \
+                2>&1 | grep -E "^(tg|floor|machine|  floor)" | log
+        done
+    done
 fi
 if want mega; then # batch-1 decode as one kernel per step (k_mega): this version against the first
     # (TD_CUDA_MEGA_PLAIN=1: no early K/V loads, k_argmax after it, five copies in), alternating
