@@ -295,17 +295,8 @@ static void *lease_main(void *arg)
             if (l->expires_ns < next) next = l->expires_ns;
             i++;
         }
-        struct timespec ts;
-        clock_gettime(CLOCK_MONOTONIC, &ts);
-        uint64_t wait_ns = next > now ? next - now : 0;
-        ts.tv_sec += (time_t)(wait_ns / 1000000000ull);
-        ts.tv_nsec += (long)(wait_ns % 1000000000ull);
-        if (ts.tv_nsec >= 1000000000L) {
-            ts.tv_sec++;
-            ts.tv_nsec -= 1000000000L;
-        }
         a->lease_next = next;
-        pthread_cond_timedwait(&a->cv, &a->mu, &ts);
+        kvx__cond_wait_until(&a->cv, &a->mu, next);
         a->lease_next = 0;
     }
     pthread_mutex_unlock(&a->mu);
@@ -1006,9 +997,7 @@ static int push_wait(kvx_agent *a, int fd, conn_bufs *b, uint32_t tag, uint64_t 
 {
     uint64_t now = td_now_ns();
     if (now < *next_keepalive) {
-        struct timespec ts = {(time_t)(*next_keepalive / 1000000000ull),
-                              (long)(*next_keepalive % 1000000000ull)};
-        pthread_cond_timedwait(&a->cv, &a->mu, &ts);
+        kvx__cond_wait_until(&a->cv, &a->mu, *next_keepalive);
         return 0;
     }
     size_t n = kvx_wire_encode_push_ready(b->out, b->out_cap, tag, 0, 0, 0, NULL, 0);

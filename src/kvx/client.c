@@ -434,13 +434,7 @@ static int conn_get(kvx__session *s, uint64_t deadline_ns, bool check, int *fd, 
                               "kvx: deadline passed waiting for a connection to %s:%u", s->host,
                               s->port);
         }
-        struct timespec ts;
-        clock_gettime(CLOCK_MONOTONIC, &ts);
-        uint64_t wait = TD_MIN(deadline_ns - now, 1000000000ull);
-        ts.tv_nsec += (long)wait;
-        ts.tv_sec += ts.tv_nsec / 1000000000L;
-        ts.tv_nsec %= 1000000000L;
-        pthread_cond_timedwait(&s->cv, &s->mu, &ts);
+        kvx__cond_wait_until(&s->cv, &s->mu, now + TD_MIN(deadline_ns - now, 1000000000ull));
     }
 }
 
@@ -1096,8 +1090,7 @@ static void *watchdog_main(void *arg)
         }
         next = TD_MIN(next, now + WATCH_IDLE_NS);
         c->watch_next = next;
-        struct timespec ts = {(time_t)(next / 1000000000ull), (long)(next % 1000000000ull)};
-        pthread_cond_timedwait(&c->watch_cv, &c->mu, &ts);
+        kvx__cond_wait_until(&c->watch_cv, &c->mu, next);
     }
     pthread_mutex_unlock(&c->mu);
     return NULL;

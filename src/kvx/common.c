@@ -44,6 +44,14 @@ void kvx__cond_init_monotonic(pthread_cond_t *cv)
     pthread_condattr_destroy(&ca);
 }
 
+int kvx__cond_wait_until(pthread_cond_t *cv, pthread_mutex_t *mu, uint64_t deadline_ns)
+{
+    /* td_now_ns() reads CLOCK_MONOTONIC, the clock of these condition variables */
+    struct timespec ts = {(time_t)(deadline_ns / 1000000000ull),
+                          (long)(deadline_ns % 1000000000ull)};
+    return pthread_cond_timedwait(cv, mu, &ts);
+}
+
 /* ---------------------------------------------------------------- ids, layouts, runs */
 
 int kvx__random_id(uint8_t out[KVX_ID_BYTES])

@@ -45,6 +45,9 @@ void kvx__auth_wipe(void *p, size_t n);
 
 /** A condition variable whose timed waits take CLOCK_MONOTONIC deadlines. */
 void kvx__cond_init_monotonic(pthread_cond_t *cv);
+/** Under mu: wait on cv (made by kvx__cond_init_monotonic) until it is signalled or
+ *  td_now_ns() reaches deadline_ns; pthread_cond_timedwait's result (ETIMEDOUT). */
+int kvx__cond_wait_until(pthread_cond_t *cv, pthread_mutex_t *mu, uint64_t deadline_ns);
 
 /** 16 random bytes from getrandom(2); 0 or TD_EIO. */
 int kvx__random_id(uint8_t out[KVX_ID_BYTES]);

@@ -332,14 +332,12 @@ int kvx__ucx_agent_stage(struct kvx__ucx_agent *u, const kvx_msg *grant, uint64_
     }
     /* a free slot, waiting a bounded time for one */
     int slot = -1;
-    struct timespec until;
-    clock_gettime(CLOCK_MONOTONIC, &until);
-    until.tv_sec += (time_t)(STAGE_WAIT_NS / 1000000000ull);
+    const uint64_t until = td_now_ns() + STAGE_WAIT_NS;
     pthread_mutex_lock(&u->smu);
     for (;;) {
         for (int i = 0; i < u->n_slots && slot < 0; i++)
             if (!(u->slot_busy >> i & 1)) slot = i;
-        if (slot >= 0 || pthread_cond_timedwait(&u->scv, &u->smu, &until) == ETIMEDOUT) break;
+        if (slot >= 0 || kvx__cond_wait_until(&u->scv, &u->smu, until) == ETIMEDOUT) break;
     }
     if (slot >= 0) u->slot_busy |= 1ull << slot;
     pthread_mutex_unlock(&u->smu);
@@ -648,13 +646,7 @@ static int chan_get(struct kvx__session *s, chan_pool *p, uint64_t deadline_ns, 
                               "kvx: deadline passed waiting for a ucx channel to %s:%u",
                               kvx__session_host(s), kvx__session_port(s));
         }
-        struct timespec ts;
-        clock_gettime(CLOCK_MONOTONIC, &ts);
-        uint64_t wait = TD_MIN(deadline_ns - now, 1000000000ull);
-        ts.tv_nsec += (long)wait;
-        ts.tv_sec += ts.tv_nsec / 1000000000L;
-        ts.tv_nsec %= 1000000000L;
-        pthread_cond_timedwait(&p->cv, &p->mu, &ts);
+        kvx__cond_wait_until(&p->cv, &p->mu, now + TD_MIN(deadline_ns - now, 1000000000ull));
     }
 }
 
