@@ -217,8 +217,9 @@ static double raw_tcp_gbps(bench *b, int streams, uint64_t bytes, uint64_t prod_
 
 /*
  * The least a pull transfer costs over TCP: each piece is a 16-byte request on one of qp
- * kept-open connections and its bytes back, the pieces cut as kvx cuts them (about
- * size / qp, at least 64 KiB, at most 8 MiB), and qp client threads (one per connection)
+ * kept-open connections and its bytes back, the pieces cut as kvx cuts them
+ * (kvx_piece_count: up to qp of them, at least 512 KiB where the size allows, at most
+ * 8 MiB, equal), and qp client threads (one per connection)
  * take the pieces of a repetition's conc transfers in turn and wait for each other before
  * the next repetition, as kvx_xfer_wait does. No headers, checksums, leases or signalling:
  * what is left is the round trip and the stream. For small transfers this is the floor;
@@ -291,8 +292,8 @@ static double rr_tcp_gbps(bench *b, int streams, uint64_t size, int conc, int re
     }
     streams = TD_MIN(streams, 64);
     rr_shared s = {.b = b, .size = size, .conc = conc, .reps = reps};
-    s.piece = TD_MAX(TD_MIN(size / (uint64_t)streams, (uint64_t)8 << 20), (uint64_t)64 << 10);
-    s.piece = TD_MIN(s.piece, size);
+    uint64_t n = kvx_piece_count(size, (uint32_t)streams, KVX_MIN_PIECE_BYTES, (uint64_t)8 << 20);
+    s.piece = (size + n - 1) / n;
     s.n_pieces = (int)((size + s.piece - 1) / s.piece);
     s.next = calloc((size_t)reps, sizeof(*s.next));
     rr_job j[64];

@@ -25,7 +25,6 @@
 
 #include "kvx/kvx_internal.h"
 
-#define MIN_PIECE_BYTES (64u << 10)
 #define MAX_PIECE_BYTES KVX__MAX_PIECE_BYTES
 #define BATCH_BYTES (256u << 10) /* bytes received between checksum passes */
 
@@ -1308,7 +1307,13 @@ static int piece_push(struct kvx_xfer *x, int *cap, kvx__piece p)
     return 0;
 }
 
-/* Cut the runs into pieces of about piece_blocks blocks (and at most KVX_MAX_DESC ranges). */
+/*
+ * Cut the runs into kvx_piece_count pieces of equal block counts (and at most KVX_MAX_DESC
+ * ranges each). Pieces of at least 512 KiB: every extra piece of a small transfer is a
+ * hand-off between threads, which on a small host costs more than the parallel stream
+ * saves (BENCHMARKS.md, "Fewer, larger pieces"). Striped transfers keep pieces down to
+ * 64 KiB, so that even a small one spreads over the rails.
+ */
 static int xfer_plan(struct kvx_xfer *x, const kvx_run *runs, int n_runs, const kvx_region *r,
                      uint32_t qp, uint32_t seg0, uint32_t seg1, uint64_t max_piece)
 {
@@ -1317,9 +1322,13 @@ static int xfer_plan(struct kvx_xfer *x, const kvx_run *runs, int n_runs, const 
         total_blocks += runs[i].n_blocks;
     total_blocks *= seg1 - seg0;
     uint64_t total = total_blocks * r->block_bytes;
-    uint64_t target = TD_MAX(TD_MIN(total / qp, max_piece), MIN_PIECE_BYTES);
-    uint64_t piece_blocks = TD_MAX(target / r->block_bytes, 1);
-    piece_blocks = TD_MIN(piece_blocks, (uint64_t)KVX_MAX_CRC);
+    uint64_t n = kvx_piece_count(total, qp, x->stripe ? KVX_MIN_STRIPE_BYTES : KVX_MIN_PIECE_BYTES,
+                                 max_piece);
+    uint64_t piece_blocks = (total_blocks + n - 1) / n;
+    /* an even share may round past max_piece by part of a block */
+    if (max_piece != UINT64_MAX)
+        piece_blocks = TD_MIN(piece_blocks, TD_MAX(max_piece / r->block_bytes, 1));
+    piece_blocks = TD_MIN(TD_MAX(piece_blocks, 1), (uint64_t)KVX_MAX_CRC);
     uint32_t pd_cap = 0;
     int pc_cap = 0;
     kvx__piece cur = {.x = x};

@@ -160,6 +160,14 @@ int kvx__hello_compare(const kvx_hello *local, const kvx_hello *peer, td_err *er
     return 0;
 }
 
+uint64_t kvx_piece_count(uint64_t total_bytes, uint32_t qp, uint64_t min_piece, uint64_t max_piece)
+{
+    uint64_t n = TD_MAX(TD_MIN(total_bytes / TD_MAX(min_piece, 1), (uint64_t)TD_MAX(qp, 1u)), 1);
+    if (max_piece != UINT64_MAX && max_piece > 0)
+        n = TD_MAX(n, (total_bytes + max_piece - 1) / max_piece);
+    return n;
+}
+
 int kvx_coalesce(const int32_t *src, const int32_t *dst, int n, uint32_t src_limit,
                  uint32_t dst_limit, kvx_run *runs)
 {

@@ -140,6 +140,20 @@ typedef struct kvx_run {
 int kvx_coalesce(const int32_t *src, const int32_t *dst, int n, uint32_t src_limit,
                  uint32_t dst_limit, kvx_run *runs);
 
+/** A transfer's pieces are at least this large where its size allows (see kvx_piece_count);
+ *  striped transfers, whose pieces spread over several links, at least KVX_MIN_STRIPE_BYTES. */
+#define KVX_MIN_PIECE_BYTES (512u << 10)
+#define KVX_MIN_STRIPE_BYTES (64u << 10)
+
+/**
+ * How many pieces a consumer cuts a transfer of total_bytes into, with qp pieces per
+ * transfer and pieces of at most max_piece bytes (UINT64_MAX: no limit): up to qp, none
+ * below min_piece unless the whole transfer is, and as many as max_piece needs. The blocks
+ * are then dealt evenly over the pieces. (bench-xfer's raw-TCP floor cuts its transfers the
+ * same way.)
+ */
+uint64_t kvx_piece_count(uint64_t total_bytes, uint32_t qp, uint64_t min_piece, uint64_t max_piece);
+
 /* ---------------------------------------------------------------- producer */
 
 typedef enum kvx_release_reason {

@@ -366,6 +366,27 @@ static void test_coalesce(void **state)
     assert_int_equal(kvx_coalesce(src, dst, 0, 1000, 5, runs), 0);
 }
 
+/* How a transfer is cut: up to qp pieces, none under the minimum unless the whole
+ * transfer is, as many as the maximum needs. */
+static void test_piece_count(void **state)
+{
+    (void)state;
+    const uint64_t K = 1024, M = 1024 * K, MAX = 8 * M, NONE = UINT64_MAX;
+    const uint64_t min = KVX_MIN_PIECE_BYTES, stripe = KVX_MIN_STRIPE_BYTES;
+    assert_int_equal(kvx_piece_count(0, 4, min, MAX), 1);
+    assert_int_equal(kvx_piece_count(64 * K, 4, min, MAX), 1);
+    assert_int_equal(kvx_piece_count(min - 1, 4, min, MAX), 1);
+    assert_int_equal(kvx_piece_count(M, 4, min, MAX), 2);      /* 2 x 512 KiB */
+    assert_int_equal(kvx_piece_count(2 * M, 4, min, MAX), 4);  /* qp reached */
+    assert_int_equal(kvx_piece_count(16 * M, 4, min, MAX), 4); /* 4 MiB each */
+    assert_int_equal(kvx_piece_count(64 * M, 4, min, MAX), 8); /* 8 MiB each at most */
+    assert_int_equal(kvx_piece_count(64 * M + 1, 4, min, MAX), 9);
+    assert_int_equal(kvx_piece_count(64 * M, 4, min, NONE), 4); /* no maximum (cuda_ipc) */
+    assert_int_equal(kvx_piece_count(M, 16, stripe, MAX), 16);  /* striped: 64 KiB pieces */
+    assert_int_equal(kvx_piece_count(M, 0, min, MAX), 1);       /* qp 0 counts as 1 */
+    assert_int_equal(kvx_piece_count(M, 4, 0, MAX), 4);         /* no minimum */
+}
+
 static void test_layout_and_ids(void **state)
 {
     (void)state;
@@ -574,12 +595,12 @@ static void test_cuda_frames(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_roundtrip),      cmocka_unit_test(test_truncated),
-        cmocka_unit_test(test_bad_headers),    cmocka_unit_test(test_bad_payloads),
-        cmocka_unit_test(test_push_frames),    cmocka_unit_test(test_rail_frames),
-        cmocka_unit_test(test_crc32c),         cmocka_unit_test(test_coalesce),
-        cmocka_unit_test(test_layout_and_ids), cmocka_unit_test(test_auth_frame),
-        cmocka_unit_test(test_cuda_frames),
+        cmocka_unit_test(test_roundtrip),   cmocka_unit_test(test_truncated),
+        cmocka_unit_test(test_bad_headers), cmocka_unit_test(test_bad_payloads),
+        cmocka_unit_test(test_push_frames), cmocka_unit_test(test_rail_frames),
+        cmocka_unit_test(test_crc32c),      cmocka_unit_test(test_coalesce),
+        cmocka_unit_test(test_piece_count), cmocka_unit_test(test_layout_and_ids),
+        cmocka_unit_test(test_auth_frame),  cmocka_unit_test(test_cuda_frames),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

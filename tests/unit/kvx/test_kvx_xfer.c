@@ -144,6 +144,38 @@ static void test_whole_pool(void **state)
     assert_int_equal(st.bytes_sent, total);
 }
 
+/* Reads as many READs as kvx_piece_count says: one for 512 KiB (64 blocks x 4 segments x
+ * 2 KiB), two for 1 MiB, each piece at least 512 KiB. */
+static void test_small_transfers_few_pieces(void **state)
+{
+    fixture *f = *state;
+    const int sizes[] = {64, 128, 8};
+    const uint64_t want[] = {1, 2, 1};
+    for (int t = 0; t < 3; t++) {
+        int n = sizes[t];
+        int32_t src[N_BLOCKS], dst[N_BLOCKS];
+        for (int i = 0; i < n; i++)
+            src[i] = i, dst[i] = N_BLOCKS - n + i;
+        const uint64_t bytes = (uint64_t)n * N_SEG * BLOCK_BYTES;
+        assert_int_equal(kvx_piece_count(bytes, 4, KVX_MIN_PIECE_BYTES, 8u << 20), want[t]);
+        kvx_agent_stats st0, st;
+        kvx_agent_get_stats(f->agent, &st0);
+        char tid[KVX_ID_HEX];
+        td_err err;
+        assert_int_equal(kvx_agent_register(f->agent, src, n, 0, NULL, tid, &err), 0);
+        assert_int_equal(read_blocks(f, tid, src, dst, n, 0, &err, NULL), 0);
+        expect_copied(f, src, dst, n);
+        /* the producer counts a READ once its bytes are out: let the counters settle */
+        for (int tries = 0; tries < 500; tries++) {
+            kvx_agent_get_stats(f->agent, &st);
+            if (st.bytes_sent - st0.bytes_sent == bytes) break;
+            usleep(2000);
+        }
+        assert_int_equal(st.bytes_sent - st0.bytes_sent, bytes);
+        assert_int_equal(st.reads - st0.reads, want[t]);
+    }
+}
+
 typedef struct done_count {
     _Atomic int n;
     _Atomic int failed;
@@ -1007,6 +1039,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         T(test_basic_read_and_release),
         T(test_whole_pool),
+        T(test_small_transfers_few_pieces),
         T(test_16_concurrent),
         T(test_layout_mismatch),
         T(test_guessed_transfer_id),
