@@ -27,28 +27,9 @@
 #include "cli/flags.h"
 #include "cli/spawn.h"
 
-typedef struct body_buf {
-    char *data;
-    size_t len, cap;
-} body_buf;
-
 static size_t on_body(char *p, size_t size, size_t n, void *arg)
 {
-    body_buf *b = arg;
-    size_t k = size * n;
-    if (b->len + k + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap * 2 : 16384;
-        while (cap < b->len + k + 1)
-            cap *= 2;
-        char *g = realloc(b->data, cap);
-        if (!g) return 0;
-        b->data = g;
-        b->cap = cap;
-    }
-    memcpy(b->data + b->len, p, k);
-    b->len += k;
-    b->data[b->len] = '\0';
-    return k;
+    return td_sbuf_add(arg, p, size * n) ? 0 : size * n;
 }
 
 /* POST every body to url at once; out[i] gets response i's parsed JSON (NULL on failure). */
@@ -57,7 +38,7 @@ static int post_all_to(const char *const *urls, bool one_url, char **bodies, int
 {
     CURLM *multi = curl_multi_init();
     CURL **easy = calloc((size_t)n, sizeof(CURL *));
-    body_buf *bufs = calloc((size_t)n, sizeof(body_buf));
+    td_sbuf *bufs = calloc((size_t)n, sizeof(td_sbuf));
     struct curl_slist *hdr = curl_slist_append(NULL, "Content-Type: application/json");
     curl_multi_setopt(multi, CURLMOPT_MAX_TOTAL_CONNECTIONS, (long)n);
     for (int i = 0; i < n; i++) {
@@ -79,13 +60,13 @@ static int post_all_to(const char *const *urls, bool one_url, char **bodies, int
     for (int i = 0; i < n; i++) {
         long code = 0;
         curl_easy_getinfo(easy[i], CURLINFO_RESPONSE_CODE, &code);
-        out[i] = code == 200 && bufs[i].data ? cJSON_Parse(bufs[i].data) : NULL;
+        out[i] = code == 200 && bufs[i].p ? cJSON_Parse(bufs[i].p) : NULL;
         if (!out[i] && !failed++)
-            fprintf(stderr, "request %d to %s failed: HTTP %ld: %.300s\n", i, urls[one_url ? 0 : i], code,
-                    bufs[i].data ? bufs[i].data : "(no body)");
+            fprintf(stderr, "request %d to %s failed: HTTP %ld: %.300s\n", i, urls[one_url ? 0 : i],
+                    code, bufs[i].p ? bufs[i].p : "(no body)");
         curl_multi_remove_handle(multi, easy[i]);
         curl_easy_cleanup(easy[i]);
-        free(bufs[i].data);
+        free(bufs[i].p);
     }
     curl_multi_cleanup(multi);
     curl_slist_free_all(hdr);
@@ -103,13 +84,13 @@ static int post_all(const char *url, char **bodies, int n, cJSON **out)
 static cJSON *get_json(const char *url)
 {
     CURL *e = curl_easy_init();
-    body_buf b = {0};
+    td_sbuf b = {0};
     curl_easy_setopt(e, CURLOPT_URL, url);
     curl_easy_setopt(e, CURLOPT_WRITEFUNCTION, on_body);
     curl_easy_setopt(e, CURLOPT_WRITEDATA, &b);
-    cJSON *j = curl_easy_perform(e) == CURLE_OK && b.data ? cJSON_Parse(b.data) : NULL;
+    cJSON *j = curl_easy_perform(e) == CURLE_OK && b.p ? cJSON_Parse(b.p) : NULL;
     curl_easy_cleanup(e);
-    free(b.data);
+    free(b.p);
     return j;
 }
 

@@ -140,8 +140,7 @@ typedef struct http_progress {
 } http_progress;
 
 typedef struct stream_buf {
-    char *data;
-    size_t len, cap;
+    td_sbuf text;
     http_progress *progress;
 } stream_buf;
 
@@ -151,26 +150,16 @@ static size_t on_data(char *p, size_t size, size_t n, void *arg)
     size_t k = size * n;
     /* Every token chunk carries one "finish_reason" (the usage chunk none). */
     http_progress *pr = b->progress;
-    bool first = b->len == 0;
+    bool first = b->text.len == 0;
     for (const char *q = p; (q = memmem(q, k - (size_t)(q - p), "finish_reason", 13)); q += 13)
         pr->chunks++;
     if (first && ++pr->started == pr->streams) {
         pr->t_all_started = td_now_s();
         pr->chunks_at_all_started = pr->chunks;
     }
-    if (b->len + k + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap * 2 : 65536;
-        while (cap < b->len + k + 1)
-            cap *= 2;
-        char *g = realloc(b->data, cap);
-        if (!g) return 0;
-        b->data = g;
-        b->cap = cap;
-    }
-    memcpy(b->data + b->len, p, k);
-    b->len += k;
-    b->data[b->len] = '\0';
-    return k;
+    /* a stream's whole answer in one allocation (tens of KiB), not a dozen doublings */
+    if (!b->text.p && td_sbuf_reserve(&b->text, 65536)) return 0;
+    return td_sbuf_add(&b->text, p, k) ? 0 : k;
 }
 
 /* A request body: stream i's prompt (offset by `salt` streams, so that a warm-up round
@@ -231,18 +220,18 @@ static long http_round(CURLM *multi, CURL **easy, const workload *w, int salt, i
     for (int i = 0; i < w->streams; i++) {
         long code = 0;
         curl_easy_getinfo(easy[i], CURLINFO_RESPONSE_CODE, &code);
-        const char *u = bufs[i].data ? strstr(bufs[i].data, "\"completion_tokens\":") : NULL;
-        bool done = bufs[i].data && strstr(bufs[i].data, "data: [DONE]");
+        const char *u = bufs[i].text.p ? strstr(bufs[i].text.p, "\"completion_tokens\":") : NULL;
+        bool done = bufs[i].text.p && strstr(bufs[i].text.p, "data: [DONE]");
         if (code != 200 || !u || !done) {
             if (!failed++)
                 fprintf(stderr, "stream %d failed: HTTP %ld: %.300s\n", i, code,
-                        bufs[i].data ? bufs[i].data : "(no body)");
+                        bufs[i].text.p ? bufs[i].text.p : "(no body)");
         } else {
             tokens += strtol(u + 20, NULL, 10);
         }
         curl_multi_remove_handle(multi, easy[i]);
         free(bodies[i]);
-        free(bufs[i].data);
+        free(bufs[i].text.p);
     }
     free(bufs);
     free(bodies);

@@ -658,35 +658,9 @@ void pd_destroy(pd_connector *pd)
 
 /* ---- metrics ---- */
 
-typedef struct sbuf {
-    char *p;
-    size_t n, cap;
-} sbuf;
-
-static void sb_add(sbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void sb_add(sbuf *b, const char *fmt, ...)
-{
-    for (;;) {
-        va_list ap;
-        va_start(ap, fmt);
-        int k = vsnprintf(b->p ? b->p + b->n : NULL, b->p ? b->cap - b->n : 0, fmt, ap);
-        va_end(ap);
-        if (k < 0) return;
-        if (b->p && b->n + (size_t)k < b->cap) {
-            b->n += (size_t)k;
-            return;
-        }
-        size_t cap = TD_MAX(b->cap * 2, b->n + (size_t)k + 1024);
-        char *g = realloc(b->p, cap);
-        if (!g) return;
-        b->p = g;
-        b->cap = cap;
-    }
-}
-
 char *pd_metrics_render(pd_connector *pd)
 {
-    sbuf b = {0};
+    td_sbuf b = {0};
     pthread_mutex_lock(&pd->mu);
     uint64_t ok = pd->loads_ok, fails[FAIL_N], hist[N_BUCKETS + 1];
     memcpy(fails, pd->failures, sizeof(fails));
@@ -697,110 +671,123 @@ char *pd_metrics_render(pd_connector *pd)
     double sum = pd->hist_sum;
     pthread_mutex_unlock(&pd->mu);
     if (pd->client) {
-        sb_add(&b, "# HELP tandem_kv_transfers_total KV transfers into this engine that "
-                   "completed.\n# TYPE tandem_kv_transfers_total counter\n"
-                   "tandem_kv_transfers_total %llu\n",
-               (unsigned long long)ok);
-        sb_add(&b, "# HELP tandem_kv_transfer_failures_total KV transfers into this engine that "
-                   "failed, by reason.\n# TYPE tandem_kv_transfer_failures_total counter\n");
+        td_sbuf_printf(&b,
+                       "# HELP tandem_kv_transfers_total KV transfers into this engine that "
+                       "completed.\n# TYPE tandem_kv_transfers_total counter\n"
+                       "tandem_kv_transfers_total %llu\n",
+                       (unsigned long long)ok);
+        td_sbuf_printf(
+            &b, "# HELP tandem_kv_transfer_failures_total KV transfers into this engine that "
+                "failed, by reason.\n# TYPE tandem_kv_transfer_failures_total counter\n");
         for (int i = 0; i < FAIL_N; i++)
-            sb_add(&b, "tandem_kv_transfer_failures_total{reason=\"%s\"} %llu\n", FAIL_NAMES[i],
-                   (unsigned long long)fails[i]);
-        sb_add(&b, "# HELP tandem_kv_transfer_bytes_total KV bytes received.\n"
-                   "# TYPE tandem_kv_transfer_bytes_total counter\n"
-                   "tandem_kv_transfer_bytes_total %llu\n"
-                   "# HELP tandem_kv_transfer_blocks_total KV blocks received.\n"
-                   "# TYPE tandem_kv_transfer_blocks_total counter\n"
-                   "tandem_kv_transfer_blocks_total %llu\n"
-                   "# HELP tandem_kv_transfer_descriptors_total Byte ranges moved (coalesced "
-                   "runs x layers).\n# TYPE tandem_kv_transfer_descriptors_total counter\n"
-                   "tandem_kv_transfer_descriptors_total %llu\n",
-               (unsigned long long)bytes, (unsigned long long)blocks, (unsigned long long)desc);
-        sb_add(&b, "# HELP tandem_kv_push_transfers_total Completed KV transfers in write "
-                   "(push) mode, included in tandem_kv_transfers_total.\n"
-                   "# TYPE tandem_kv_push_transfers_total counter\n"
-                   "tandem_kv_push_transfers_total %llu\n",
-               (unsigned long long)push_loads);
-        sb_add(&b, "# HELP tandem_kv_heartbeats_total Lease heartbeats sent for requests waiting "
-                   "here.\n# TYPE tandem_kv_heartbeats_total counter\ntandem_kv_heartbeats_total "
-                   "%llu\n# HELP tandem_kv_heartbeat_failures_total Heartbeats that failed.\n"
-                   "# TYPE tandem_kv_heartbeat_failures_total counter\n"
-                   "tandem_kv_heartbeat_failures_total %llu\n",
-               (unsigned long long)beats, (unsigned long long)beat_fails);
-        sb_add(&b, "# HELP tandem_kv_transfer_duration_seconds Time of a completed KV "
-                   "transfer.\n# TYPE tandem_kv_transfer_duration_seconds histogram\n");
+            td_sbuf_printf(&b, "tandem_kv_transfer_failures_total{reason=\"%s\"} %llu\n",
+                           FAIL_NAMES[i], (unsigned long long)fails[i]);
+        td_sbuf_printf(&b,
+                       "# HELP tandem_kv_transfer_bytes_total KV bytes received.\n"
+                       "# TYPE tandem_kv_transfer_bytes_total counter\n"
+                       "tandem_kv_transfer_bytes_total %llu\n"
+                       "# HELP tandem_kv_transfer_blocks_total KV blocks received.\n"
+                       "# TYPE tandem_kv_transfer_blocks_total counter\n"
+                       "tandem_kv_transfer_blocks_total %llu\n"
+                       "# HELP tandem_kv_transfer_descriptors_total Byte ranges moved (coalesced "
+                       "runs x layers).\n# TYPE tandem_kv_transfer_descriptors_total counter\n"
+                       "tandem_kv_transfer_descriptors_total %llu\n",
+                       (unsigned long long)bytes, (unsigned long long)blocks,
+                       (unsigned long long)desc);
+        td_sbuf_printf(&b,
+                       "# HELP tandem_kv_push_transfers_total Completed KV transfers in write "
+                       "(push) mode, included in tandem_kv_transfers_total.\n"
+                       "# TYPE tandem_kv_push_transfers_total counter\n"
+                       "tandem_kv_push_transfers_total %llu\n",
+                       (unsigned long long)push_loads);
+        td_sbuf_printf(
+            &b,
+            "# HELP tandem_kv_heartbeats_total Lease heartbeats sent for requests waiting "
+            "here.\n# TYPE tandem_kv_heartbeats_total counter\ntandem_kv_heartbeats_total "
+            "%llu\n# HELP tandem_kv_heartbeat_failures_total Heartbeats that failed.\n"
+            "# TYPE tandem_kv_heartbeat_failures_total counter\n"
+            "tandem_kv_heartbeat_failures_total %llu\n",
+            (unsigned long long)beats, (unsigned long long)beat_fails);
+        td_sbuf_printf(&b, "# HELP tandem_kv_transfer_duration_seconds Time of a completed KV "
+                           "transfer.\n# TYPE tandem_kv_transfer_duration_seconds histogram\n");
         uint64_t cum = 0;
         for (int i = 0; i < N_BUCKETS; i++) {
             cum += hist[i];
-            sb_add(&b, "tandem_kv_transfer_duration_seconds_bucket{le=\"%g\"} %llu\n", BUCKETS[i],
-                   (unsigned long long)cum);
+            td_sbuf_printf(&b, "tandem_kv_transfer_duration_seconds_bucket{le=\"%g\"} %llu\n",
+                           BUCKETS[i], (unsigned long long)cum);
         }
         cum += hist[N_BUCKETS];
-        sb_add(&b,
-               "tandem_kv_transfer_duration_seconds_bucket{le=\"+Inf\"} %llu\n"
-               "tandem_kv_transfer_duration_seconds_sum %.6f\n"
-               "tandem_kv_transfer_duration_seconds_count %llu\n",
-               (unsigned long long)cum, sum, (unsigned long long)cum);
+        td_sbuf_printf(&b,
+                       "tandem_kv_transfer_duration_seconds_bucket{le=\"+Inf\"} %llu\n"
+                       "tandem_kv_transfer_duration_seconds_sum %.6f\n"
+                       "tandem_kv_transfer_duration_seconds_count %llu\n",
+                       (unsigned long long)cum, sum, (unsigned long long)cum);
     }
     if (pd->agent) {
         kvx_agent_stats st;
         kvx_agent_get_stats(pd->agent, &st);
-        sb_add(&b,
-               "# HELP tandem_kv_leases_total Prompt KV handed to consumers under a lease.\n"
-               "# TYPE tandem_kv_leases_total counter\ntandem_kv_leases_total %llu\n"
-               "# HELP tandem_kv_leases_active Leases held now.\n"
-               "# TYPE tandem_kv_leases_active gauge\ntandem_kv_leases_active %d\n"
-               "# HELP tandem_kv_leases_expired_total Leases that ended without a release "
-               "(consumer gone).\n# TYPE tandem_kv_leases_expired_total counter\n"
-               "tandem_kv_leases_expired_total %llu\n"
-               "# HELP tandem_kv_leases_released_total Leases released by their consumer.\n"
-               "# TYPE tandem_kv_leases_released_total counter\n"
-               "tandem_kv_leases_released_total %llu\n"
-               "# HELP tandem_kv_sent_bytes_total KV bytes served to consumers.\n"
-               "# TYPE tandem_kv_sent_bytes_total counter\ntandem_kv_sent_bytes_total %llu\n"
-               "# HELP tandem_kv_reads_total Read requests served.\n"
-               "# TYPE tandem_kv_reads_total counter\ntandem_kv_reads_total %llu\n"
-               "# HELP tandem_kv_handshakes_refused_total Sessions refused (layout, identity or "
-               "authentication).\n# TYPE tandem_kv_handshakes_refused_total counter\n"
-               "tandem_kv_handshakes_refused_total %llu\n"
-               "# HELP tandem_kv_unknown_transfer_total Requests naming a transfer id this "
-               "producer does not hold.\n# TYPE tandem_kv_unknown_transfer_total counter\n"
-               "tandem_kv_unknown_transfer_total %llu\n"
-               "# HELP tandem_kv_pushes_opened_total Prefills that streamed their KV to a "
-               "consumer layer by layer (write mode).\n"
-               "# TYPE tandem_kv_pushes_opened_total counter\ntandem_kv_pushes_opened_total "
-               "%llu\n"
-               "# HELP tandem_kv_pushes_claimed_total Push transfers a consumer claimed.\n"
-               "# TYPE tandem_kv_pushes_claimed_total counter\ntandem_kv_pushes_claimed_total "
-               "%llu\n",
-               (unsigned long long)holds, kvx_agent_n_leases(pd->agent),
-               (unsigned long long)st.leases_expired, (unsigned long long)st.leases_released,
-               (unsigned long long)st.bytes_sent, (unsigned long long)st.reads,
-               (unsigned long long)st.handshakes_refused,
-               (unsigned long long)st.unknown_transfer, (unsigned long long)push_opened,
-               (unsigned long long)st.pushes);
+        td_sbuf_printf(
+            &b,
+            "# HELP tandem_kv_leases_total Prompt KV handed to consumers under a lease.\n"
+            "# TYPE tandem_kv_leases_total counter\ntandem_kv_leases_total %llu\n"
+            "# HELP tandem_kv_leases_active Leases held now.\n"
+            "# TYPE tandem_kv_leases_active gauge\ntandem_kv_leases_active %d\n"
+            "# HELP tandem_kv_leases_expired_total Leases that ended without a release "
+            "(consumer gone).\n# TYPE tandem_kv_leases_expired_total counter\n"
+            "tandem_kv_leases_expired_total %llu\n"
+            "# HELP tandem_kv_leases_released_total Leases released by their consumer.\n"
+            "# TYPE tandem_kv_leases_released_total counter\n"
+            "tandem_kv_leases_released_total %llu\n"
+            "# HELP tandem_kv_sent_bytes_total KV bytes served to consumers.\n"
+            "# TYPE tandem_kv_sent_bytes_total counter\ntandem_kv_sent_bytes_total %llu\n"
+            "# HELP tandem_kv_reads_total Read requests served.\n"
+            "# TYPE tandem_kv_reads_total counter\ntandem_kv_reads_total %llu\n"
+            "# HELP tandem_kv_handshakes_refused_total Sessions refused (layout, identity or "
+            "authentication).\n# TYPE tandem_kv_handshakes_refused_total counter\n"
+            "tandem_kv_handshakes_refused_total %llu\n"
+            "# HELP tandem_kv_unknown_transfer_total Requests naming a transfer id this "
+            "producer does not hold.\n# TYPE tandem_kv_unknown_transfer_total counter\n"
+            "tandem_kv_unknown_transfer_total %llu\n"
+            "# HELP tandem_kv_pushes_opened_total Prefills that streamed their KV to a "
+            "consumer layer by layer (write mode).\n"
+            "# TYPE tandem_kv_pushes_opened_total counter\ntandem_kv_pushes_opened_total "
+            "%llu\n"
+            "# HELP tandem_kv_pushes_claimed_total Push transfers a consumer claimed.\n"
+            "# TYPE tandem_kv_pushes_claimed_total counter\ntandem_kv_pushes_claimed_total "
+            "%llu\n",
+            (unsigned long long)holds, kvx_agent_n_leases(pd->agent),
+            (unsigned long long)st.leases_expired, (unsigned long long)st.leases_released,
+            (unsigned long long)st.bytes_sent, (unsigned long long)st.reads,
+            (unsigned long long)st.handshakes_refused, (unsigned long long)st.unknown_transfer,
+            (unsigned long long)push_opened, (unsigned long long)st.pushes);
         if (pd->rails.n > 0) {
-            sb_add(&b, "%s",
-                   "# HELP tandem_kv_rail_reads_total Reads served on each rail's engine.\n"
-                   "# TYPE tandem_kv_rail_reads_total counter\n");
+            td_sbuf_printf(&b, "%s",
+                           "# HELP tandem_kv_rail_reads_total Reads served on each rail's engine.\n"
+                           "# TYPE tandem_kv_rail_reads_total counter\n");
             for (int i = 0; i < pd->rails.n; i++)
-                sb_add(&b, "tandem_kv_rail_reads_total{rail=\"%s\"} %llu\n", pd->rails.name[i],
-                       (unsigned long long)st.rail_reads[i]);
-            sb_add(&b, "%s",
-                   "# HELP tandem_kv_rail_state Each rail's engine: 0 not made yet, 1 ready, "
-                   "2 failed (until restart).\n# TYPE tandem_kv_rail_state gauge\n");
+                td_sbuf_printf(&b, "tandem_kv_rail_reads_total{rail=\"%s\"} %llu\n",
+                               pd->rails.name[i], (unsigned long long)st.rail_reads[i]);
+            td_sbuf_printf(
+                &b, "%s",
+                "# HELP tandem_kv_rail_state Each rail's engine: 0 not made yet, 1 ready, "
+                "2 failed (until restart).\n# TYPE tandem_kv_rail_state gauge\n");
             for (int i = 0; i < pd->rails.n; i++)
-                sb_add(&b, "tandem_kv_rail_state{rail=\"%s\"} %d\n", pd->rails.name[i],
-                       kvx_agent_rail_state(pd->agent, i));
-            sb_add(&b,
-                   "# HELP tandem_kv_rails_refused_total Consumers' rail requests refused (a "
-                   "rail this producer does not have, or a failed one).\n"
-                   "# TYPE tandem_kv_rails_refused_total counter\ntandem_kv_rails_refused_total "
-                   "%llu\n",
-                   (unsigned long long)st.rails_refused);
+                td_sbuf_printf(&b, "tandem_kv_rail_state{rail=\"%s\"} %d\n", pd->rails.name[i],
+                               kvx_agent_rail_state(pd->agent, i));
+            td_sbuf_printf(
+                &b,
+                "# HELP tandem_kv_rails_refused_total Consumers' rail requests refused (a "
+                "rail this producer does not have, or a failed one).\n"
+                "# TYPE tandem_kv_rails_refused_total counter\ntandem_kv_rails_refused_total "
+                "%llu\n",
+                (unsigned long long)st.rails_refused);
         }
     }
-    if (!b.p) sb_add(&b, "%s", "");
+    if (!b.p) td_sbuf_printf(&b, "%s", "");
+    if (b.oom) {
+        free(b.p);
+        return NULL;
+    }
     return b.p;
 }
 

@@ -57,36 +57,15 @@ srv_chat_family srv_chat_detect(const char *t, size_t len)
     return SRV_CHAT_UNKNOWN;
 }
 
-/* A growable string; on allocation failure it stays NULL and reports at the end. */
-typedef struct sbuf {
-    char *p;
-    size_t len, cap;
-    bool oom;
-} sbuf;
-
-static void put(sbuf *b, const char *s)
+/* Append a string; an allocation failure is reported once, at the end (td_sbuf.oom). */
+static void put(td_sbuf *b, const char *s)
 {
-    size_t n = strlen(s);
-    if (b->oom) return;
-    if (b->len + n + 1 > b->cap) {
-        size_t cap = (b->cap ? b->cap : 256);
-        while (cap < b->len + n + 1)
-            cap *= 2;
-        char *g = realloc(b->p, cap);
-        if (!g) {
-            b->oom = true;
-            return;
-        }
-        b->p = g;
-        b->cap = cap;
-    }
-    memcpy(b->p + b->len, s, n + 1);
-    b->len += n;
+    td_sbuf_add(b, s, strlen(s));
 }
 
 /* Llama-2 and Mistral: [INST] turns; Llama-2 folds the system prompt into the first user
  * turn inside <<SYS>>, Mistral prepends it to the first user message. */
-static void render_inst(sbuf *b, const srv_chat_msg *m, int n, bool llama2)
+static void render_inst(td_sbuf *b, const srv_chat_msg *m, int n, bool llama2)
 {
     const char *system = NULL;
     bool first_user = true;
@@ -119,7 +98,7 @@ static void render_inst(sbuf *b, const srv_chat_msg *m, int n, bool llama2)
 
 char *srv_chat_render(srv_chat_family f, const srv_chat_msg *m, int n, srv_error *err)
 {
-    sbuf b = {0};
+    td_sbuf b = {0};
     put(&b, "");
     switch (f) {
     case SRV_CHAT_CHATML:

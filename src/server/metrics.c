@@ -34,67 +34,40 @@ void srv__hist_observe(srv__hist *h, double v)
     h->sum += v;
 }
 
-typedef struct out {
-    char *p;
-    size_t len, cap;
-} out;
-
-static void emit(out *o, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void emit(out *o, const char *fmt, ...)
-{
-    for (;;) {
-        va_list ap;
-        va_start(ap, fmt);
-        int n = vsnprintf(o->p ? o->p + o->len : NULL, o->p ? o->cap - o->len : 0, fmt, ap);
-        va_end(ap);
-        if (n < 0) return;
-        if (o->p && o->len + (size_t)n < o->cap) {
-            o->len += (size_t)n;
-            return;
-        }
-        size_t cap = o->cap ? o->cap * 2 : 8192;
-        while (cap < o->len + (size_t)n + 1)
-            cap *= 2;
-        char *g = realloc(o->p, cap);
-        if (!g) return;
-        o->p = g;
-        o->cap = cap;
-    }
-}
-
 /* A histogram: counts by bucket, the last one past every bound. */
-static void counts_hist(out *o, const char *name, const char *help, const double *bounds,
+static void counts_hist(td_sbuf *o, const char *name, const char *help, const double *bounds,
                         const uint64_t *counts, int n, double sum, const char *model)
 {
-    emit(o, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
+    td_sbuf_printf(o, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
     uint64_t cum = 0;
     for (int i = 0; i < n; i++) {
         cum += counts[i];
-        emit(o, "%s_bucket{model_name=\"%s\",le=\"%g\"} %llu\n", name, model, bounds[i],
-             (unsigned long long)cum);
+        td_sbuf_printf(o, "%s_bucket{model_name=\"%s\",le=\"%g\"} %llu\n", name, model, bounds[i],
+                       (unsigned long long)cum);
     }
     cum += counts[n];
-    emit(o, "%s_bucket{model_name=\"%s\",le=\"+Inf\"} %llu\n", name, model,
-         (unsigned long long)cum);
-    emit(o, "%s_sum{model_name=\"%s\"} %.9g\n%s_count{model_name=\"%s\"} %llu\n", name, model, sum,
-         name, model, (unsigned long long)cum);
+    td_sbuf_printf(o, "%s_bucket{model_name=\"%s\",le=\"+Inf\"} %llu\n", name, model,
+                   (unsigned long long)cum);
+    td_sbuf_printf(o, "%s_sum{model_name=\"%s\"} %.9g\n%s_count{model_name=\"%s\"} %llu\n", name,
+                   model, sum, name, model, (unsigned long long)cum);
 }
 
-static void hist(out *o, const char *name, const char *help, const srv__hist *h, const char *model)
+static void hist(td_sbuf *o, const char *name, const char *help, const srv__hist *h,
+                 const char *model)
 {
     counts_hist(o, name, help, h->bounds, h->counts, SRV__HIST_BUCKETS, h->sum, model);
 }
 
-static void gauge(out *o, const char *name, const char *type, const char *help, const char *model,
-                  double v)
+static void gauge(td_sbuf *o, const char *name, const char *type, const char *help,
+                  const char *model, double v)
 {
-    emit(o, "# HELP %s %s\n# TYPE %s %s\n%s{model_name=\"%s\"} %.17g\n", name, help, name, type,
-         name, model, v);
+    td_sbuf_printf(o, "# HELP %s %s\n# TYPE %s %s\n%s{model_name=\"%s\"} %.17g\n", name, help, name,
+                   type, name, model, v);
 }
 
 char *srv__metrics_render(const srv__metrics *m, const srv__snapshot *s, const char *model)
 {
-    out o = {0};
+    td_sbuf o = {0};
     const td_engine_stats *st = &s->stats;
     gauge(&o, "tandem_num_requests_running", "gauge", "Requests in the running batch.", model,
           s->num_running);
@@ -132,19 +105,22 @@ char *srv__metrics_render(const srv__metrics *m, const srv__snapshot *s, const c
           "--cpu-board: time spent waiting for lent CPUs to come back.", model,
           (double)st->cpu_reclaim_ns / 1e9);
     /* The engine's steps: how full they ran and where its time went. */
-    emit(&o, "# HELP tandem_engine_steps_total Engine steps (forward passes), by kind: prefill "
-             "(computed prompt tokens, with or without decode rows) or decode (decode rows "
-             "only).\n# TYPE tandem_engine_steps_total counter\n");
-    emit(&o, "tandem_engine_steps_total{model_name=\"%s\",kind=\"prefill\"} %llu\n", model,
-         (unsigned long long)st->steps_prefill);
-    emit(&o, "tandem_engine_steps_total{model_name=\"%s\",kind=\"decode\"} %llu\n", model,
-         (unsigned long long)(st->steps - st->steps_prefill));
-    emit(&o, "# HELP tandem_engine_step_seconds_total Time in engine steps, by kind (as "
-             "tandem_engine_steps_total).\n# TYPE tandem_engine_step_seconds_total counter\n");
-    emit(&o, "tandem_engine_step_seconds_total{model_name=\"%s\",kind=\"prefill\"} %.9g\n", model,
-         (double)st->step_ns_prefill / 1e9);
-    emit(&o, "tandem_engine_step_seconds_total{model_name=\"%s\",kind=\"decode\"} %.9g\n", model,
-         (double)st->step_ns_decode / 1e9);
+    td_sbuf_printf(
+        &o, "# HELP tandem_engine_steps_total Engine steps (forward passes), by kind: prefill "
+            "(computed prompt tokens, with or without decode rows) or decode (decode rows "
+            "only).\n# TYPE tandem_engine_steps_total counter\n");
+    td_sbuf_printf(&o, "tandem_engine_steps_total{model_name=\"%s\",kind=\"prefill\"} %llu\n",
+                   model, (unsigned long long)st->steps_prefill);
+    td_sbuf_printf(&o, "tandem_engine_steps_total{model_name=\"%s\",kind=\"decode\"} %llu\n", model,
+                   (unsigned long long)(st->steps - st->steps_prefill));
+    td_sbuf_printf(
+        &o, "# HELP tandem_engine_step_seconds_total Time in engine steps, by kind (as "
+            "tandem_engine_steps_total).\n# TYPE tandem_engine_step_seconds_total counter\n");
+    td_sbuf_printf(&o,
+                   "tandem_engine_step_seconds_total{model_name=\"%s\",kind=\"prefill\"} %.9g\n",
+                   model, (double)st->step_ns_prefill / 1e9);
+    td_sbuf_printf(&o, "tandem_engine_step_seconds_total{model_name=\"%s\",kind=\"decode\"} %.9g\n",
+                   model, (double)st->step_ns_decode / 1e9);
     double tok_bounds[TD_STEP_TOKEN_BUCKETS];
     for (int i = 0; i < TD_STEP_TOKEN_BUCKETS; i++)
         tok_bounds[i] = (double)(1 << i);
@@ -158,17 +134,18 @@ char *srv__metrics_render(const srv__metrics *m, const srv__snapshot *s, const c
           (double)m->prompt_tokens);
     gauge(&o, "tandem_generation_tokens_total", "counter", "Generated tokens.", model,
           (double)m->generation_tokens);
-    emit(&o, "# HELP tandem_request_success_total Finished requests by finish reason.\n"
-             "# TYPE tandem_request_success_total counter\n");
+    td_sbuf_printf(&o, "# HELP tandem_request_success_total Finished requests by finish reason.\n"
+                       "# TYPE tandem_request_success_total counter\n");
     static const char *const reasons[5] = {"none", "stop", "length", "abort", "error"};
     for (int i = 1; i < 5; i++)
-        emit(&o, "tandem_request_success_total{model_name=\"%s\",finished_reason=\"%s\"} %llu\n",
-             model, reasons[i], (unsigned long long)m->finished[i]);
-    emit(&o, "# HELP tandem_http_requests_total HTTP responses by status class.\n"
-             "# TYPE tandem_http_requests_total counter\n");
+        td_sbuf_printf(
+            &o, "tandem_request_success_total{model_name=\"%s\",finished_reason=\"%s\"} %llu\n",
+            model, reasons[i], (unsigned long long)m->finished[i]);
+    td_sbuf_printf(&o, "# HELP tandem_http_requests_total HTTP responses by status class.\n"
+                       "# TYPE tandem_http_requests_total counter\n");
     for (int i = 1; i < 6; i++)
-        emit(&o, "tandem_http_requests_total{status=\"%dxx\"} %llu\n", i,
-             (unsigned long long)m->http_requests[i]);
+        td_sbuf_printf(&o, "tandem_http_requests_total{status=\"%dxx\"} %llu\n", i,
+                       (unsigned long long)m->http_requests[i]);
     gauge(&o, "tandem_requests_rejected_queue_full_total", "counter",
           "Requests refused because the waiting queue was full.", model,
           (double)m->rejected_queue_full);
@@ -180,5 +157,9 @@ char *srv__metrics_render(const srv__metrics *m, const srv__snapshot *s, const c
          model);
     hist(&o, "tandem_request_queue_time_seconds", "Time waiting before first scheduled.", &m->queue,
          model);
+    if (o.oom) {
+        free(o.p);
+        return NULL;
+    }
     return o.p;
 }

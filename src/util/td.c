@@ -268,3 +268,56 @@ long td_raise_fd_limit(void)
     }
     return rl.rlim_cur == RLIM_INFINITY ? -1 : (long)rl.rlim_cur;
 }
+
+/* ---- growable strings ---- */
+
+int td_sbuf_reserve(td_sbuf *b, size_t more)
+{
+    if (b->oom) return TD_ENOMEM;
+    if (b->p && b->len + more < b->cap) return 0;
+    size_t cap = b->cap ? b->cap : 256;
+    while (cap <= b->len + more) {
+        if (cap > SIZE_MAX / 2) {
+            b->oom = true;
+            return TD_ENOMEM;
+        }
+        cap *= 2;
+    }
+    char *g = realloc(b->p, cap);
+    if (!g) {
+        b->oom = true;
+        return TD_ENOMEM;
+    }
+    b->p = g;
+    b->cap = cap;
+    return 0;
+}
+
+int td_sbuf_add(td_sbuf *b, const void *s, size_t n)
+{
+    if (td_sbuf_reserve(b, n)) return TD_ENOMEM;
+    memcpy(b->p + b->len, s, n);
+    b->len += n;
+    b->p[b->len] = '\0';
+    return 0;
+}
+
+int td_sbuf_printf(td_sbuf *b, const char *fmt, ...)
+{
+    if (b->oom) return TD_ENOMEM;
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(b->p ? b->p + b->len : NULL, b->p ? b->cap - b->len : 0, fmt, ap);
+    va_end(ap);
+    if (n < 0) return TD_EINVAL;
+    if (b->p && b->len + (size_t)n < b->cap) {
+        b->len += (size_t)n;
+        return 0;
+    }
+    if (td_sbuf_reserve(b, (size_t)n)) return TD_ENOMEM;
+    va_start(ap, fmt);
+    vsnprintf(b->p + b->len, b->cap - b->len, fmt, ap);
+    va_end(ap);
+    b->len += (size_t)n;
+    return 0;
+}

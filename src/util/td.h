@@ -111,6 +111,23 @@ float td_rng_float(td_rng *rng);
 long td_raise_fd_limit(void);
 
 /**
+ * A growable NUL-terminated string. Zero-initialise it; the caller frees p. An allocation
+ * failure keeps what was built, sets oom and makes every later append a no-op, so a
+ * builder can append freely and check oom once at the end.
+ */
+typedef struct td_sbuf {
+    char *p;
+    size_t len, cap;
+    bool oom;
+} td_sbuf;
+/** Make room for n more bytes (and the NUL) at once; 0 or TD_ENOMEM. */
+int td_sbuf_reserve(td_sbuf *b, size_t n);
+/** Append n bytes of s (which need not be NUL-terminated); 0 or TD_ENOMEM. */
+int td_sbuf_add(td_sbuf *b, const void *s, size_t n);
+/** Append a formatted string; 0, TD_ENOMEM, or TD_EINVAL for a format that fails. */
+int td_sbuf_printf(td_sbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/**
  * Parse helpers for flags: they accept the whole string or fail (no trailing
  * garbage, no overflow). Return 0 or TD_EINVAL.
  */

@@ -1,7 +1,10 @@
-/* Unit tests for util/td.c: error records, number parsing, hashing and the PRNG. */
+/* Unit tests for util/td.c: error records, number parsing, hashing, the PRNG and growable
+ * strings. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
 #include <cmocka.h>
 
 #include "util/td.h"
@@ -55,12 +58,51 @@ static void test_hash_and_rng(void **state)
     }
 }
 
+/* Appends and formats grow the string across its first capacity and keep it terminated. */
+static void test_sbuf(void **state)
+{
+    (void)state;
+    td_sbuf b = {0};
+    assert_int_equal(td_sbuf_add(&b, "", 0), 0);
+    assert_non_null(b.p);
+    assert_string_equal(b.p, "");
+    assert_int_equal(td_sbuf_add(&b, "abcdef", 3), 0); /* not NUL-terminated input */
+    assert_int_equal(td_sbuf_printf(&b, "-%d-%s", 42, "x"), 0);
+    assert_string_equal(b.p, "abc-42-x");
+    assert_int_equal(b.len, 8);
+    /* past the first capacity, by appends and by a long format */
+    char big[1000];
+    memset(big, 'y', sizeof(big));
+    for (int i = 0; i < 5; i++)
+        assert_int_equal(td_sbuf_add(&b, big, sizeof(big)), 0);
+    assert_int_equal(td_sbuf_printf(&b, "%.*s|%d", 3000, "zzz", 7), 0);
+    assert_int_equal(b.len, 8 + 5000 + 5);
+    assert_int_equal(strlen(b.p), b.len);
+    assert_true(b.cap > b.len);
+    assert_string_equal(b.p + b.len - 5, "zzz|7");
+    char *wide = malloc(5000);
+    memset(wide, 'w', 4999);
+    wide[4999] = '\0';
+    assert_int_equal(td_sbuf_printf(&b, "%s", wide), 0);
+    assert_int_equal(b.len, 8 + 5000 + 5 + 4999);
+    assert_int_equal(strlen(b.p), b.len);
+    free(wide);
+    assert_false(b.oom);
+    free(b.p);
+    /* after a failure every append is a no-op and says so */
+    td_sbuf f = {.oom = true};
+    assert_int_equal(td_sbuf_add(&f, "a", 1), TD_ENOMEM);
+    assert_int_equal(td_sbuf_printf(&f, "%d", 1), TD_ENOMEM);
+    assert_null(f.p);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_err_set),
         cmocka_unit_test(test_parse),
         cmocka_unit_test(test_hash_and_rng),
+        cmocka_unit_test(test_sbuf),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
