@@ -4,8 +4,8 @@
  *
  * A session is one producer incarnation (host, port, engine id) and a pool of at most
  * qp_per_transfer connections to it, each greeted by its own HELLO. A transfer's block
- * runs are cut into pieces (about total / qp_per_transfer bytes each, between 64 KiB and
- * 8 MiB), queued FIFO; every worker takes the next piece of any transfer and moves it on
+ * runs are cut into pieces (kvx_piece_count: up to qp_per_transfer of equal size, at least
+ * 512 KiB where the transfer allows, at most 8 MiB), queued FIFO; every worker takes the next piece of any transfer and moves it on
  * a free connection of that transfer's session. So one transfer uses several connections
  * at once, and independent transfers proceed side by side.
  *
@@ -1422,7 +1422,7 @@ static int read_begin(kvx_client *c, kvx__session *s, const uint8_t id[KVX_ID_BY
     if (c->striping && s->rail >= 0 && (rc = stripe_sessions(c, x, err))) goto fail;
     uint32_t qp = (uint32_t)c->opts.qp_per_transfer * (x->stripe ? (uint32_t)c->rails.n : 1);
     /* Host transports pipeline pieces of at most 8 MiB; cuda_ipc pays a grant round trip
-     * per piece for copies that take microseconds, so its pieces are just total / qp. */
+     * per piece for copies that take microseconds, so its pieces have no maximum. */
     uint64_t max_piece = c->opts.protocol == KVX_PROTO_CUDA_IPC ? UINT64_MAX : MAX_PIECE_BYTES;
     if (xfer_plan(x, runs, n_runs, &c->opts.region, qp, seg0, seg1, max_piece)) {
         rc = td_err_set(err, TD_ENOMEM, "kvx: out of memory");

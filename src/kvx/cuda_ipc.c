@@ -17,8 +17,8 @@
  * own non-blocking stream (one launch of the copy kernel of cuda_copy.cu for the whole
  * piece, whose ranges are grouped into rows where consecutive layers have the same
  * blocks), an event recorded after them, the thread waits on the event, then
- * UCX_DONE unpins. Pieces are total / qp_per_transfer (no 8 MiB cap as for host memory:
- * a grant round trip costs more than copying a few MiB). The consumer's engine learns that
+ * UCX_DONE unpins. Pieces are cut by kvx_piece_count with no 8 MiB cap as for host
+ * memory (a grant round trip costs more than copying a few MiB). The consumer's engine learns that
  * the load finished only after that, and launches its next kernels after it, so its
  * compute stream sees the bytes. Pieces run on the client's worker threads, so several
  * transfers' copies are in flight at once on several streams.
