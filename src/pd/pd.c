@@ -9,7 +9,6 @@
 #include "pd/pd.h"
 
 #include <pthread.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -783,7 +782,7 @@ char *pd_metrics_render(pd_connector *pd)
                 (unsigned long long)st.rails_refused);
         }
     }
-    if (!b.p) td_sbuf_printf(&b, "%s", "");
+    if (!b.p) td_sbuf_add(&b, "", 0); /* an empty page, not NULL */
     if (b.oom) {
         free(b.p);
         return NULL;

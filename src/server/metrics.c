@@ -3,7 +3,6 @@
  * on the I/O thread only (every observation is made there), so they need no locks;
  * engine gauges come from the snapshot the engine thread publishes each step.
  */
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
