@@ -246,6 +246,11 @@ typedef struct td_output {
     int32_t token;        /* the new token, or -1 when this output only finishes */
     const char *text;     /* new text (complete UTF-8), valid until the next step */
     int text_len;
+    /* Of text_len, the bytes at the end that come out only because the sequence ended
+     * here: text held back as the start of a stop string, and U+FFFD for the bytes of an
+     * unfinished character. A stream that goes on elsewhere (a KV producer's first token,
+     * continued by a decode instance) has emitted text_len - text_flush_len bytes. */
+    int text_flush_len;
     td_finish finish;
     const char *error;    /* message when finish == TD_FINISH_ERROR */
     int num_prompt_tokens;

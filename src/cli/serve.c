@@ -134,8 +134,8 @@ int cli_serve(int argc, char **argv)
                            "ranks (a token exchange per MoE layer; the ranks step together)");
     flags[nf++] = CLI_FLAG("kv-transfer-config", CLI_FLAG_STR, &kv_json,
                            "JSON: kv_role (kv_producer|kv_consumer|kv_both, required), "
-                           "kv_connector (tandem|mooncake|moriio), protocol (tcp|shm|ucx), "
-                           "transfer_mode (read), handshake_port, kv_ip, num_worker_threads, "
+                           "kv_connector (tandem|mooncake|moriio), protocol (tcp|shm|ucx|cuda_ipc), "
+                           "transfer_mode (read|write), handshake_port, kv_ip, num_worker_threads, "
                            "qp_per_transfer, lease_ms, transfer_timeout_ms, "
                            "kv_load_failure_policy (recompute|fail), verify_checksums, "
                            "auth_token (or TANDEM_KV_TOKEN), proxy_ip, proxy_ping_port, "

@@ -319,7 +319,7 @@ static void accept_token(td_engine *e, req *r, int32_t tok, const float *logits)
     r->n_generated++;
     td_finish fin = TD_FINISH_NONE;
     char piece[1024];
-    size_t emit_from = r->emitted, emit_to;
+    size_t emit_from = r->emitted, emit_to, stream_to;
     if (is_stop_token(e, r, tok)) {
         fin = TD_FINISH_STOP;
     } else {
@@ -333,6 +333,8 @@ static void accept_token(td_engine *e, req *r, int32_t tok, const float *logits)
     }
     bool length = r->n_generated >= r->max_tokens || r->n_tokens >= e->max_model_len;
     if (fin == TD_FINISH_NONE && length) fin = TD_FINISH_LENGTH;
+    /* What a stream that goes on would emit: all but a possible stop string's start. */
+    stream_to = r->text_len - held_back(r);
     if (fin != TD_FINISH_NONE) {
         /* The sequence is over: bytes of an unfinished character come out as U+FFFD. */
         int n = tok_stream_flush(&r->ts, piece, sizeof(piece));
@@ -344,13 +346,17 @@ static void accept_token(td_engine *e, req *r, int32_t tok, const float *logits)
     if (at >= 0) {
         fin = TD_FINISH_STOP;
         emit_to = (size_t)at + (r->include_stop_str ? stop_len : 0);
+        stream_to = emit_to; /* final either way */
     } else if (fin != TD_FINISH_NONE) {
         emit_to = r->text_len;
     } else {
-        emit_to = r->text_len - held_back(r);
+        emit_to = stream_to;
     }
+    stream_to = TD_MAX(emit_from, TD_MIN(stream_to, emit_to));
     r->emitted = emit_to;
     out_push(e, r, tok, r->text + emit_from, emit_to - emit_from, fin, NULL);
+    td_output *po = &e->outs[e->n_outs - 1].out;
+    po->text_flush_len = TD_MIN(po->text_len, (int)(emit_to - stream_to));
     if (r->logprobs > 0 && logits) fill_logprobs(e, logits, tok, r->logprobs);
     if (fin != TD_FINISH_NONE) end_request(e, r, fin, NULL);
 }

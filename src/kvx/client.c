@@ -1630,6 +1630,15 @@ static void *push_main(void *arg)
     return NULL;
 }
 
+/* A push that did not start: both of its sessions back (the data rail's too), then its
+ * memory. */
+static void push_sessions_put(struct kvx_xfer *x)
+{
+    session_put(x->s);
+    if (x->ds) session_put(x->ds);
+    xfer_free_mem(x);
+}
+
 int kvx_write_start(kvx_client *c, const kvx_write_req *req, kvx_xfer **out, td_err *err)
 {
     *out = NULL;
@@ -1672,8 +1681,7 @@ int kvx_write_start(kvx_client *c, const kvx_write_req *req, kvx_xfer **out, td_
     pthread_mutex_lock(&c->mu);
     if (c->stopping) {
         pthread_mutex_unlock(&c->mu);
-        session_put(x->s);
-        xfer_free_mem(x);
+        push_sessions_put(x);
         return td_err_set(err, TD_ESTATE, "kvx: the consumer is shutting down");
     }
     x->next_push = c->pushes;
@@ -1693,8 +1701,7 @@ int kvx_write_start(kvx_client *c, const kvx_write_req *req, kvx_xfer **out, td_
                 break;
             }
         pthread_mutex_unlock(&c->mu);
-        session_put(x->s);
-        xfer_free_mem(x);
+        push_sessions_put(x);
         return td_err_set(err, TD_ENOMEM, "kvx: cannot start a push thread");
     }
     *out = x;

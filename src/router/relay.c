@@ -249,8 +249,11 @@ static void start_decode_with(rt_req *q, const cJSON *kv);
  * which is the request id on both legs), and tells the decode, through
  * kv_transfer_params.first_token_streamed, to begin its stream after that token. Only
  * for one plain choice: with logprobs, echo or n > 1 the decode streams everything.
+ * The text is the producer's first_token_text, what a stream emits after that token: it
+ * keeps back the start of a possible stop string and an unfinished character, which the
+ * decode's stream releases (or drops) as the text goes on.
  */
-static bool stream_first_token(rt_req *q, const cJSON *pre)
+static bool stream_first_token(rt_req *q, const cJSON *pre, const cJSON *kv)
 {
     if (!q->stream) return false;
     const cJSON *b = q->body;
@@ -269,11 +272,7 @@ static bool stream_first_token(rt_req *q, const cJSON *pre)
     const cJSON *id = cJSON_GetObjectItemCaseSensitive(pre, "id");
     const cJSON *created = cJSON_GetObjectItemCaseSensitive(pre, "created");
     const cJSON *model = cJSON_GetObjectItemCaseSensitive(pre, "model");
-    const cJSON *ch0 = cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(pre, "choices"), 0);
-    const cJSON *text = q->endpoint == SRV_EP_CHAT
-                            ? cJSON_GetObjectItemCaseSensitive(
-                                  cJSON_GetObjectItemCaseSensitive(ch0, "message"), "content")
-                            : cJSON_GetObjectItemCaseSensitive(ch0, "text");
+    const cJSON *text = cJSON_GetObjectItemCaseSensitive(kv, "first_token_text");
     if (!cJSON_IsString(id) || !cJSON_IsNumber(created) || !cJSON_IsString(model) ||
         !cJSON_IsString(text))
         return false;
@@ -351,7 +350,7 @@ static void prefill_done(rt_req *q, rt_leg *leg)
     if (cJSON_IsString(tid) && q->held_url[0])
         snprintf(q->held_tid, sizeof(q->held_tid), "%s", tid->valuestring);
     cJSON *kv2 = kv ? cJSON_Duplicate(kv, 1) : NULL;
-    if (kv2 && stream_first_token(q, j)) cJSON_AddTrueToObject(kv2, "first_token_streamed");
+    if (kv2 && stream_first_token(q, j, kv)) cJSON_AddTrueToObject(kv2, "first_token_streamed");
     start_decode_with(q, kv2);
     cJSON_Delete(kv2);
     cJSON_Delete(j);
@@ -602,12 +601,13 @@ static char *prefill_body(rt_req *q, const char *write_tid)
 {
     cJSON *b = cJSON_Duplicate(q->body, 1);
     if (!b) return NULL;
-    static const char *const drop[] = {"kv_transfer_params", "stream", "stream_options",
-                                       "max_tokens", "max_completion_tokens", "n",
-                                       "logprobs", "top_logprobs", "echo"};
+    /* max_tokens stays: the producer checks it against the context (so that a request
+     * the decode would refuse is refused before anything is streamed) and samples one
+     * token. logprobs stay: the first token's come back in kv_transfer_params. */
+    static const char *const drop[] = {"kv_transfer_params", "stream", "stream_options", "n",
+                                       "echo"};
     for (size_t i = 0; i < TD_ARRAY_LEN(drop); i++)
         cJSON_DeleteItemFromObjectCaseSensitive(b, drop[i]);
-    cJSON_AddNumberToObject(b, "max_tokens", 1);
     cJSON_AddBoolToObject(b, "stream", false);
     cJSON *kv = cJSON_AddObjectToObject(b, "kv_transfer_params");
     cJSON_AddBoolToObject(kv, "do_remote_decode", true);

@@ -67,6 +67,13 @@ typedef struct srv__req {
     char push_id[KVX_ID_HEX];   /* producer in write mode: the router's transfer id */
     bool skip_first;            /* consumer: the router streamed the first token already */
     int32_t first_token;        /* the first generated token */
+    /* The first token's text as a stream that goes on emits it (producer: for the router
+     * to stream at once; malloc'd), and its log-probabilities (producer: computed here;
+     * consumer: the producer's, from kv_transfer_params). */
+    char *first_text;
+    int first_text_len;
+    bool has_first_lp;
+    srv__out first_lp; /* logprob, n_top, top_ids, top_logprobs */
     srv__out kv_res;            /* the final output's KV fields (kv_blocks owned here) */
     double t_second;            /* when the second token arrived */
     int rank;                   /* the data-parallel rank that serves it */
@@ -104,6 +111,7 @@ static void req_free(srv__req *q)
     srv_request_free(&q->r);
     pd_remote_free(&q->remote);
     free(q->kv_res.kv_blocks);
+    free(q->first_text);
     free(q);
 }
 
@@ -294,6 +302,20 @@ static cJSON *kv_producer_json(srv__req *q)
     cJSON_AddStringToObject(k, "transfer_id", o->transfer_id);
     cJSON_AddNumberToObject(k, "num_prompt_tokens", o->num_prompt_tokens);
     cJSON_AddNumberToObject(k, "first_token_id", q->first_token);
+    /* What the router may stream before the decode starts: not text held back as the
+     * start of a stop string, nor a character whose bytes are not all there. */
+    cJSON_AddItemToObject(k, "first_token_text",
+                          cJSON_CreateString(q->first_text ? q->first_text : ""));
+    if (q->has_first_lp) {
+        cJSON_AddNumberToObject(k, "first_token_logprob", finite_lp(q->first_lp.logprob));
+        cJSON *top = cJSON_AddArrayToObject(k, "first_token_top_logprobs");
+        for (int i = 0; i < q->first_lp.n_top; i++) {
+            cJSON *pair = cJSON_CreateArray();
+            cJSON_AddItemToArray(pair, cJSON_CreateNumber(q->first_lp.top_ids[i]));
+            cJSON_AddItemToArray(pair, cJSON_CreateNumber(finite_lp(q->first_lp.top_logprobs[i])));
+            cJSON_AddItemToArray(top, pair);
+        }
+    }
     cJSON_AddNumberToObject(k, "tp_size", s->cfg.tp_size > 0 ? s->cfg.tp_size : 1);
     cJSON_AddNumberToObject(k, "dp_rank", q->rank);
     cJSON_AddNumberToObject(k, "block_size", s->cfg.block_size);
@@ -602,6 +624,27 @@ static void choice_finished(srv_server *s, srv__req *q, srv__choice *c, srv__out
     srv__hist_observe(&m->e2e, now - q->t_recv);
 }
 
+/* A producer keeps its first token's streamable text and log-probabilities for its
+ * kv_transfer_params (kv_producer_json). */
+static void first_token_seen(srv__req *q, const srv__out *o)
+{
+    if (q->kv_mode != KV_PRODUCE) return;
+    int n = o->text_len - o->text_flush_len;
+    free(q->first_text);
+    q->first_text = malloc((size_t)n + 1);
+    if (q->first_text) {
+        memcpy(q->first_text, o->text, (size_t)n);
+        q->first_text[n] = 0;
+        q->first_text_len = n;
+    }
+    if (q->r.logprobs < 0) return;
+    q->has_first_lp = true;
+    q->first_lp.logprob = o->logprob;
+    q->first_lp.n_top = TD_MIN(q->r.logprobs, o->n_top);
+    memcpy(q->first_lp.top_ids, o->top_ids, sizeof(o->top_ids));
+    memcpy(q->first_lp.top_logprobs, o->top_logprobs, sizeof(o->top_logprobs));
+}
+
 void srv__handle_outputs(srv_server *s, srv__out *outs, int n)
 {
     /* Requests this batch touched, flushed once each at the end. */
@@ -629,13 +672,27 @@ void srv__handle_outputs(srv_server *s, srv__out *outs, int n)
             if (c->n_gen == 0) {
                 c->t_first = o->t_first_token > 0 ? o->t_first_token : now;
                 q->first_token = o->token;
+                first_token_seen(q, o);
             } else if (c->n_gen == 1) {
                 q->t_second = now;
             }
             c->t_last = now;
             c->n_gen = o->num_generated > 0 ? o->num_generated : c->n_gen + 1;
             s->metrics.generation_tokens++;
-            if (q->r.logprobs >= 0) logprobs_record(q, c, o);
+            if (q->r.logprobs >= 0) {
+                srv__out lo;
+                const srv__out *src = o;
+                if (q->kv_mode == KV_CONSUME && c->n_gen == 1 && q->has_first_lp) {
+                    /* the producer sampled this token: its log-probabilities came along */
+                    lo = *o;
+                    lo.logprob = q->first_lp.logprob;
+                    lo.n_top = q->first_lp.n_top;
+                    memcpy(lo.top_ids, q->first_lp.top_ids, sizeof(lo.top_ids));
+                    memcpy(lo.top_logprobs, q->first_lp.top_logprobs, sizeof(lo.top_logprobs));
+                    src = &lo;
+                }
+                logprobs_record(q, c, src);
+            }
             c->text_offset += (size_t)o->text_len;
         }
         if (o->finish != TD_FINISH_NONE) kv_capture(q, o);
@@ -644,10 +701,12 @@ void srv__handle_outputs(srv_server *s, srv__out *outs, int n)
                 /* one chunk per token, even when its text is still incomplete UTF-8,
                  * so that clients see progress (and count tokens) as they happen */
                 bool first = q->skip_first && o->token >= 0 && c->n_gen == 1;
-                if (first && o->finish == TD_FINISH_NONE) {
-                    /* the router streamed this token's text already */
-                } else if (first) {
-                    chunk(q, o->choice, "", 0, false, o->finish);
+                if (first && o->finish == TD_FINISH_NONE && o->text_flush_len == 0) {
+                    /* the router streamed this token's text already (the producer's
+                     * first_token_text: what a stream emits here, as this one does) */
+                } else if (first) { /* and what only the end releases, if it ends here */
+                    chunk(q, o->choice, o->text + o->text_len - o->text_flush_len,
+                          (size_t)o->text_flush_len, false, o->finish);
                 } else if (q->req && (o->token >= 0 || o->finish != TD_FINISH_NONE)) {
                     chunk(q, o->choice, o->text, (size_t)o->text_len, false, o->finish);
                 }
@@ -837,6 +896,13 @@ static int kv_prepare(srv_server *s, srv__req *q, const prepared *p, int n_choic
     q->first_token = kp.first_token; /* -1 in write mode: it comes with the KV */
     q->prod_queue_ms = kp.prod_queue_ms;
     q->prod_compute_ms = kp.prod_compute_ms;
+    if (kp.has_first_logprob) {
+        q->has_first_lp = true;
+        q->first_lp.logprob = kp.first_logprob;
+        q->first_lp.n_top = kp.n_first_top;
+        memcpy(q->first_lp.top_ids, kp.first_top_ids, sizeof(kp.first_top_ids));
+        memcpy(q->first_lp.top_logprobs, kp.first_top_logprobs, sizeof(kp.first_top_logprobs));
+    }
 
     /* Compatibility: a mismatch means the transferred KV would be wrong. */
     int bs = s->cfg.block_size;
@@ -1019,7 +1085,10 @@ void srv__handle_generate(srv_server *s, struct evhttp_request *req, srv_endpoin
     for (int pi = 0; pi < n_prompts; pi++) {
         for (int j = 0; j < q->r.n; j++) {
             td_sampling sp;
-            fill_sampling(&q->r, j, p[pi].max_tokens, &sp);
+            /* A producer samples the first token only; the request's own max_tokens was
+             * checked against the context like any other, so that a request the decode
+             * would refuse is refused here, before the router streams anything. */
+            fill_sampling(&q->r, j, q->kv_mode == KV_PRODUCE ? 1 : p[pi].max_tokens, &sp);
             td_request_kv kv = {.hold = q->kv_mode == KV_PRODUCE};
             bool remote = q->kv_mode == KV_CONSUME && !q->kv_reason[0];
             pd_remote moved = {0};

@@ -308,6 +308,7 @@ static void drain_outputs(srv__engine *x, batch *b)
         d->token = o.token;
         d->text = dup_n(o.text ? o.text : "", o.text ? (size_t)o.text_len : 0);
         d->text_len = o.text ? o.text_len : 0;
+        d->text_flush_len = TD_MIN(d->text_len, TD_MAX(0, o.text_flush_len));
         d->finish = o.finish;
         d->error = o.error ? dup_n(o.error, strlen(o.error)) : NULL;
         d->num_prompt_tokens = o.num_prompt_tokens;

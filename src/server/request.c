@@ -574,6 +574,35 @@ int srv_kv_params_parse(srv_kv_params *p, const void *kv_transfer_params, int n_
                              "kv_transfer_params: block_size and lease_ms must be positive "
                              "integers, kv_dtype and model_fingerprint short strings");
     }
+    const cJSON *flp = kvp_get(k, "first_token_logprob");
+    const cJSON *ftop = kvp_get(k, "first_token_top_logprobs");
+    if (flp || ftop) {
+        bool good = cJSON_IsNumber(flp) && flp->valuedouble <= 0 &&
+                    (!ftop || (cJSON_IsArray(ftop) && cJSON_GetArraySize(ftop) <= TD_MAX_LOGPROBS));
+        const cJSON *e;
+        cJSON_ArrayForEach(e, ftop)
+        {
+            const cJSON *id = cJSON_GetArrayItem(e, 0), *lp = cJSON_GetArrayItem(e, 1);
+            if (!good || !cJSON_IsArray(e) || cJSON_GetArraySize(e) != 2 || !cJSON_IsNumber(id) ||
+                id->valuedouble != floor(id->valuedouble) || id->valuedouble < 0 ||
+                id->valuedouble >= n_vocab || !cJSON_IsNumber(lp) || lp->valuedouble > 0) {
+                good = false;
+                break;
+            }
+            p->first_top_ids[p->n_first_top] = (int32_t)id->valuedouble;
+            p->first_top_logprobs[p->n_first_top++] = (float)lp->valuedouble;
+        }
+        if (!good) {
+            srv_kv_params_free(p);
+            return srv_error_set(err, 400, "invalid_request_error", P,
+                                 "kv_transfer_params.first_token_logprob must be a number <= 0 "
+                                 "and first_token_top_logprobs at most %d pairs [token id, "
+                                 "logprob <= 0]",
+                                 TD_MAX_LOGPROBS);
+        }
+        p->has_first_logprob = true;
+        p->first_logprob = (float)flp->valuedouble;
+    }
     const cJSON *t = kvp_get(k, "producer_timing");
     if (cJSON_IsObject(t)) {
         const cJSON *a = kvp_get(t, "queue_ms"), *c = kvp_get(t, "compute_ms");

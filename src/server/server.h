@@ -123,6 +123,14 @@ typedef struct srv_kv_params {
     char fingerprint[24];/* "" when absent */
     int lease_ms;        /* -1 when absent */
     double prod_queue_ms, prod_compute_ms; /* producer_timing, 0 when absent */
+    /* The first token's log-probability and its alternatives, as the producer computed
+     * them (first_token_logprob, first_token_top_logprobs: [[id, logprob], ...]); read
+     * mode only, when the request asked for logprobs. */
+    bool has_first_logprob;
+    float first_logprob;
+    int n_first_top;
+    int32_t first_top_ids[TD_MAX_LOGPROBS];
+    float first_top_logprobs[TD_MAX_LOGPROBS];
 } srv_kv_params;
 
 /**

@@ -24,6 +24,7 @@ typedef struct srv__out {
     int32_t token;
     char *text; /* malloc'd, NUL-terminated */
     int text_len;
+    int text_flush_len; /* td_output.text_flush_len */
     td_finish finish;
     char *error; /* malloc'd or NULL */
     int num_prompt_tokens, num_cached_tokens, num_generated;

@@ -229,6 +229,53 @@ test('the first token reaches a streaming client before the decode starts', asyn
   assert.equal(ev.length, 10, 'one event per token: the first token is not repeated');
 });
 
+test('PD streams what one engine answers: stop strings, unfinished characters, logprobs; too long is a 400', async () => {
+  // The router streams the producer's first token before the decode starts: that text must
+  // keep back what a stream keeps back (a possible stop string's start, a character whose
+  // bytes are not all there), or the client sees it twice or sees text past a stop.
+  const joined = async (base, body) => {
+    const s = await fetch(base + '/v1/completions', { method: 'POST', headers: { 'content-type': 'application/json' },
+      body: JSON.stringify({ ...body, stream: true }) });
+    assert.equal(s.status, 200);
+    return (await sse(s)).map((e) => (e.choices[0] ? e.choices[0].text : '')).join('');
+  };
+  const cases = [
+    { prompt: [1, 306, 463], max_tokens: 4, temperature: 0, stop: 'inanX' }, // the first token starts the stop string
+    { prompt: [1, 306, 463], max_tokens: 4, temperature: 0, stop: 'na' }, // the stop string spans tokens 1 and 2
+    { prompt: [1, 306, 463], max_tokens: 1, temperature: 0, stop: 'inanX' }, // held back, then released at the end
+  ];
+  for (let seed = 1; seed <= 12; seed++)
+    cases.push({ prompt: prompts()[seed % 8], max_tokens: 12, temperature: 1.5, seed, stop: ['e', 'th'] });
+  for (const body of cases) {
+    const want = (await post(AGG.url, '/v1/completions', body)).json.choices[0].text;
+    for (const r of [R1, RW]) {
+      const full = await post(r.url, '/v1/completions', body);
+      assert.equal(full.status, 200, full.text);
+      assert.equal(full.json.choices[0].text, want, JSON.stringify(body));
+      assert.equal(await joined(r.url, body), want, `streamed through ${r === R1 ? 'read' : 'write'} mode: ${JSON.stringify(body)}`);
+    }
+  }
+  // The first token's log-probabilities are the producer's (read mode), streamed or not.
+  const lb = { prompt: prompts()[3], max_tokens: 3, temperature: 0, logprobs: 2 };
+  const want = (await post(AGG.url, '/v1/completions', lb)).json.choices[0].logprobs;
+  assert.ok(want.token_logprobs[0] < 0 && Object.keys(want.top_logprobs[0]).length === 2);
+  assert.deepEqual((await post(R1.url, '/v1/completions', lb)).json.choices[0].logprobs, want);
+  const s = await fetch(R1.url + '/v1/completions', { method: 'POST', headers: { 'content-type': 'application/json' },
+    body: JSON.stringify({ ...lb, stream: true }) });
+  const ev = (await sse(s)).filter((e) => e.choices[0] && e.choices[0].logprobs);
+  assert.deepEqual(ev.map((e) => e.choices[0].logprobs.token_logprobs[0]), want.token_logprobs);
+  assert.deepEqual(ev.map((e) => e.choices[0].logprobs.top_logprobs[0]), want.top_logprobs);
+  // A request the context cannot hold is refused before any event, with the client's numbers.
+  for (const r of [R1, RW]) {
+    const bad = await post(r.url, '/v1/completions', { prompt: [1, 306], max_tokens: 500, stream: true });
+    assert.equal(bad.status, 400, bad.text);
+    assert.equal(bad.json.error.param, 'max_tokens');
+    assert.match(bad.json.error.message, /502 tokens \(2 in the prompt, 500 for the completion\)/);
+  }
+  await idle(P1.url, 'the producer');
+  await idle(D1.url, 'the consumer');
+});
+
 test('bad requests get the engines\' error shapes; a wrong API key gets 401', async () => {
   for (const [body, param] of [['{"prompt": ', null], [{ prompt: 'x', max_tokens: -3 }, 'max_tokens'], [{ max_tokens: 3 }, 'prompt']]) {
     const viaRouter = await post(R1.url, '/v1/completions', body);

@@ -332,6 +332,64 @@ static void test_stop_string(void **state)
     td_engine_free(e);
 }
 
+/* text_flush_len: text held back as a stop string's start comes out at the end, and the
+ * output says which of its bytes only the end released (what a KV producer's stream, which
+ * goes on elsewhere, has not emitted). */
+static void test_flush_len(void **state)
+{
+    (void)state;
+    load_golden();
+    td_engine *e = make_engine(1, 512, 0, "f32", true);
+    td_sampling sp;
+    td_sampling_default(&sp);
+    sp.temperature = 0;
+    sp.max_tokens = 1;
+    sp.ignore_eos = true;
+    td_err err;
+    uint64_t id;
+    char first[256] = "";
+    assert_int_equal(td_engine_add_request(e, &id, g_cases[0].prompt, g_cases[0].n_prompt, &sp, &err), 0);
+    while (td_engine_has_work(e)) {
+        td_engine_step(e, &err);
+        td_output o;
+        while (td_engine_poll(e, &o)) {
+            strncat(first, o.text, (size_t)o.text_len);
+            assert_int_equal(o.text_flush_len, 0); /* nothing was held */
+        }
+    }
+    assert_true(strlen(first) > 0 && strlen(first) < 200);
+    char stop[256];
+    snprintf(stop, sizeof(stop), "%s\x01", first); /* starts with the token, never matches */
+    const char *stops[1] = {stop};
+    sp.stop = stops;
+    sp.n_stop = 1;
+    for (int max = 1; max <= 2; max++) {
+        sp.max_tokens = max;
+        assert_int_equal(td_engine_add_request(e, &id, g_cases[0].prompt, g_cases[0].n_prompt, &sp, &err), 0);
+        int k = 0;
+        char text[512] = "";
+        while (td_engine_has_work(e)) {
+            td_engine_step(e, &err);
+            td_output o;
+            while (td_engine_poll(e, &o)) {
+                if (o.token < 0) continue;
+                if (k++ == 0 && max == 1) { /* ends here: all of it released by the end */
+                    assert_int_equal(o.text_len, (int)strlen(first));
+                    assert_int_equal(o.text_flush_len, o.text_len);
+                } else if (k == 1) { /* goes on: held */
+                    assert_int_equal(o.text_len, 0);
+                    assert_int_equal(o.text_flush_len, 0);
+                } else { /* the second token ends the match: out as plain text */
+                    assert_int_equal(o.text_flush_len, 0);
+                }
+                strncat(text, o.text, (size_t)o.text_len);
+            }
+        }
+        assert_memory_equal(text, first, strlen(first));
+    }
+    td_engine_free(e);
+}
+
 /* logprobs: the greedy token is the most likely one, the list is sorted, probabilities
  * are at most 1 in total; timings are ordered. */
 static void test_logprobs_and_timings(void **state)
@@ -431,6 +489,7 @@ int main(void)
         cmocka_unit_test(test_refuses_what_never_fits),
         cmocka_unit_test(test_seeded_sampling),
         cmocka_unit_test(test_stop_string),
+        cmocka_unit_test(test_flush_len),
         cmocka_unit_test(test_logprobs_and_timings),
         cmocka_unit_test(test_llama2_tiny_first_token),
     };

@@ -429,7 +429,8 @@ static void test_kv_params(void **state)
         "\"transfer_id\":\"fedcba9876543210fedcba9876543210\",\"remote_block_ids\":[4,5,6],"
         "\"first_token_id\":42,\"num_prompt_tokens\":40,\"block_size\":16,\"kv_dtype\":\"f16\","
         "\"model_fingerprint\":\"87eb12a93d3fd764\",\"lease_ms\":5000,"
-        "\"producer_timing\":{\"queue_ms\":1.5,\"compute_ms\":20}}";
+        "\"producer_timing\":{\"queue_ms\":1.5,\"compute_ms\":20},"
+        "\"first_token_logprob\":-0.5,\"first_token_top_logprobs\":[[42,-0.5],[7,-1.25]]}";
     cJSON *j = cJSON_Parse(good);
     assert_int_equal(srv_kv_params_parse(&kp, j, 512, &err), 0);
     assert_true(kp.prefill);
@@ -444,6 +445,11 @@ static void test_kv_params(void **state)
     assert_string_equal(kp.kv_dtype, "f16");
     assert_int_equal(kp.lease_ms, 5000);
     assert_true(kp.prod_compute_ms == 20.0);
+    assert_true(kp.has_first_logprob);
+    assert_true(kp.first_logprob == -0.5f);
+    assert_int_equal(kp.n_first_top, 2);
+    assert_int_equal(kp.first_top_ids[1], 7);
+    assert_true(kp.first_top_logprobs[1] == -1.25f);
     srv_kv_params_free(&kp);
     /* Each field broken in turn: a 400 naming it. */
     static const char *const bad[][2] = {
@@ -460,6 +466,16 @@ static void test_kv_params(void **state)
         {"block_size", "\"16\""},
         {"lease_ms", "-1"},
         {"kv_dtype", "3"},
+        {"first_token_logprob", "0.5"},
+        {"first_token_logprob", "\"x\""},
+        {"first_token_top_logprobs", "[[512,-1]]"},
+        {"first_token_top_logprobs", "[[1.5,-1]]"},
+        {"first_token_top_logprobs", "[[1,-1,2]]"},
+        {"first_token_top_logprobs", "[[1,1]]"},
+        {"first_token_top_logprobs", "{\"a\":1}"},
+        {"first_token_top_logprobs",
+         "[[1,-1],[1,-1],[1,-1],[1,-1],[1,-1],[1,-1],[1,-1],[1,-1],[1,-1],[1,-1],[1,-1],"
+         "[1,-1],[1,-1],[1,-1],[1,-1],[1,-1],[1,-1],[1,-1],[1,-1],[1,-1],[1,-1]]"},
     };
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
         cJSON *b = cJSON_Duplicate(j, 1);
