@@ -234,6 +234,13 @@ static int parse_messages(srv_request *r, const cJSON *v, srv_error *err)
         if (strcmp(rs, "system") && strcmp(rs, "user") && strcmp(rs, "assistant"))
             return BAD("messages.role",
                        "unsupported role '%.64s' (system, developer, user and assistant are)", rs);
+        const cJSON *calls = cJSON_GetObjectItemCaseSensitive(m, "tool_calls");
+        if (calls && !cJSON_IsNull(calls) && !(cJSON_IsArray(calls) && !calls->child))
+            return BAD("messages.tool_calls", "tool calls are not supported (no tools or "
+                                              "functions); an assistant message carries content");
+        const cJSON *content = cJSON_GetObjectItemCaseSensitive(m, "content");
+        if ((!content || cJSON_IsNull(content)) && strcmp(rs, "assistant"))
+            return BAD("messages.content", "a %s message needs 'content'", rs);
         srv_chat_msg *msg = &r->messages[r->n_messages++];
         msg->role = dup_str(rs);
         if (!msg->role) return srv_error_set(err, 500, "server_error", "messages", "out of memory");
@@ -265,6 +272,85 @@ static int parse_stop(srv_request *r, const cJSON *v, srv_error *err)
         r->n_stop++;
         if (cJSON_IsString(v)) break;
     }
+    return 0;
+}
+
+/*
+ * OpenAI fields this server knows but does not implement: a value that asks for nothing
+ * (a zero penalty, an empty bias, "text" format, no tools) is accepted; anything else is a
+ * 400 naming the field, never silently ignored. Wrong types are a 400 too.
+ */
+static int refuse_unsupported(const srv_request *r, const cJSON *root, srv_error *err)
+{
+    const cJSON *v;
+#define GIVEN(name) ((v = cJSON_GetObjectItemCaseSensitive(root, name)) && !cJSON_IsNull(v))
+    static const char *const penalties[] = {"presence_penalty", "frequency_penalty"};
+    for (int i = 0; i < 2; i++)
+        if (GIVEN(penalties[i])) {
+            if (!cJSON_IsNumber(v) || !(v->valuedouble >= -2 && v->valuedouble <= 2))
+                return BAD(penalties[i], "'%s' must be a number in [-2, 2]", penalties[i]);
+            if (v->valuedouble != 0)
+                return BAD(penalties[i], "'%s' is not supported (only 0)", penalties[i]);
+        }
+    if (GIVEN("repetition_penalty")) {
+        if (!cJSON_IsNumber(v) || !(v->valuedouble > 0))
+            return BAD("repetition_penalty", "'repetition_penalty' must be a positive number");
+        if (v->valuedouble != 1)
+            return BAD("repetition_penalty", "'repetition_penalty' is not supported (only 1)");
+    }
+    if (GIVEN("logit_bias")) {
+        if (!cJSON_IsObject(v)) return BAD("logit_bias", "'logit_bias' must be an object");
+        if (v->child) return BAD("logit_bias", "'logit_bias' is not supported (only {})");
+    }
+    if (r->endpoint == SRV_EP_COMPLETIONS) {
+        if (GIVEN("best_of")) {
+            if (!cJSON_IsNumber(v) || v->valuedouble != floor(v->valuedouble) || v->valuedouble < 1)
+                return BAD("best_of", "'best_of' must be a positive integer");
+            if (v->valuedouble != r->n)
+                return BAD("best_of", "'best_of' is not supported (only equal to n); ask for n "
+                                      "choices instead");
+        }
+        if (GIVEN("suffix")) {
+            if (!cJSON_IsString(v)) return BAD("suffix", "'suffix' must be a string");
+            if (v->valuestring[0]) return BAD("suffix", "'suffix' (insertion) is not supported");
+        }
+    }
+    if (GIVEN("response_format")) {
+        const cJSON *t = cJSON_GetObjectItemCaseSensitive(v, "type");
+        if (!cJSON_IsObject(v) || !cJSON_IsString(t))
+            return BAD("response_format", "'response_format' must be an object with a 'type'");
+        if (strcmp(t->valuestring, "text"))
+            return BAD("response_format", "response_format '%.32s' is not supported (only "
+                                          "\"text\": no structured output)",
+                       t->valuestring);
+    }
+    static const char *const lists[] = {"tools", "functions"};
+    for (int i = 0; i < 2; i++)
+        if (GIVEN(lists[i])) {
+            if (!cJSON_IsArray(v)) return BAD(lists[i], "'%s' must be an array", lists[i]);
+            if (v->child) return BAD(lists[i], "'%s' are not supported (no tool calling)", lists[i]);
+        }
+    static const char *const choices[] = {"tool_choice", "function_call"};
+    for (int i = 0; i < 2; i++)
+        if (GIVEN(choices[i]) &&
+            !(cJSON_IsString(v) && (!strcmp(v->valuestring, "none") || !strcmp(v->valuestring, "auto"))))
+            return BAD(choices[i], "'%s' is not supported (no tool calling): only \"none\" or "
+                                   "\"auto\"",
+                       choices[i]);
+    if (GIVEN("parallel_tool_calls") && !cJSON_IsBool(v))
+        return BAD("parallel_tool_calls", "'parallel_tool_calls' must be a boolean");
+    if (GIVEN("modalities")) {
+        const cJSON *m0 = cJSON_IsArray(v) ? v->child : NULL;
+        if (!cJSON_IsArray(v) || (m0 && !(cJSON_IsString(m0) && !strcmp(m0->valuestring, "text") &&
+                                          !m0->next)))
+            return BAD("modalities", "'modalities' is not supported beyond [\"text\"]");
+    }
+    static const char *const never[] = {"audio", "prediction"};
+    for (int i = 0; i < 2; i++)
+        if (GIVEN(never[i])) return BAD(never[i], "'%s' is not supported", never[i]);
+    if (GIVEN("stream_options") && !r->stream)
+        return BAD("stream_options", "'stream_options' is only allowed with 'stream': true");
+#undef GIVEN
     return 0;
 }
 
@@ -351,6 +437,7 @@ static int parse_fields(srv_request *r, const cJSON *root, srv_error *err)
         r->kv_transfer_params = cJSON_Duplicate(v, 1);
     }
 #undef FIELD
+    if (refuse_unsupported(r, root, err)) return TD_EINVAL;
     int choices = r->endpoint == SRV_EP_CHAT ? r->n : r->n_prompts * r->n;
     if (choices > SRV_MAX_CHOICES)
         return BAD("n", "prompts x n must be at most %d, got %d", SRV_MAX_CHOICES, choices);
