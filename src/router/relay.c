@@ -277,6 +277,8 @@ static bool stream_first_token(rt_req *q, const cJSON *pre, const cJSON *kv)
         !cJSON_IsString(text))
         return false;
     bool chat = q->endpoint == SRV_EP_CHAT;
+    const cJSON *so = cJSON_GetObjectItemCaseSensitive(b, "stream_options");
+    bool usage = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(so, "include_usage"));
     struct evbuffer *out = evbuffer_new();
     for (int k = chat ? 0 : 1; k < 2; k++) {
         cJSON *c = cJSON_CreateObject();
@@ -297,6 +299,7 @@ static bool stream_first_token(rt_req *q, const cJSON *pre, const cJSON *kv)
         cJSON_AddNullToObject(x, "logprobs");
         cJSON_AddNullToObject(x, "finish_reason");
         cJSON_AddItemToArray(choices, x);
+        if (usage) cJSON_AddNullToObject(c, "usage"); /* as the engine's chunks say it */
         char *t = cJSON_PrintUnformatted(c);
         cJSON_Delete(c);
         if (t) evbuffer_add_printf(out, "data: %s\n\n", t);

@@ -422,6 +422,8 @@ static void chunk(srv__req *q, int index, const char *text, size_t len, bool rol
     else
         evbuffer_add_printf(b, ",\"finish_reason\":\"%s\"}]", finish_name(fin));
     if (fin != TD_FINISH_NONE) kv_params_add(q, b);
+    /* With include_usage, every chunk but the last (the usage chunk) says usage: null. */
+    if (q->r.include_usage) evbuffer_add(b, ",\"usage\":null", 13);
     evbuffer_add(b, "}\n\n", 3);
 }
 

@@ -348,6 +348,9 @@ static int refuse_unsupported(const srv_request *r, const cJSON *root, srv_error
     static const char *const never[] = {"audio", "prediction"};
     for (int i = 0; i < 2; i++)
         if (GIVEN(never[i])) return BAD(never[i], "'%s' is not supported", never[i]);
+    if (r->endpoint == SRV_EP_COMPLETIONS && r->echo && r->logprobs >= 0)
+        return BAD("logprobs", "'echo' with 'logprobs' (the prompt's log-probabilities) is not "
+                               "supported: ask for one or the other");
     if (GIVEN("stream_options") && !r->stream)
         return BAD("stream_options", "'stream_options' is only allowed with 'stream': true");
 #undef GIVEN

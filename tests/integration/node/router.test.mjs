@@ -132,6 +132,7 @@ for (const [name, get] of [['aggregated', () => RA], ['1P1D', () => R1], ['2P2D'
       assert.equal(text, await expected(p));
       assert.equal(new Set(ev.map((e) => e.id)).size, 1, 'one id in the stream');
       assert.equal(ev.at(-1).usage.completion_tokens, 10);
+      for (const e of ev.slice(0, -1)) assert.equal(e.usage, null, 'usage: null until the usage chunk');
       assert.equal(ev.filter((e) => e.choices[0] && e.choices[0].finish_reason).length, 1);
     }
   });

@@ -119,6 +119,7 @@ test('streaming: framing, text equal to the non-streamed text, usage chunk, [DON
   assert.equal(finals[0].choices[0].finish_reason, 'length');
   const last = ev[ev.length - 1];
   assert.deepEqual(last.choices, []);
+  for (const e of ev.slice(0, -1)) assert.equal(e.usage, null, 'usage: null until the usage chunk');
   assert.equal(last.usage.completion_tokens, 20);
   assert.equal(last.usage.prompt_tokens, 3);
   // without include_usage, no usage chunk

@@ -71,7 +71,7 @@ static void test_fields(void **state)
     const char *body =
         "{\"prompt\":[1],\"max_tokens\":7,\"temperature\":0.5,\"top_p\":0.9,\"top_k\":-1,"
         "\"min_p\":0.1,\"seed\":42,\"stop\":\"END\",\"stream\":true,\"stream_options\":"
-        "{\"include_usage\":true},\"ignore_eos\":true,\"n\":3,\"echo\":true,\"logprobs\":2,"
+        "{\"include_usage\":true},\"ignore_eos\":true,\"n\":3,\"echo\":false,\"logprobs\":2,"
         "\"user\":\"u\",\"kv_transfer_params\":{\"do_remote_decode\":true},\"unknown\":[{}],"
         "\"data_parallel_rank\":3}";
     assert_int_equal(parse(&r, SRV_EP_COMPLETIONS, body, &err), 0);
@@ -81,7 +81,7 @@ static void test_fields(void **state)
     assert_true(r.has_seed && r.seed == 42);
     assert_int_equal(r.n_stop, 1);
     assert_string_equal(r.stop[0], "END");
-    assert_true(r.stream && r.include_usage && r.ignore_eos && r.echo);
+    assert_true(r.stream && r.include_usage && r.ignore_eos && !r.echo);
     assert_int_equal(r.n, 3);
     assert_int_equal(r.logprobs, 2);
     assert_string_equal(r.user, "u");
@@ -214,6 +214,7 @@ static void test_bad(void **state)
     expect_bad(C, "{\"prompt\":[1],\"logit_bias\":{\"306\":100}}", "logit_bias");
     expect_bad(C, "{\"prompt\":[1],\"best_of\":3}", "best_of");
     expect_bad(C, "{\"prompt\":[1],\"suffix\":\"x\"}", "suffix");
+    expect_bad(C, "{\"prompt\":[1],\"echo\":true,\"logprobs\":0}", "logprobs");
     expect_bad(C, "{\"prompt\":[1],\"stream_options\":{\"include_usage\":true}}", "stream_options");
     const char *U = "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],";
     static const char *const chat_bad[][2] = {
