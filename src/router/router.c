@@ -158,13 +158,12 @@ static void handle_health(rt_router *r, struct evhttp_request *req)
     send_cjson(r, req, missing ? 503 : 200, root);
 }
 
-static void handle_models(rt_router *r, struct evhttp_request *req)
+/* The union of the workers' models; with `only`, that one model (NULL if none serves it). */
+static cJSON *models_json(rt_router *r, const char *only)
 {
-    cJSON *root = cJSON_CreateObject();
-    cJSON_AddStringToObject(root, "object", "list");
-    cJSON *data = cJSON_AddArrayToObject(root, "data");
+    cJSON *data = cJSON_CreateArray();
     for (rt_worker *w = r->workers; w; w = w->next) {
-        if (!w->model[0]) continue;
+        if (!w->model[0] || (only && strcmp(only, w->model))) continue;
         bool dup = false;
         const cJSON *it;
         cJSON_ArrayForEach(it, data)
@@ -180,7 +179,32 @@ static void handle_models(rt_router *r, struct evhttp_request *req)
         cJSON_AddStringToObject(m, "owned_by", "tandem");
         cJSON_AddItemToArray(data, m);
     }
+    return data;
+}
+
+static void handle_models(rt_router *r, struct evhttp_request *req)
+{
+    cJSON *root = cJSON_CreateObject();
+    cJSON_AddStringToObject(root, "object", "list");
+    cJSON_AddItemToObject(root, "data", models_json(r, NULL));
     send_cjson(r, req, 200, root);
+}
+
+/* GET /v1/models/{id} (percent-decoded: served names may hold '/'). */
+static void handle_model(rt_router *r, struct evhttp_request *req, const char *enc)
+{
+    char *id = evhttp_uridecode(enc, 0, NULL);
+    cJSON *data = id ? models_json(r, id) : NULL;
+    cJSON *m = data ? cJSON_DetachItemFromArray(data, 0) : NULL;
+    cJSON_Delete(data);
+    if (m) {
+        send_cjson(r, req, 200, m);
+    } else {
+        char msg[300];
+        snprintf(msg, sizeof(msg), "The model '%.200s' does not exist", id ? id : enc);
+        rt_send_error(r, req, 404, "invalid_request_error", msg);
+    }
+    free(id);
 }
 
 static void handle_metrics(rt_router *r, struct evhttp_request *req)
@@ -394,6 +418,11 @@ static void on_request(struct evhttp_request *req, void *arg)
         if (m != EVHTTP_REQ_GET)
             return rt_send_error(r, req, 405, "invalid_request_error", "GET only");
         return handle_models(r, req);
+    }
+    if (!strncmp(path, "/v1/models/", 11) && path[11]) {
+        if (m != EVHTTP_REQ_GET)
+            return rt_send_error(r, req, 405, "invalid_request_error", "GET only");
+        return handle_model(r, req, path + 11);
     }
     if (!strcmp(path, "/workers") || !strncmp(path, "/workers/", 9))
         return handle_workers(r, req, path);

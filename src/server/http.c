@@ -299,11 +299,8 @@ static void handle_metrics(srv_server *s, struct evhttp_request *req)
     evbuffer_free(b);
 }
 
-static void handle_models(srv_server *s, struct evhttp_request *req)
+static cJSON *model_json(const srv_server *s)
 {
-    cJSON *root = cJSON_CreateObject();
-    cJSON_AddStringToObject(root, "object", "list");
-    cJSON *data = cJSON_AddArrayToObject(root, "data");
     cJSON *m = cJSON_CreateObject();
     cJSON_AddStringToObject(m, "id", s->model_name);
     cJSON_AddStringToObject(m, "object", "model");
@@ -311,8 +308,31 @@ static void handle_models(srv_server *s, struct evhttp_request *req)
     cJSON_AddStringToObject(m, "owned_by", "tandem");
     cJSON_AddStringToObject(m, "root", s->model_path);
     cJSON_AddNumberToObject(m, "max_model_len", s->max_model_len);
-    cJSON_AddItemToArray(data, m);
+    return m;
+}
+
+static void handle_models(srv_server *s, struct evhttp_request *req)
+{
+    cJSON *root = cJSON_CreateObject();
+    cJSON_AddStringToObject(root, "object", "list");
+    cJSON_AddItemToArray(cJSON_AddArrayToObject(root, "data"), model_json(s));
     send_cjson(s, req, 200, root);
+}
+
+/* GET /v1/models/{id} (the id percent-decoded: served names may hold '/'). */
+static void handle_model(srv_server *s, struct evhttp_request *req, const char *enc)
+{
+    char *id = evhttp_uridecode(enc, 0, NULL);
+    if (id && !strcmp(id, s->model_name)) {
+        send_cjson(s, req, 200, model_json(s));
+    } else {
+        srv_error e;
+        srv_error_set(&e, 404, "invalid_request_error", "model",
+                      "The model '%.200s' does not exist (this server serves '%.200s')",
+                      id ? id : enc, s->model_name);
+        srv__send_error(s, req, &e);
+    }
+    free(id);
 }
 
 static cJSON *discovery(srv_server *s)
@@ -451,6 +471,13 @@ static void dispatch(struct evhttp_request *req, void *arg)
     for (int i = 0; i < (int)TD_ARRAY_LEN(routes); i++)
         if (!strcmp(path, routes[i].path)) r = i;
     if (r == 7 && !s->cfg.enable_debug_endpoints) r = -1;
+    if (r < 0 && !strncmp(path, "/v1/models/", 11) && path[11]) {
+        if (!get)
+            wrong_method(s, req, path, true);
+        else
+            handle_model(s, req, path + 11);
+        return;
+    }
     if (r < 0) {
         not_found(s, req, path);
         return;

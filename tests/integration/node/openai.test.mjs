@@ -8,9 +8,13 @@ import OpenAI from 'openai';
 const client = new OpenAI({ baseURL: process.env.TD_URL + '/v1', apiKey: 'unused', maxRetries: 0 });
 const model = process.env.TD_MODEL_NAME;
 
-test('openai: models.list', async () => {
+test('openai: models.list and models.retrieve', async () => {
   const page = await client.models.list();
   assert.equal(page.data[0].id, model);
+  const m = await client.models.retrieve(model);
+  assert.equal(m.id, model);
+  assert.equal(m.object, 'model');
+  await assert.rejects(client.models.retrieve('no-such-model'), (e) => e.status === 404 && /does not exist/.test(e.message));
 });
 
 test('openai: completions.create, plain and streamed', async () => {

@@ -210,6 +210,8 @@ test('the openai client streams chat and completions through the router', async 
   const models = await client.models.list();
   assert.equal(models.data.length, 1, 'the union of the workers\' models');
   const model = models.data[0].id;
+  assert.equal((await client.models.retrieve(model)).id, model);
+  await assert.rejects(client.models.retrieve('no-such-model'), (e) => e.status === 404);
   const p = prompts()[5];
   const stream = await client.completions.create({ model, prompt: p, ...GEN, stream: true });
   let text = '';
