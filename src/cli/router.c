@@ -38,6 +38,7 @@ int cli_router(int argc, char **argv)
            cb_to = c.cb_timeout_s, b0 = c.retry_initial_backoff_s, bmax = c.retry_max_backoff_s,
            bmul = c.retry_backoff_multiplier, jit = c.retry_jitter_factor, q_to = c.queue_timeout_s,
            ttl = c.worker_ttl_s, drain = c.shutdown_timeout_s;
+    uint64_t max_payload = c.max_payload_bytes;
     bool pd = false, no_hc = false, no_cb = false, dp_aware = false;
     cli_flag f[] = {
         CLI_FLAG("host", CLI_FLAG_STR, &host, "address to listen on (0.0.0.0)"),
@@ -89,6 +90,8 @@ int cli_router(int argc, char **argv)
                  "on SIGTERM or SIGINT, seconds to let requests in flight finish before exiting "
                  "(30; 0: exit at once)"),
         CLI_FLAG("seed", CLI_FLAG_INT, &seed, "the policies' random seed (0: from the clock)"),
+        CLI_FLAG("max-payload-size", CLI_FLAG_SIZE, &max_payload,
+                 "largest request body; larger ones get 413 (4M)"),
     };
     int rc = cli_flags_parse(f, (int)TD_ARRAY_LEN(f), argc, argv,
                              "tandem router [--pd-disaggregation --prefill URL ... --decode URL "
@@ -138,6 +141,7 @@ int cli_router(int argc, char **argv)
     c.backend = backend;
     c.worker_ttl_s = ttl;
     c.shutdown_timeout_s = drain;
+    c.max_payload_bytes = (size_t)max_payload;
     c.seed = (uint64_t)seed;
     if (hc_fail > 1000 || hc_ok > 1000 || cb_fail > 1000 || cb_ok > 1000 || max_conc > 1000000 ||
         queue > 1000000 || port > 65535 || port < 0) {

@@ -890,6 +890,14 @@ void rt_relay_start(rt_router *r, struct evhttp_request *req, int endpoint)
     r->requests_total++;
     struct evbuffer *in = evhttp_request_get_input_buffer(req);
     size_t len = evbuffer_get_length(in);
+    if (len > r->cfg.max_payload_bytes) {
+        char msg[160];
+        snprintf(msg, sizeof(msg), "the request body is %zu bytes; the limit is %zu "
+                                   "(--max-payload-size)",
+                 len, r->cfg.max_payload_bytes);
+        rt_send_error(r, req, 413, "invalid_request_error", msg);
+        return;
+    }
     char *text = malloc(len + 1);
     if (!text) {
         rt_send_error(r, req, 500, "server_error", "out of memory");

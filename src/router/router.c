@@ -41,6 +41,7 @@ void rt_config_default(rt_config *c)
     c->backend = "atom";
     c->worker_ttl_s = 15;
     c->shutdown_timeout_s = 30;
+    c->max_payload_bytes = 4u << 20;
 }
 
 int rt_config_check(const rt_config *c, td_err *err)
@@ -64,6 +65,8 @@ int rt_config_check(const rt_config *c, td_err *err)
         return td_err_set(err, TD_EINVAL, "timeouts and intervals must be positive");
     if (!(c->shutdown_timeout_s >= 0 && c->shutdown_timeout_s <= 86400))
         return td_err_set(err, TD_EINVAL, "--shutdown-timeout-secs must be in [0, 86400]");
+    if (c->max_payload_bytes < 1024 || c->max_payload_bytes > (1u << 30))
+        return td_err_set(err, TD_EINVAL, "--max-payload-size must be in [1K, 1G]");
     if (c->health_failure_threshold < 1 || c->health_success_threshold < 1 ||
         c->cb_failure_threshold < 1 || c->cb_success_threshold < 1)
         return td_err_set(err, TD_EINVAL, "thresholds must be at least 1");
@@ -508,7 +511,9 @@ int rt_run(const rt_config *cfg, td_err *err)
         rc = rt_worker_add(r, cfg->worker[i], RT_ROLE_WORKER, false, NULL, err);
     if (rc) goto out;
     evhttp_set_gencb(r->http, on_request, r);
-    evhttp_set_max_body_size(r->http, 64u << 20);
+    /* Bodies up to 4x the limit are read and refused with a JSON 413 (relay.c); beyond
+     * that evhttp stops reading and answers 413 itself, so memory stays bounded. */
+    evhttp_set_max_body_size(r->http, (ev_ssize_t)TD_MIN(r->cfg.max_payload_bytes * 4, (size_t)1 << 30));
     evhttp_set_max_headers_size(r->http, 64 * 1024); /* as the engines: a 400 past that */
     evhttp_set_allowed_methods(r->http, EVHTTP_REQ_GET | EVHTTP_REQ_POST | EVHTTP_REQ_DELETE);
     evhttp_set_timeout(r->http, (int)(cfg->request_timeout_s + 60));

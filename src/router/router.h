@@ -60,6 +60,7 @@ typedef struct rt_config {
     double worker_ttl_s;         /* registered workers missing heartbeats this long: evicted (15) */
     double shutdown_timeout_s;   /* on SIGTERM/SIGINT, drain this long at most; 0: at once (30) */
     uint64_t seed;               /* policies' PRNG */
+    size_t max_payload_bytes;    /* larger request bodies: 413 (4 MiB, as an engine's) */
 } rt_config;
 
 void rt_config_default(rt_config *c);

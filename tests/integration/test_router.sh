@@ -22,6 +22,7 @@ expect_usage_error "policy" --worker http://127.0.0.1:1 --policy fastest
 expect_usage_error "pd-disaggregation" --prefill http://127.0.0.1:1 --decode http://127.0.0.1:2
 expect_usage_error "http://" --worker 127.0.0.1:1
 expect_usage_error "rank-mapping" --worker http://127.0.0.1:1 --atom-pd-rank-mapping-policy all
+expect_usage_error "max-payload-size" --worker http://127.0.0.1:1 --max-payload-size 10
 
 TD_BIN=$TD_BIN TD_MODEL=$MODEL node --test --test-reporter=spec "$TESTS_DIR/node/router.test.mjs" ||
     fail "node/router.test.mjs failed"

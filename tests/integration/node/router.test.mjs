@@ -308,6 +308,10 @@ test('bad requests get the engines\' error shapes; a wrong API key gets 401', as
   eng.proc.kill('SIGKILL');
   r = await fetch(R1.url + '/nope');
   assert.equal(r.status, 404);
+  // A body past --max-payload-size (4 MiB) is the router's own 413, never forwarded.
+  r = await post(R1.url, '/v1/completions', { prompt: 'a'.repeat(5_000_000), max_tokens: 1 });
+  assert.equal(r.status, 413, r.text);
+  assert.match(r.json.error.message, /50000\d\d bytes; the limit is 4194304 \(--max-payload-size\)/);
   // Headers past 64 KiB are a 400, as at the engines (a raw request: clients cap them).
   const status = await new Promise((resolve, reject) => {
     const c = net.connect(R1.port, '127.0.0.1', () =>
