@@ -232,7 +232,7 @@ static void leg_failed(rt_req *q, rt_leg *leg, int status, const char *why)
         evhttp_add_header(evhttp_request_get_output_headers(q->client), "Content-Type",
                           "application/json");
         td_replies_track(&q->r->replies, q->client);
-        evhttp_send_reply(q->client, status, "Error", b);
+        evhttp_send_reply(q->client, status, td_http_reason(status), b);
         client_detach(q);
     } else {
         reply_error(q, 502, "bad_gateway", "no %s instance could take the request: %s",
@@ -335,7 +335,7 @@ static void prefill_done(rt_req *q, rt_leg *leg)
         evhttp_add_header(evhttp_request_get_output_headers(q->client), "Content-Type",
                           "application/json");
         td_replies_track(&q->r->replies, q->client);
-        evhttp_send_reply(q->client, leg->status, "Error", b);
+        evhttp_send_reply(q->client, leg->status, td_http_reason(leg->status), b);
         evbuffer_free(b);
         client_detach(q);
         free(s);
@@ -411,7 +411,7 @@ static void on_leg_done(struct evhttp_request *req, void *arg)
         } else if (!q->started) { /* an answer kept whole */
             count_status(q->r, status);
             td_replies_track(&q->r->replies, q->client);
-            evhttp_send_reply(q->client, status, status == 200 ? "OK" : "Error", leg->body);
+            evhttp_send_reply(q->client, status, td_http_reason(status), leg->body);
         } else { /* the router streamed the first token, then the decode refused (4xx) */
             size_t n = evbuffer_get_length(leg->body);
             char *t = malloc(n + 1);
@@ -451,7 +451,7 @@ static int on_leg_header(struct evhttp_request *req, void *arg)
     if (ct && strstr(ct, "event-stream")) evhttp_add_header(out, "Cache-Control", "no-cache");
     evhttp_add_header(out, "X-Request-Id", q->rid);
     count_status(q->r, status);
-    evhttp_send_reply_start(q->client, status, status == 200 ? "OK" : "Error");
+    evhttp_send_reply_start(q->client, status, td_http_reason(status));
     q->started = true;
     leg->passthrough = true;
     return 0;

@@ -96,7 +96,7 @@ void rt_send_json(rt_router *r, struct evhttp_request *req, int status, const ch
     evbuffer_add(b, json, strlen(json));
     evhttp_add_header(evhttp_request_get_output_headers(req), "Content-Type", "application/json");
     td_replies_track(&r->replies, req);
-    evhttp_send_reply(req, status, status < 300 ? "OK" : "Error", b);
+    evhttp_send_reply(req, status, td_http_reason(status), b);
     evbuffer_free(b);
 }
 

@@ -122,16 +122,8 @@ void srv__send_json(srv_server *s, struct evhttp_request *req, int status, const
     evbuffer_add(b, json, strlen(json));
     evbuffer_add(b, "\n", 1);
     count_status(s, status);
-    const char *reason = status == 200   ? "OK"
-                         : status == 400 ? "Bad Request"
-                         : status == 404 ? "Not Found"
-                         : status == 405 ? "Method Not Allowed"
-                         : status == 413 ? "Payload Too Large"
-                         : status == 429 ? "Too Many Requests"
-                         : status == 503 ? "Service Unavailable"
-                                         : "Error";
     td_replies_track(&s->replies, req);
-    evhttp_send_reply(req, status, reason, b);
+    evhttp_send_reply(req, status, td_http_reason(status), b);
     evbuffer_free(b);
 }
 

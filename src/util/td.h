@@ -38,6 +38,9 @@ enum {
 /** Name of an error code ("invalid argument", ...). Never NULL. */
 const char *td_strerror(int code);
 
+/* The reason phrase of an HTTP status code ("Bad Request"), or "Error" for one not listed. */
+const char *td_http_reason(int status);
+
 /** An error record: a code and a bounded, NUL-terminated message. */
 typedef struct td_err {
     int code;

@@ -309,6 +309,15 @@ test('bad requests get the engines\' error shapes; a wrong API key gets 401', as
   r = await fetch(R1.url + '/nope');
   assert.equal(r.status, 404);
   // A body past --max-payload-size (4 MiB) is the router's own 413, never forwarded.
+  const rawStatus = (port, request) => new Promise((resolve, reject) => {
+    const c = net.connect(port, '127.0.0.1', () => c.write(request));
+    let got = '';
+    c.on('data', (d) => { got += d; });
+    c.on('close', () => resolve(got.split('\r\n')[0]));
+    c.on('error', reject);
+  });
+  const badJson = 'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nConnection: close\r\n\r\n{';
+  assert.equal(await rawStatus(R1.port, badJson), 'HTTP/1.1 400 Bad Request', 'a reason phrase in the status line');
   r = await post(R1.url, '/v1/completions', { prompt: 'a'.repeat(5_000_000), max_tokens: 1 });
   assert.equal(r.status, 413, r.text);
   assert.match(r.json.error.message, /50000\d\d bytes; the limit is 4194304 \(--max-payload-size\)/);

@@ -59,6 +59,15 @@ static void test_hash_and_rng(void **state)
 }
 
 /* Appends and formats grow the string across its first capacity and keep it terminated. */
+static void test_http_reason(void **state)
+{
+    (void)state;
+    assert_string_equal(td_http_reason(200), "OK");
+    assert_string_equal(td_http_reason(413), "Payload Too Large");
+    assert_string_equal(td_http_reason(504), "Gateway Timeout");
+    assert_string_equal(td_http_reason(599), "Error");
+}
+
 static void test_sbuf(void **state)
 {
     (void)state;
@@ -102,6 +111,7 @@ int main(void)
         cmocka_unit_test(test_err_set),
         cmocka_unit_test(test_parse),
         cmocka_unit_test(test_hash_and_rng),
+        cmocka_unit_test(test_http_reason),
         cmocka_unit_test(test_sbuf),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
