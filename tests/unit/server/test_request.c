@@ -174,6 +174,9 @@ static void test_bad(void **state)
         C, "{\"prompt\":[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]}",
         "");
     expect_bad(C, "{\"prompt\":\"\xff\"}", "");
+    expect_bad(C, "{\"prompt\":[1],\"max_tokens\":2,\"max_tokens\":0}", "");
+    expect_bad(C, "{\"prompt\":[1],\"kv_transfer_params\":{\"a\":1,\"b\":2,\"a\":3}}", "");
+    expect_bad(H, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\",\"role\":\"system\"}]}", "");
     expect_bad(C, "{}", "prompt");
     expect_bad(C, "{\"prompt\":null}", "prompt");
     expect_bad(C, "{\"prompt\":{}}", "prompt");
