@@ -629,8 +629,10 @@ fail:
 void pd_destroy(pd_connector *pd)
 {
     if (!pd) return;
-    /* Loads first (their callbacks queue releases), then the release thread drains what
-     * it can before the client goes, then the agent gives every lease back. */
+    /* The release thread drains the releases queued so far, then the client goes (and
+     * with it any load still running: a release its callback queues now is dropped, and
+     * that producer's lease expires instead; the server drains its requests before it
+     * gets here), then the agent gives every lease back. */
     if (pd->rel_started) {
         pthread_mutex_lock(&pd->mu);
         pd->stopping = true;
