@@ -238,6 +238,7 @@ static int text_append(req *r, const char *s, size_t n)
 static long find_stop(const req *r, size_t from, size_t *len)
 {
     long best = -1;
+    if (!r->text || from >= r->text_len) return -1; /* no text yet (memmem wants a buffer) */
     for (int i = 0; i < r->n_stop; i++) {
         const char *hit = memmem(r->text + from, r->text_len - from, r->stop[i], strlen(r->stop[i]));
         if (hit && (best < 0 || hit - r->text < best)) {

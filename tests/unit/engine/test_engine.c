@@ -358,7 +358,7 @@ static void test_flush_len(void **state)
         }
     }
     assert_true(strlen(first) > 0 && strlen(first) < 200);
-    char stop[256];
+    char stop[sizeof(first) + 2];
     snprintf(stop, sizeof(stop), "%s\x01", first); /* starts with the token, never matches */
     const char *stops[1] = {stop};
     sp.stop = stops;
