@@ -108,9 +108,22 @@ typedef struct td_sampling {
     bool skip_special_tokens;   /* default true: control tokens add no text */
     int logprobs;               /* 0: none; N in [1, TD_MAX_LOGPROBS]: log-probability of the
                                    sampled token and the N most likely tokens at each step */
+    /* Changes to the logits before sampling, with OpenAI's and vLLM's meaning (0, 0, 1 and
+     * no bias are off; 0 for repetition_penalty is off too). logit_bias adds to the given
+     * tokens' logits (copied at add time; at most TD_MAX_LOGIT_BIAS, each in [-100, 100]);
+     * repetition_penalty (in (0, 10]) divides a positive logit and multiplies a negative
+     * one, once for each distinct token of the prompt and the output; frequency_penalty
+     * subtracts its value once per occurrence in the output, presence_penalty once per
+     * distinct token of the output (both in [-2, 2]). Log-probabilities are reported from
+     * the logits before all of these, as vLLM reports them by default. */
+    const int32_t *logit_bias_ids;
+    const float *logit_bias;
+    int n_logit_bias;
+    float repetition_penalty, frequency_penalty, presence_penalty;
 } td_sampling;
 
 #define TD_MAX_LOGPROBS 20
+#define TD_MAX_LOGIT_BIAS 1024
 
 void td_sampling_default(td_sampling *sp);
 

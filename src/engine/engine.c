@@ -64,6 +64,7 @@ void td_sampling_default(td_sampling *sp)
     sp->top_p = 1.0f;
     sp->max_tokens = 16;
     sp->skip_special_tokens = true;
+    sp->repetition_penalty = 1.0f;
 }
 
 const char *td_finish_name(td_finish f)
@@ -298,6 +299,8 @@ void req__free(req *r)
     for (int i = 0; i < r->n_stop; i++) free(r->stop[i]);
     free(r->stop);
     free(r->text);
+    free(r->bias_ids);
+    free(r->bias);
     free(r);
 }
 
@@ -555,6 +558,25 @@ int td_engine_add_request_kv(td_engine *e, uint64_t *out_id, const int32_t *prom
         if (!sp->stop[i] || !sp->stop[i][0] || strlen(sp->stop[i]) > 256)
             return td_err_set(err, TD_EINVAL, "stop[%d] must be a non-empty string of at most 256 bytes", i);
 
+    if (!(sp->presence_penalty >= -2 && sp->presence_penalty <= 2) ||
+        !(sp->frequency_penalty >= -2 && sp->frequency_penalty <= 2))
+        return td_err_set(err, TD_EINVAL, "presence_penalty and frequency_penalty must be in "
+                                          "[-2, 2]");
+    if (!(sp->repetition_penalty >= 0 && sp->repetition_penalty <= 10))
+        return td_err_set(err, TD_EINVAL, "repetition_penalty must be in (0, 10], got %g",
+                          (double)sp->repetition_penalty);
+    if (sp->n_logit_bias < 0 || sp->n_logit_bias > TD_MAX_LOGIT_BIAS ||
+        (sp->n_logit_bias && (!sp->logit_bias_ids || !sp->logit_bias)))
+        return td_err_set(err, TD_EINVAL, "logit_bias may hold at most %d tokens",
+                          TD_MAX_LOGIT_BIAS);
+    for (int i = 0; i < sp->n_logit_bias; i++) {
+        if (sp->logit_bias_ids[i] < 0 || sp->logit_bias_ids[i] >= n_vocab)
+            return td_err_set(err, TD_EINVAL, "logit_bias: token %d is outside the vocabulary "
+                                              "(%d tokens)",
+                              sp->logit_bias_ids[i], n_vocab);
+        if (!(sp->logit_bias[i] >= -100 && sp->logit_bias[i] <= 100))
+            return td_err_set(err, TD_EINVAL, "logit_bias values must be in [-100, 100]");
+    }
     req *r = calloc(1, sizeof(*r));
     if (!r) return td_err_set(err, TD_ENOMEM, "out of memory");
     r->id = ++e->next_id;
@@ -582,6 +604,18 @@ int td_engine_add_request_kv(td_engine *e, uint64_t *out_id, const int32_t *prom
     r->include_stop_str = sp->include_stop_str_in_output;
     r->skip_special = sp->skip_special_tokens;
     r->logprobs = sp->logprobs;
+    r->repetition = sp->repetition_penalty > 0 ? sp->repetition_penalty : 1.0f;
+    r->frequency = sp->frequency_penalty;
+    r->presence = sp->presence_penalty;
+    if (sp->n_logit_bias) {
+        r->bias_ids = malloc((size_t)sp->n_logit_bias * sizeof(int32_t));
+        r->bias = malloc((size_t)sp->n_logit_bias * sizeof(float));
+        if (!r->bias_ids || !r->bias) goto oom;
+        memcpy(r->bias_ids, sp->logit_bias_ids, (size_t)sp->n_logit_bias * sizeof(int32_t));
+        memcpy(r->bias, sp->logit_bias, (size_t)sp->n_logit_bias * sizeof(float));
+        r->n_bias = sp->n_logit_bias;
+    }
+    r->penalized = r->n_bias || r->repetition != 1.0f || r->frequency != 0 || r->presence != 0;
     r->forced_token = -1;
     if (kv) {
         r->hold = kv->hold;

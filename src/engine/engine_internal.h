@@ -48,6 +48,12 @@ typedef struct req {
     size_t emitted;     /* bytes of text already given to the caller */
     int n_generated;
     int logprobs;       /* top-N log-probabilities wanted per step (0 = none) */
+    /* td_sampling's logit changes; `penalized` when any is on (sched.c: penalize) */
+    bool penalized;
+    int32_t *bias_ids;
+    float *bias;
+    int n_bias;
+    float repetition, frequency, presence;
     double t_arrival, t_first_scheduled, t_first_token, t_kv_loaded;
 
     /* disaggregation (td_request_kv) */

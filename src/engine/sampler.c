@@ -13,7 +13,9 @@ int sampler_scratch_init(sampler_scratch *s, int n_vocab)
     s->idx = malloc((size_t)n_vocab * sizeof(int32_t));
     s->key = malloc((size_t)n_vocab * sizeof(uint64_t));
     s->tmp = malloc((size_t)n_vocab * sizeof(uint64_t));
-    if (!s->prob || !s->idx || !s->key || !s->tmp) {
+    s->pen = malloc((size_t)n_vocab * sizeof(float));
+    s->seen = calloc((size_t)n_vocab, 1);
+    if (!s->prob || !s->idx || !s->key || !s->tmp || !s->pen || !s->seen) {
         sampler_scratch_free(s);
         return TD_ENOMEM;
     }
@@ -26,6 +28,10 @@ void sampler_scratch_free(sampler_scratch *s)
     free(s->idx);
     free(s->key);
     free(s->tmp);
+    free(s->pen);
+    free(s->seen);
+    s->pen = NULL;
+    s->seen = NULL;
     s->prob = NULL;
     s->idx = NULL;
     s->key = NULL;

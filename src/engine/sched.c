@@ -402,6 +402,42 @@ typedef struct samp_job {
     int n, n_vocab;
 } samp_job;
 
+/*
+ * A request's logit changes (td_sampling: logit_bias, then repetition, frequency and
+ * presence penalties, vLLM's order) on a copy of its row in s->pen; the row itself stays
+ * as the model gave it, for the log-probabilities. Each row on its own: the same tokens
+ * whatever else is in the batch.
+ */
+static const float *penalize(const req *r, const float *row, int n_vocab, sampler_scratch *s)
+{
+    float *p = s->pen;
+    memcpy(p, row, (size_t)n_vocab * sizeof(float));
+    for (int i = 0; i < r->n_bias; i++)
+        p[r->bias_ids[i]] += r->bias[i];
+    const int32_t *out = r->tokens + r->n_prompt;
+    const int n_out = r->n_tokens - r->n_prompt;
+    /* seen: bit 0, repetition applied (prompt and output); bit 1, presence (output) */
+    if (r->repetition != 1.0f)
+        for (int i = 0; i < r->n_tokens; i++) {
+            int32_t t = r->tokens[i];
+            if (t < 0 || t >= n_vocab || (s->seen[t] & 1)) continue;
+            s->seen[t] |= 1;
+            p[t] = p[t] > 0 ? p[t] / r->repetition : p[t] * r->repetition;
+        }
+    for (int i = 0; i < n_out; i++) {
+        int32_t t = out[i];
+        if (t < 0 || t >= n_vocab) continue;
+        p[t] -= r->frequency;
+        if (!(s->seen[t] & 2)) {
+            s->seen[t] |= 2;
+            p[t] -= r->presence;
+        }
+    }
+    for (int i = 0; i < r->n_tokens; i++) /* back to zero for the next row */
+        if (r->tokens[i] >= 0 && r->tokens[i] < n_vocab) s->seen[r->tokens[i]] = 0;
+    return p;
+}
+
 static void samp_rows(void *ctx, int ith, int nth)
 {
     samp_job *j = ctx;
@@ -411,6 +447,7 @@ static void samp_rows(void *ctx, int ith, int nth)
     for (int64_t k = b; k < end; k++) {
         req *r = e->b_reqs[e->b_samp_s[k]];
         const float *row = e->logits + (size_t)e->b_tok[k] * j->n_vocab;
+        if (r->penalized) row = penalize(r, row, j->n_vocab, &e->samp[ith]);
         e->b_tok[k] = sampler_sample(&r->sp, row, j->n_vocab, &r->rng, &e->samp[ith]);
     }
 }
@@ -571,7 +608,7 @@ int sched__step(td_engine *e, td_err *err)
             req *r = e->b_reqs[s];
             if (r->n_computed + e->b_n[s] < r->n_tokens) continue;
             bool greedy = r->sp.temperature <= 0.0f || r->sp.top_k == 1;
-            e->b_need[li] = r->logprobs > 0 || (!greedy && !device_sampling());
+            e->b_need[li] = r->logprobs > 0 || r->penalized || (!greedy && !device_sampling());
             /* the one draw sampler_sample would make, in the same place of the stream */
             float u = !greedy && !e->b_need[li] ? td_rng_float(&r->rng) : 0.0f;
             e->b_samp[li++] = (td_cuda_sample){.temperature = r->sp.temperature,

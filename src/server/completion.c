@@ -957,6 +957,12 @@ static void fill_sampling(const srv_request *r, int sample_index, int max_tokens
         sp->seed = r->seed + (uint64_t)sample_index * 0x9E3779B97F4A7C15ull;
     }
     sp->logprobs = r->logprobs < 0 ? 0 : TD_MAX(1, r->logprobs);
+    sp->presence_penalty = (float)r->presence_penalty;
+    sp->frequency_penalty = (float)r->frequency_penalty;
+    sp->repetition_penalty = (float)r->repetition_penalty;
+    sp->logit_bias_ids = r->logit_bias_ids;
+    sp->logit_bias = r->logit_bias;
+    sp->n_logit_bias = r->n_logit_bias;
 }
 
 /* A request without data_parallel_rank goes to the live rank with the fewest requests in

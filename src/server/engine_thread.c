@@ -32,6 +32,8 @@ struct srv__cmd {
     td_sampling sp;
     char **stop; /* owned copies; sp.stop points here */
     int32_t *stop_ids;
+    int32_t *bias_ids; /* owned copies; sp.logit_bias_ids and sp.logit_bias point here */
+    float *bias;
     td_request_kv kv;
     pd_remote remote; /* owned; remote.blocks NULL when none */
     char push_id[KVX_ID_HEX]; /* producer in write mode: the transfer id ("" otherwise) */
@@ -63,6 +65,8 @@ static void cmd_free(srv__cmd *c)
         free(c->stop[i]);
     free(c->stop);
     free(c->stop_ids);
+    free(c->bias_ids);
+    free(c->bias);
     free(c->ids);
     pd_remote_free(&c->remote);
     free(c);
@@ -586,7 +590,22 @@ int srv__engine_add(srv__engine *x, void *user, int choice, const char *push_id,
     c->sp.stop = NULL;
     c->sp.stop_token_ids = NULL;
     c->sp.n_stop_token_ids = 0;
+    c->sp.logit_bias_ids = NULL;
+    c->sp.logit_bias = NULL;
+    c->sp.n_logit_bias = 0;
     bool oom = !c->ids;
+    if (sp->n_logit_bias > 0) {
+        c->bias_ids = malloc((size_t)sp->n_logit_bias * sizeof(int32_t));
+        c->bias = malloc((size_t)sp->n_logit_bias * sizeof(float));
+        oom |= !c->bias_ids || !c->bias;
+        if (c->bias_ids && c->bias) {
+            memcpy(c->bias_ids, sp->logit_bias_ids, (size_t)sp->n_logit_bias * sizeof(int32_t));
+            memcpy(c->bias, sp->logit_bias, (size_t)sp->n_logit_bias * sizeof(float));
+            c->sp.logit_bias_ids = c->bias_ids;
+            c->sp.logit_bias = c->bias;
+            c->sp.n_logit_bias = sp->n_logit_bias;
+        }
+    }
     if (sp->n_stop > 0) {
         c->stop = calloc((size_t)sp->n_stop, sizeof(char *));
         oom |= !c->stop;

@@ -275,6 +275,34 @@ static int parse_stop(srv_request *r, const cJSON *v, srv_error *err)
     return 0;
 }
 
+/* logit_bias: {"token id": bias in [-100, 100], ...}; the ids are checked against the
+ * vocabulary when the engine takes the request. */
+static int parse_logit_bias(srv_request *r, const cJSON *v, srv_error *err)
+{
+    const char *P = "logit_bias";
+    if (!cJSON_IsObject(v)) return BAD(P, "'logit_bias' must be an object of token id: bias");
+    int n = cJSON_GetArraySize(v);
+    if (n > TD_MAX_LOGIT_BIAS) return BAD(P, "'logit_bias' may hold at most %d tokens", TD_MAX_LOGIT_BIAS);
+    if (n == 0) return 0;
+    r->logit_bias_ids = malloc((size_t)n * sizeof(int32_t));
+    r->logit_bias = malloc((size_t)n * sizeof(float));
+    if (!r->logit_bias_ids || !r->logit_bias)
+        return srv_error_set(err, 500, "server_error", P, "out of memory");
+    const cJSON *e;
+    cJSON_ArrayForEach(e, v)
+    {
+        int64_t id;
+        if (!e->string || td_parse_i64(e->string, &id) || id < 0 || id > INT32_MAX)
+            return BAD(P, "'logit_bias' keys must be token ids, got '%.32s'",
+                       e->string ? e->string : "");
+        if (!cJSON_IsNumber(e) || !(e->valuedouble >= -100 && e->valuedouble <= 100))
+            return BAD(P, "'logit_bias' values must be numbers in [-100, 100]");
+        r->logit_bias_ids[r->n_logit_bias] = (int32_t)id;
+        r->logit_bias[r->n_logit_bias++] = (float)e->valuedouble;
+    }
+    return 0;
+}
+
 /*
  * OpenAI fields this server knows but does not implement: a value that asks for nothing
  * (a zero penalty, an empty bias, "text" format, no tools) is accepted; anything else is a
@@ -284,24 +312,6 @@ static int refuse_unsupported(const srv_request *r, const cJSON *root, srv_error
 {
     const cJSON *v;
 #define GIVEN(name) ((v = cJSON_GetObjectItemCaseSensitive(root, name)) && !cJSON_IsNull(v))
-    static const char *const penalties[] = {"presence_penalty", "frequency_penalty"};
-    for (int i = 0; i < 2; i++)
-        if (GIVEN(penalties[i])) {
-            if (!cJSON_IsNumber(v) || !(v->valuedouble >= -2 && v->valuedouble <= 2))
-                return BAD(penalties[i], "'%s' must be a number in [-2, 2]", penalties[i]);
-            if (v->valuedouble != 0)
-                return BAD(penalties[i], "'%s' is not supported (only 0)", penalties[i]);
-        }
-    if (GIVEN("repetition_penalty")) {
-        if (!cJSON_IsNumber(v) || !(v->valuedouble > 0))
-            return BAD("repetition_penalty", "'repetition_penalty' must be a positive number");
-        if (v->valuedouble != 1)
-            return BAD("repetition_penalty", "'repetition_penalty' is not supported (only 1)");
-    }
-    if (GIVEN("logit_bias")) {
-        if (!cJSON_IsObject(v)) return BAD("logit_bias", "'logit_bias' must be an object");
-        if (v->child) return BAD("logit_bias", "'logit_bias' is not supported (only {})");
-    }
     if (r->endpoint == SRV_EP_COMPLETIONS) {
         if (GIVEN("best_of")) {
             if (!cJSON_IsNumber(v) || v->valuedouble != floor(v->valuedouble) || v->valuedouble < 1)
@@ -462,6 +472,18 @@ static int parse_fields(srv_request *r, const cJSON *root, srv_error *err)
         }
         if (want) r->logprobs = (int)top;
     }
+    if (FIELD("presence_penalty") &&
+        get_num(v, "presence_penalty", -2, 2, &r->presence_penalty, err))
+        return TD_EINVAL;
+    if (FIELD("frequency_penalty") &&
+        get_num(v, "frequency_penalty", -2, 2, &r->frequency_penalty, err))
+        return TD_EINVAL;
+    if (FIELD("repetition_penalty")) {
+        if (get_num(v, "repetition_penalty", 0, 10, &r->repetition_penalty, err)) return TD_EINVAL;
+        if (r->repetition_penalty <= 0)
+            return BAD("repetition_penalty", "'repetition_penalty' must be in (0, 10]");
+    }
+    if (FIELD("logit_bias") && parse_logit_bias(r, v, err)) return TD_EINVAL;
     if (FIELD("user")) {
         if (!cJSON_IsString(v)) return BAD("user", "'user' must be a string");
         r->user = dup_str(v->valuestring);
@@ -494,6 +516,7 @@ int srv_request_parse(srv_request *out, srv_endpoint ep, const char *body, size_
     out->top_p = 1.0;
     out->n = 1;
     out->logprobs = -1;
+    out->repetition_penalty = 1.0;
     if (len == 0) return BAD(NULL, "the request body is empty; send a JSON object");
     size_t valid = tok_utf8_valid_prefix(body, len);
     if (valid != len) return BAD(NULL, "the request body is not valid UTF-8 (at byte %zu)", valid);
@@ -546,6 +569,8 @@ void srv_request_free(srv_request *r)
     free(r->stop);
     free(r->model);
     free(r->user);
+    free(r->logit_bias_ids);
+    free(r->logit_bias);
     cJSON_Delete(r->kv_transfer_params);
     memset(r, 0, sizeof(*r));
 }

@@ -76,6 +76,11 @@ typedef struct srv_request {
     bool stream, include_usage, ignore_eos, echo;
     int n;        /* choices per prompt, default 1 */
     int logprobs; /* -1: none; else top-N alternatives (0..TD_MAX_LOGPROBS) */
+    /* Logit changes (td_sampling's): 0, 0, 1 and no bias when absent */
+    double presence_penalty, frequency_penalty, repetition_penalty;
+    int32_t *logit_bias_ids; /* [n_logit_bias], malloc'd */
+    float *logit_bias;
+    int n_logit_bias;
     char *user;
     int dp_rank; /* data_parallel_rank: the rank that must serve it, -1 when absent */
     void *kv_transfer_params; /* a cJSON object (owned) or NULL, echoed back as given */

@@ -157,6 +157,29 @@ test('stop strings end the text before the stop string', async () => {
   }
 });
 
+test('penalties and logit_bias change the text; unsupported OpenAI fields are a 400', async () => {
+  const base = { prompt: [1, 306, 463], max_tokens: 20, temperature: 0, ignore_eos: true };
+  const plain = (await complete(base)).json.choices[0].text;
+  for (const extra of [{ frequency_penalty: 2 }, { presence_penalty: 2 }, { repetition_penalty: 1.5 }]) {
+    const r = await complete({ ...base, ...extra });
+    assert.equal(r.status, 200, r.text);
+    assert.notEqual(r.json.choices[0].text, plain, JSON.stringify(extra));
+    assert.equal((await complete({ ...base, ...extra })).json.choices[0].text, r.json.choices[0].text);
+  }
+  // A token pushed up by 100 wins every step; the log-probabilities stay the model's.
+  const b = await complete({ ...base, max_tokens: 4, logit_bias: { 400: 100 }, logprobs: 1 });
+  assert.equal(b.status, 200, b.text);
+  const lp = b.json.choices[0].logprobs;
+  assert.equal(new Set(lp.tokens).size, 1);
+  assert.ok(lp.token_logprobs[0] < -0.01, 'the raw log-probability of a token the model did not favour');
+  for (const [body, param] of [[{ ...base, logit_bias: { 99999: 1 } }, null], [{ ...base, response_format: { type: 'json_object' } }, 'response_format'],
+    [{ ...base, echo: true, logprobs: 1 }, 'logprobs'], [{ ...base, presence_penalty: 'x' }, 'presence_penalty']]) {
+    const r = await complete(body);
+    assert.equal(r.status, 400, r.text);
+    if (param) assert.equal(r.json.error.param, param);
+  }
+});
+
 test('seeded sampling is reproducible; n gives distinct seeded choices', async () => {
   const body = { prompt: [1, 306], max_tokens: 24, temperature: 1, ignore_eos: true };
   const a = await complete({ ...body, seed: 1234 });

@@ -432,6 +432,118 @@ static void test_logprobs_and_timings(void **state)
     td_engine_free(e);
 }
 
+/* Run one request (alone, or beside a plain one when `crowd`) and collect its tokens and
+ * their top-20 log-probabilities. */
+static int run_penalised(td_engine *e, const td_sampling *sp, bool crowd, int32_t *toks,
+                         int32_t (*top_ids)[TD_MAX_LOGPROBS], float (*top_lp)[TD_MAX_LOGPROBS])
+{
+    td_err err;
+    uint64_t id, other;
+    assert_int_equal(td_engine_add_request(e, &id, g_cases[0].prompt, g_cases[0].n_prompt, sp, &err), 0);
+    if (crowd) {
+        td_sampling plain;
+        td_sampling_default(&plain);
+        plain.max_tokens = 20;
+        assert_int_equal(td_engine_add_request(e, &other, g_cases[1].prompt, g_cases[1].n_prompt, &plain, &err), 0);
+    }
+    int n = 0;
+    while (td_engine_has_work(e)) {
+        td_engine_step(e, &err);
+        td_output o;
+        while (td_engine_poll(e, &o)) {
+            if (o.id != id || o.token < 0) continue;
+            toks[n] = o.token;
+            if (top_ids) {
+                assert_int_equal(o.n_top, TD_MAX_LOGPROBS);
+                memcpy(top_ids[n], o.top_ids, sizeof(top_ids[n]));
+                memcpy(top_lp[n], o.top_logprobs, sizeof(top_lp[n]));
+            }
+            n++;
+        }
+    }
+    return n;
+}
+
+/* Penalties and logit_bias: greedy picks the argmax of the changed logits. Log-probabilities
+ * are the model's own, so the expected token at each step follows from the top 20 (their
+ * differences are the logits' differences) wherever the winner is surely among them. */
+static void test_penalties(void **state)
+{
+    (void)state;
+    load_golden();
+    td_engine *e = make_engine(2, 512, 0, "f32", true);
+    enum { N = 24 };
+    td_sampling sp;
+    td_sampling_default(&sp);
+    sp.temperature = 0;
+    sp.max_tokens = N;
+    sp.ignore_eos = true;
+    sp.logprobs = TD_MAX_LOGPROBS;
+    int32_t plain[N], toks[N], ids[N][TD_MAX_LOGPROBS];
+    float lps[N][TD_MAX_LOGPROBS];
+    assert_int_equal(run_penalised(e, &sp, false, plain, NULL, NULL), N);
+    sp.frequency_penalty = 1.0f;
+    sp.presence_penalty = 0.5f;
+    int32_t bias_id = plain[3];
+    float bias = -3.0f;
+    sp.logit_bias_ids = &bias_id;
+    sp.logit_bias = &bias;
+    sp.n_logit_bias = 1;
+    assert_int_equal(run_penalised(e, &sp, false, toks, ids, lps), N);
+    assert_memory_not_equal(toks, plain, sizeof(toks));
+    int checked = 0;
+    for (int t = 0; t < N; t++) {
+        float best = -INFINITY;
+        int32_t want = -1;
+        for (int k = 0; k < TD_MAX_LOGPROBS; k++) {
+            int count = 0;
+            for (int j = 0; j < t; j++) count += toks[j] == ids[t][k];
+            float v = lps[t][k] - sp.frequency_penalty * (float)count -
+                      (count ? sp.presence_penalty : 0.0f) + (ids[t][k] == bias_id ? bias : 0.0f);
+            if (v > best) {
+                best = v;
+                want = ids[t][k];
+            }
+        }
+        /* Tokens past the top 20 have no higher log-probability than the 20th, and the
+         * changes only lower them: the winner is among the 20 if it beats the 20th. */
+        if (best > lps[t][TD_MAX_LOGPROBS - 1] + 1e-4f) {
+            assert_int_equal(toks[t], want);
+            checked++;
+        }
+    }
+    assert_true(checked >= N / 2);
+    /* The same tokens next to another request; repetition_penalty changes the output and
+     * is as reproducible. */
+    int32_t again[N];
+    assert_int_equal(run_penalised(e, &sp, true, again, NULL, NULL), N);
+    assert_memory_equal(again, toks, sizeof(toks));
+    td_sampling rp;
+    td_sampling_default(&rp);
+    rp.temperature = 0;
+    rp.max_tokens = N;
+    rp.ignore_eos = true;
+    rp.repetition_penalty = 1.5f;
+    int32_t r1[N], r2[N];
+    assert_int_equal(run_penalised(e, &rp, false, r1, NULL, NULL), N);
+    assert_int_equal(run_penalised(e, &rp, true, r2, NULL, NULL), N);
+    assert_memory_equal(r1, r2, sizeof(r1));
+    assert_memory_not_equal(r1, plain, sizeof(r1));
+    /* Out of range: refused at add time. */
+    td_err err;
+    uint64_t id;
+    rp.repetition_penalty = 11;
+    assert_int_equal(td_engine_add_request(e, &id, g_cases[0].prompt, g_cases[0].n_prompt, &rp, &err), TD_EINVAL);
+    rp.repetition_penalty = 1;
+    bias_id = 1 << 20;
+    rp.logit_bias_ids = &bias_id;
+    rp.logit_bias = &bias;
+    rp.n_logit_bias = 1;
+    assert_int_equal(td_engine_add_request(e, &id, g_cases[0].prompt, g_cases[0].n_prompt, &rp, &err), TD_EINVAL);
+    assert_non_null(strstr(err.msg, "vocabulary"));
+    td_engine_free(e);
+}
+
 /* llama-2-tiny-random (f16 weights, real Llama-2 vocabulary): its logits are nearly
  * uniform (top-2 margins down to 1e-5), so only the first greedy token of each prompt is
  * compared with llama.cpp's; it is robust to f32 rounding where later steps are not. */
@@ -490,6 +602,7 @@ int main(void)
         cmocka_unit_test(test_seeded_sampling),
         cmocka_unit_test(test_stop_string),
         cmocka_unit_test(test_flush_len),
+        cmocka_unit_test(test_penalties),
         cmocka_unit_test(test_logprobs_and_timings),
         cmocka_unit_test(test_llama2_tiny_first_token),
     };

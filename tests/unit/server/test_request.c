@@ -210,11 +210,14 @@ static void test_bad(void **state)
                "logprobs");
     /* Known OpenAI fields that ask for what is not implemented: a 400 naming them, never
      * ignored; values that ask for nothing pass (parsed below). */
-    expect_bad(C, "{\"prompt\":[1],\"presence_penalty\":1}", "presence_penalty");
+    expect_bad(C, "{\"prompt\":[1],\"presence_penalty\":2.5}", "presence_penalty");
     expect_bad(C, "{\"prompt\":[1],\"frequency_penalty\":\"x\"}", "frequency_penalty");
     expect_bad(C, "{\"prompt\":[1],\"frequency_penalty\":5}", "frequency_penalty");
-    expect_bad(C, "{\"prompt\":[1],\"repetition_penalty\":1.1}", "repetition_penalty");
-    expect_bad(C, "{\"prompt\":[1],\"logit_bias\":{\"306\":100}}", "logit_bias");
+    expect_bad(C, "{\"prompt\":[1],\"repetition_penalty\":0}", "repetition_penalty");
+    expect_bad(C, "{\"prompt\":[1],\"logit_bias\":{\"abc\":1}}", "logit_bias");
+    expect_bad(C, "{\"prompt\":[1],\"logit_bias\":{\"-1\":1}}", "logit_bias");
+    expect_bad(C, "{\"prompt\":[1],\"logit_bias\":{\"306\":101}}", "logit_bias");
+    expect_bad(C, "{\"prompt\":[1],\"logit_bias\":[1]}", "logit_bias");
     expect_bad(C, "{\"prompt\":[1],\"best_of\":3}", "best_of");
     expect_bad(C, "{\"prompt\":[1],\"suffix\":\"x\"}", "suffix");
     expect_bad(C, "{\"prompt\":[1],\"echo\":true,\"logprobs\":0}", "logprobs");
@@ -253,6 +256,16 @@ static void test_bad(void **state)
     srv_request_free(&r);
     const char *fine_c = "{\"prompt\":[1],\"n\":2,\"best_of\":2,\"suffix\":\"\"}";
     assert_int_equal(srv_request_parse(&r, C, fine_c, strlen(fine_c), &err), 0);
+    assert_true(r.repetition_penalty == 1.0 && r.presence_penalty == 0 && r.n_logit_bias == 0);
+    srv_request_free(&r);
+    const char *pen = "{\"prompt\":[1],\"presence_penalty\":-0.5,\"frequency_penalty\":1.5,"
+                      "\"repetition_penalty\":1.2,\"logit_bias\":{\"306\":-100,\"7\":2.5}}";
+    assert_int_equal(srv_request_parse(&r, C, pen, strlen(pen), &err), 0);
+    assert_true(r.presence_penalty == -0.5 && r.frequency_penalty == 1.5 &&
+                r.repetition_penalty == 1.2);
+    assert_int_equal(r.n_logit_bias, 2);
+    assert_int_equal(r.logit_bias_ids[0], 306);
+    assert_true(r.logit_bias[0] == -100.0f && r.logit_bias[1] == 2.5f);
     srv_request_free(&r);
 }
 
