@@ -247,6 +247,9 @@ test('PD streams what one engine answers: stop strings, unfinished characters, l
     { prompt: [1, 306, 463], max_tokens: 4, temperature: 0, stop: 'na' }, // the stop string spans tokens 1 and 2
     { prompt: [1, 306, 463], max_tokens: 1, temperature: 0, stop: 'inanX' }, // held back, then released at the end
   ];
+  // Logit changes: the producer applies them to the first token, the decode to the rest.
+  cases.push({ prompt: prompts()[4], max_tokens: 12, temperature: 0, ignore_eos: true, frequency_penalty: 1,
+    presence_penalty: 0.5, repetition_penalty: 1.3, logit_bias: { 306: 2, 400: -5 } });
   for (let seed = 1; seed <= 12; seed++)
     cases.push({ prompt: prompts()[seed % 8], max_tokens: 12, temperature: 1.5, seed, stop: ['e', 'th'] });
   for (const body of cases) {
