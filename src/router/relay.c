@@ -678,8 +678,13 @@ static void on_timeout(evutil_socket_t fd, short what, void *arg)
 
 static void begin(rt_req *q);
 
+/* Start queued requests while slots are free. One that ends at once (no worker to take
+ * it: begin() answered it) is freed at once, giving its slot back: otherwise it kept the
+ * slot until its request timer fired. */
 static void admit_next(rt_router *r)
 {
+    if (r->admitting) return; /* req_free below calls back here; this loop goes on */
+    r->admitting = true;
     while (r->queue_head &&
            (r->cfg.max_concurrent_requests <= 0 || r->active < r->cfg.max_concurrent_requests)) {
         rt_req *q = r->queue_head;
@@ -689,7 +694,9 @@ static void admit_next(rt_router *r)
         q->queued = false;
         event_del(q->timer);
         begin(q);
+        req_maybe_free(q);
     }
+    r->admitting = false;
 }
 
 static void req_free(rt_req *q)

@@ -93,6 +93,7 @@ typedef struct rt_router {
     int active;
     rt_req *queue_head, *queue_tail;
     int queued;
+    bool admitting; /* admit_next is running: a request it frees does not re-enter it */
     rt_req *reqs; /* every live request (for shutdown) */
     struct rt_check *checks; /* health checks and info reads in flight (for shutdown) */
     bool shutting_down;

@@ -354,7 +354,24 @@ test('admission: past --max-concurrent-requests requests queue; a full queue is 
   const m = await metrics(r.url);
   assert.equal(m.tandem_router_rejected_total, 1);
   assert.equal(m.tandem_router_queue_timeouts_total, 1);
-  for (const x of [r, slow]) x.proc.kill('SIGKILL');
+  // A queued request that cannot start when its turn comes (its only worker was removed
+  // meanwhile) is answered at once and gives its slot back: the next one runs.
+  const r2 = await router(['--worker', slow.url, '--max-concurrent-requests', '1', '--queue-timeout-secs', '5']);
+  await until(async () => (await fetch(r2.url + '/health')).status === 200, 'router healthy');
+  const a = post(r2.url, '/v1/completions', body);
+  await until(async () => (await metrics(r2.url)).tandem_router_requests_running === 1, 'the first request running');
+  const b = post(r2.url, '/v1/completions', body);
+  await until(async () => (await metrics(r2.url)).tandem_router_queue_depth === 1, 'the second request queued');
+  const wid = (await workers(r2.url))[0].id;
+  assert.equal((await fetch(`${r2.url}/workers/${wid}`, { method: 'DELETE' })).status, 200);
+  assert.equal((await a).status, 200);
+  assert.equal((await b).status, 503);
+  assert.equal((await post(r2.url, '/workers', { url: slow.url, role: 'worker' })).status, 201);
+  await until(async () => (await fetch(r2.url + '/health')).status === 200, 'the worker back');
+  assert.equal((await metrics(r2.url)).tandem_router_requests_running, 0, 'no slot held by the 503');
+  const c = await post(r2.url, '/v1/completions', { ...body, max_tokens: 2 });
+  assert.equal(c.status, 200, c.text);
+  for (const x of [r, r2, slow]) x.proc.kill('SIGKILL');
 });
 
 test('a client that hangs up mid-stream: both engines free their blocks', async () => {
