@@ -120,6 +120,19 @@ static void push_reject(batch *b, void *user, int choice, const char *msg)
     o->text = dup_n("", 0);
 }
 
+/* A request the engine could not end (a stop while its KV load would not end in time):
+ * its final output, an error, so that its client is answered. */
+static void push_failed(batch *b, void *user, int choice, const char *msg)
+{
+    srv__out *o = batch_push(b);
+    o->user = user;
+    o->choice = choice;
+    o->token = -1;
+    o->finish = TD_FINISH_ERROR;
+    o->error = dup_n(msg, strlen(msg));
+    o->text = dup_n("", 0);
+}
+
 static srv__active *active_add(srv__engine *x, uint64_t id, void *user, int choice)
 {
     if (x->n_active == x->cap_active) {
@@ -422,6 +435,53 @@ static int step(srv__engine *x)
     return did;
 }
 
+/*
+ * After a stop: a request whose KV is being copied in cannot end before the copy does (its
+ * blocks are being written), so its abort waits for the load's end. Take those ends (the
+ * loads are bounded by their transfer deadline) and the releases of held blocks, until no
+ * request is left or STOP_LOAD_WAIT_NS passed; a request still left then ends with an
+ * error, so that its client is answered.
+ */
+#define STOP_LOAD_WAIT_NS (35ull * 1000000000ull)
+
+static void stop_drain_loads(srv__engine *x, batch *b)
+{
+    pthread_mutex_lock(&x->mu);
+    bool final = x->stop_final; /* teardown: pd_destroy cancels the loads next */
+    pthread_mutex_unlock(&x->mu);
+    uint64_t until = final ? 0 : td_now_ns() + STOP_LOAD_WAIT_NS;
+    while (x->n_active > 0 && td_now_ns() < until) {
+        pthread_mutex_lock(&x->mu);
+        if (!x->inbox_head) {
+            struct timespec ts;
+            clock_gettime(CLOCK_REALTIME, &ts);
+            ts.tv_nsec += 100 * 1000000L;
+            if (ts.tv_nsec >= 1000000000L) {
+                ts.tv_sec++;
+                ts.tv_nsec -= 1000000000L;
+            }
+            pthread_cond_timedwait(&x->cv, &x->mu, &ts);
+        }
+        srv__cmd *cmds = x->inbox_head;
+        x->inbox_head = x->inbox_tail = NULL;
+        pthread_mutex_unlock(&x->mu);
+        for (srv__cmd *c = cmds, *next; c; c = next) {
+            next = c->next;
+            if (c->kind == CMD_ADD)
+                push_reject(b, c->user, c->choice, "the engine loop has stopped");
+            else
+                apply(x, c, b);
+            cmd_free(c);
+        }
+        drain_outputs(x, b);
+        publish(x, b);
+    }
+    for (int i = 0; i < x->n_active; i++)
+        push_failed(b, x->active[i].user, x->active[i].choice,
+                    "the engine loop stopped while this request's KV was being transferred");
+    if (x->n_active) publish(x, b);
+}
+
 static void *engine_main(void *arg)
 {
     srv__engine *x = arg;
@@ -470,6 +530,7 @@ static void *engine_main(void *arg)
                 td_engine_abort(x->engine, x->active[i].engine_id);
             drain_outputs(x, &b);
             publish(x, &b);
+            stop_drain_loads(x, &b);
             break;
         }
         int did = step(x);
@@ -485,6 +546,9 @@ static void *engine_main(void *arg)
         }
     }
     free(b.v);
+    pthread_mutex_lock(&x->mu);
+    x->exited = true;
+    pthread_mutex_unlock(&x->mu);
     return NULL;
 }
 
@@ -530,6 +594,9 @@ void srv__engine_request_stop(srv__engine *x, const char *reason)
 void srv__engine_stop(srv__engine *x, const char *reason)
 {
     if (!x->thread_started) return;
+    pthread_mutex_lock(&x->mu);
+    x->stop_final = true;
+    pthread_mutex_unlock(&x->mu);
     srv__engine_request_stop(x, reason);
     /* A loop waiting in its group (for a rank that will not come) must not hold up the join:
      * the group ends here, as it would when the loop saw the request. */
@@ -550,7 +617,9 @@ bool srv__engine_stopped(srv__engine *x, char *reason, size_t cap)
 static int post(srv__engine *x, srv__cmd *c)
 {
     pthread_mutex_lock(&x->mu);
-    if (x->stopped || x->stop_requested) {
+    /* A load's end and a release are taken while a stopping loop still drains its loads. */
+    bool late_ok = (c->kind == CMD_KV_LOADED || c->kind == CMD_KV_RELEASE) && !x->exited;
+    if ((x->stopped || x->stop_requested) && !late_ok) {
         pthread_mutex_unlock(&x->mu);
         return TD_ESTATE;
     }

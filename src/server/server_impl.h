@@ -68,7 +68,10 @@ typedef struct srv__engine {
     int n_out, cap_out;
     srv__snapshot snap;
     bool stop_requested; /* the loop should exit (shutdown or debug hook) */
-    bool stopped;        /* the loop has exited: no more commands are taken */
+    bool stopped;        /* the loop has seen the stop: no more requests are taken (a KV
+                            load's end still is, until `exited`) */
+    bool exited;         /* the loop has returned: no command is taken */
+    bool stop_final;     /* srv__engine_stop (teardown): no waiting for KV loads */
     char stop_reason[128];
     /* written by the engine thread, read anywhere */
     _Atomic uint64_t last_progress_ns;

@@ -514,6 +514,25 @@ test('the producer killed mid-transfer: the decode request still ends', async ()
   assert.equal(r.json.choices[0].text, await expected(p));
 });
 
+test('a consumer whose engine loop stops mid-load answers the request when the load ends', async () => {
+  // The producer holds the read for 1.5 s; the consumer's loop is stopped meanwhile. The
+  // aborted request cannot end before its blocks stop being written, but it must end then.
+  const prod = await serve(['--enable-debug-endpoints', '--debug-kv-send-delay-ms', '1500',
+    '--kv-transfer-config', '{"kv_role":"kv_producer"}']);
+  const cons = await serve(['--enable-debug-endpoints', '--kv-transfer-config', '{"kv_role":"kv_consumer"}']);
+  const p = prompts()[13];
+  const kv = await prefill(prod.url, p);
+  const pending = decode(cons.url, p, kv);
+  await new Promise((r) => setTimeout(r, 300));
+  assert.equal((await fetch(cons.url + '/debug/stop_engine', { method: 'POST' })).status, 200);
+  const r = await pending;
+  assert.equal(r.status, 200, r.text);
+  assert.equal(r.json.choices[0].finish_reason, 'abort', r.text);
+  await noLeaks(cons.url, 'the stopped consumer');
+  assert.equal((await fetch(cons.url + '/health')).status, 503);
+  for (const x of [prod, cons]) x.proc.kill('SIGKILL');
+});
+
 test('the consumer gone after the producer answered: the lease expires, the blocks return', async () => {
   const prod = await serve(['--kv-transfer-config', '{"kv_role":"kv_producer","lease_ms":2000}']);
   const cons = await serve(['--kv-transfer-config', '{"kv_role":"kv_consumer"}']);
