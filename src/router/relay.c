@@ -409,6 +409,12 @@ static void on_leg_done(struct evhttp_request *req, void *arg)
             td_replies_track(&q->r->replies, q->client);
             evhttp_send_reply_end(q->client);
         } else if (!q->started) { /* an answer kept whole */
+            const char *ct = req ? evhttp_find_header(evhttp_request_get_input_headers(req),
+                                                      "Content-Type")
+                                 : NULL;
+            struct evkeyvalq *out = evhttp_request_get_output_headers(q->client);
+            evhttp_add_header(out, "Content-Type", ct ? ct : "application/json");
+            evhttp_add_header(out, "X-Request-Id", q->rid);
             count_status(q->r, status);
             td_replies_track(&q->r->replies, q->client);
             evhttp_send_reply(q->client, status, td_http_reason(status), leg->body);
@@ -438,7 +444,10 @@ static int on_leg_header(struct evhttp_request *req, void *arg)
     if (!leg->ereq || q->finished) return 0;
     int status = evhttp_request_get_response_code(req);
     leg->status = status;
-    if (!leg->relay || status >= 500) return 0; /* collected (retried or relayed at the end) */
+    /* Collected, and relayed (or retried) at the end: a 5xx, and any answer that is not a
+     * stream (small, and whole or not at all: a client never gets a 200 whose body the
+     * router had to cut short). */
+    if (!leg->relay || status >= 500 || !q->stream) return 0;
     if (q->started) { /* the router began the answer (the first token) */
         leg->passthrough = status == 200;
         return 0;
