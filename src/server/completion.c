@@ -73,7 +73,7 @@ typedef struct srv__req {
     char *first_text;
     int first_text_len;
     bool has_first_lp;
-    srv__out first_lp; /* logprob, n_top, top_ids, top_logprobs */
+    srv__out first_lp; /* token, logprob, n_top, top_ids, top_logprobs */
     srv__out kv_res;            /* the final output's KV fields (kv_blocks owned here) */
     double t_second;            /* when the second token arrived */
     int rank;                   /* the data-parallel rank that serves it */
@@ -684,8 +684,10 @@ void srv__handle_outputs(srv_server *s, srv__out *outs, int n)
             if (q->r.logprobs >= 0) {
                 srv__out lo;
                 const srv__out *src = o;
-                if (q->kv_mode == KV_CONSUME && c->n_gen == 1 && q->has_first_lp) {
-                    /* the producer sampled this token: its log-probabilities came along */
+                if (q->kv_mode == KV_CONSUME && c->n_gen == 1 && q->has_first_lp &&
+                    o->token == q->first_lp.token) {
+                    /* the producer sampled this token: its log-probabilities came along (a
+                     * prompt recomputed here from scratch may have sampled another) */
                     lo = *o;
                     lo.logprob = q->first_lp.logprob;
                     lo.n_top = q->first_lp.n_top;
@@ -900,6 +902,7 @@ static int kv_prepare(srv_server *s, srv__req *q, const prepared *p, int n_choic
     q->prod_compute_ms = kp.prod_compute_ms;
     if (kp.has_first_logprob) {
         q->has_first_lp = true;
+        q->first_lp.token = kp.first_token;
         q->first_lp.logprob = kp.first_logprob;
         q->first_lp.n_top = kp.n_first_top;
         memcpy(q->first_lp.top_ids, kp.first_top_ids, sizeof(kp.first_top_ids));
