@@ -544,6 +544,14 @@ int bench_compare(const char *const *paths, int num_paths, const char *svg_path,
             rc = td_err_set(err, TD_EFORMAT, "'%s' is not a result JSON object", paths[n]);
             goto out;
         }
+        if (!cJSON_IsNumber(cJSON_GetObjectItemCaseSensitive(cf->json, "completed")) ||
+            !cJSON_IsNumber(cJSON_GetObjectItemCaseSensitive(cf->json, "duration"))) {
+            rc = td_err_set(err, TD_EFORMAT,
+                            "'%s' is not a tandem bench result (no 'completed' and 'duration'; "
+                            "write one with --save-result)",
+                            paths[n]);
+            goto out;
+        }
         const cJSON *label = cJSON_GetObjectItemCaseSensitive(cf->json, "label");
         if (cJSON_IsString(label) && label->valuestring[0]) {
             snprintf(cf->label, sizeof(cf->label), "%s", label->valuestring);

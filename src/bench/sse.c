@@ -39,18 +39,28 @@ static bool nonempty_string(const cJSON *v)
 static void handle_event(bench_sse *s, const char *data, size_t len, double now)
 {
     bench_request *r = s->r;
+    if (s->done) { /* nothing may follow [DONE]: what does is not believed */
+        s->bad_event = true;
+        return;
+    }
     if (len == 6 && !memcmp(data, "[DONE]", 6)) {
         s->done = true;
         r->t_end = now;
         return;
     }
-    cJSON *ev = cJSON_ParseWithLength(data, len);
+    const char *end = NULL;
+    cJSON *ev = cJSON_ParseWithLengthOpts(data, len, &end, false);
+    for (const char *p = end; ev && p && p < data + len; p++)
+        if (*p != ' ' && *p != '\t' && *p != '\r' && *p != '\n') { /* one JSON value only */
+            cJSON_Delete(ev);
+            ev = NULL;
+        }
     if (!ev) {
         s->bad_event = true;
         return;
     }
     const cJSON *error = cJSON_GetObjectItemCaseSensitive(ev, "error");
-    if (error && !s->stream_error[0]) {
+    if (error && !cJSON_IsNull(error) && !s->stream_error[0]) {
         const cJSON *msg = cJSON_GetObjectItemCaseSensitive(error, "message");
         snprintf(s->stream_error, sizeof(s->stream_error), "error event: %.80s",
                  cJSON_IsString(msg) ? msg->valuestring : "(no message)");

@@ -49,7 +49,7 @@ typedef struct bench_opts {
     dataset_kind dataset;
     bool chat, ignore_eos, output_len_given;
     int64_t input_len, output_len, prefix_len, num_prompts, max_concurrency, seed, vocab;
-    double range_ratio, request_rate, burstiness, temperature;
+    double range_ratio, request_rate, burstiness, temperature, idle_timeout;
     bench_slo slo;
     double percentiles[BENCH_MAX_PERCENTILES];
     int num_percentiles;
@@ -372,6 +372,12 @@ static int call_start(bench_run *run, bench_call *c)
     curl_easy_setopt(e, CURLOPT_TCP_NODELAY, 1L);
     curl_easy_setopt(e, CURLOPT_NOSIGNAL, 1L);
     curl_easy_setopt(e, CURLOPT_CONNECTTIMEOUT, 30L);
+    /* A server that goes silent (no answer, or a stream that stops) fails the request
+     * after --idle-timeout seconds instead of holding the run forever. */
+    if (run->o->idle_timeout > 0) {
+        curl_easy_setopt(e, CURLOPT_LOW_SPEED_LIMIT, 1L);
+        curl_easy_setopt(e, CURLOPT_LOW_SPEED_TIME, (long)ceil(run->o->idle_timeout));
+    }
     c->r->t_send = td_now_s();
     if (curl_multi_add_handle(run->multi, e) != CURLM_OK) return TD_EIO;
     run->in_flight++;
@@ -405,6 +411,9 @@ static void call_finish(bench_run *run, bench_call *c, CURLcode result)
     char reason[96] = "";
     if (c->sse.too_long) {
         snprintf(reason, sizeof(reason), "SSE line longer than %u bytes", BENCH_SSE_LINE_CAP);
+    } else if (result == CURLE_OPERATION_TIMEDOUT) {
+        snprintf(reason, sizeof(reason), "timeout: nothing from the server for %g s (--idle-timeout)",
+                 run->o->idle_timeout);
     } else if (result != CURLE_OK) {
         snprintf(reason, sizeof(reason), "connection error: %s", curl_easy_strerror(result));
     } else if (code != 200) {
@@ -510,8 +519,9 @@ static double run_requests(bench_run *run, const double *offset)
     return duration;
 }
 
-/* GET /v1/models and take the first id; NULL when there is none. */
-static char *first_model_id(const char *base_url)
+/* GET /v1/models (with the run's headers: the API key) and take the first id; NULL when
+ * there is none. */
+static char *first_model_id(const char *base_url, struct curl_slist *headers)
 {
     struct {
         char data[65536];
@@ -523,6 +533,7 @@ static char *first_model_id(const char *base_url)
     char *id = NULL;
     if (!buf || !e) goto out;
     curl_easy_setopt(e, CURLOPT_URL, url);
+    curl_easy_setopt(e, CURLOPT_HTTPHEADER, headers);
     curl_easy_setopt(e, CURLOPT_TIMEOUT, 30L);
     curl_easy_setopt(e, CURLOPT_NOSIGNAL, 1L);
     FILE *mem = fmemopen(buf->data, sizeof(buf->data) - 1, "w");
@@ -643,6 +654,8 @@ static int check_opts(bench_opts *o, const cli_str_list *goodput)
         return usage_error("%s must be at least 4", "--vocab");
     if (!(o->burstiness > 0)) return usage_error("%s must be positive", "--burstiness");
     if (!(o->temperature >= 0)) return usage_error("%s must be 0 or more", "--temperature");
+    if (!(o->idle_timeout >= 0 && o->idle_timeout <= 86400))
+        return usage_error("%s must be in [0, 86400] seconds", "--idle-timeout");
     if (!strcasecmp(o->request_rate_text, "inf")) {
         o->request_rate = INFINITY;
     } else if (td_parse_f64(o->request_rate_text, &o->request_rate) || !(o->request_rate > 0)) {
@@ -675,8 +688,6 @@ static int run_benchmark(bench_opts *o)
         base[--len] = '\0';
     curl_global_init(CURL_GLOBAL_DEFAULT);
     char *model_owned = NULL;
-    if (!o->model) o->model = model_owned = first_model_id(base);
-
     bench_prompt *prompts = calloc((size_t)o->num_prompts, sizeof(bench_prompt));
     bench_request *reqs = NULL;
     double *offset = NULL;
@@ -715,6 +726,7 @@ static int run_benchmark(bench_opts *o)
     }
     run.multi = curl_multi_init();
     if (!run.headers || !run.multi) goto out;
+    if (!o->model) o->model = model_owned = first_model_id(base, run.headers);
     if (o->max_concurrency > 0) {
         curl_multi_setopt(run.multi, CURLMOPT_MAX_TOTAL_CONNECTIONS, (long)o->max_concurrency);
         curl_multi_setopt(run.multi, CURLMOPT_MAXCONNECTS, (long)o->max_concurrency);
@@ -808,6 +820,7 @@ int cli_bench(int argc, char **argv)
         .num_prompts = 1000,
         .vocab = 32000,
         .burstiness = 1.0,
+        .idle_timeout = 300,
     };
     cli_str_list goodput = {0}, compare = {0};
     cli_flag flags[] = {
@@ -838,6 +851,8 @@ int cli_bench(int argc, char **argv)
                  "gamma shape of the inter-arrival times (1 = Poisson)"),
         CLI_FLAG("ignore-eos", CLI_FLAG_BOOL, &o.ignore_eos, "send ignore_eos: true"),
         CLI_FLAG("temperature", CLI_FLAG_FLOAT, &o.temperature, "sampling temperature (0)"),
+        CLI_FLAG("idle-timeout", CLI_FLAG_FLOAT, &o.idle_timeout,
+                 "seconds without a byte from the server before a request fails (300; 0: none)"),
         CLI_FLAG("seed", CLI_FLAG_INT, &o.seed, "seed of the dataset and the arrivals (0)"),
         CLI_FLAG("goodput", CLI_FLAG_LIST, &goodput,
                  "SLOs in ms: ttft:MS tpot:MS e2el:MS (any subset)"),

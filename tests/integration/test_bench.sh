@@ -94,6 +94,46 @@ grep -q "</svg>" "$tmp/c.svg" || fail "SVG not finished"
 grep -q "median TTFT" "$tmp/cmp.out" || fail "no compare table: $(cat "$tmp/cmp.out")"
 head -n 1 "$tmp/cmp.out" | grep -q "chat" || fail "labels missing from the header"
 
+# Behind a router that wants an API key: OPENAI_API_KEY goes with the requests and with
+# the model lookup (no --model given).
+: >"$tmp/rk.err"
+"$TD_BIN" router --host 127.0.0.1 --port 0 --worker "$s_URL" --api-key k1 --log-level warn \
+    2>"$tmp/rk.err" &
+rk=$!
+server_pids+=("$rk")
+wait_listening rk "$rk" 127.0.0.1
+for _ in $(seq 100); do curl -sf "$rk_URL/health" >/dev/null && break; sleep 0.1; done
+OPENAI_API_KEY=k1 "$TD_BIN" bench --base-url "$rk_URL" --num-prompts 2 --input-len 4 --output-len 2 \
+    --vocab 512 --save-result "$tmp/key.json" >/dev/null 2>"$tmp/key.err" ||
+    fail "bench with an API key: $(cat "$tmp/key.err")"
+jq -e '.completed == 2 and .failed == 0' "$tmp/key.json" >/dev/null || fail "API key run: $(cat "$tmp/key.json")"
+! grep -q "sending no model name" "$tmp/key.err" || fail "the model lookup went without the key: $(cat "$tmp/key.err")"
+kill "$rk" 2>/dev/null || true
+
+# --compare refuses a JSON file that is not a bench result.
+echo '{"a":1}' >"$tmp/not-a-result.json"
+rc=0
+"$TD_BIN" bench --compare "$tmp/r.json" "$tmp/not-a-result.json" --plot "$tmp/x.svg" >/dev/null \
+    2>"$tmp/cmp2.err" || rc=$?
+[ "$rc" != 0 ] || fail "--compare took a file that is not a result"
+grep -q "not a tandem bench result" "$tmp/cmp2.err" || fail "--compare: $(cat "$tmp/cmp2.err")"
+
+# A server that accepts the connection and never answers: each request fails after
+# --idle-timeout, and the run ends.
+command -v node >/dev/null || fail "node is needed"
+node -e 'const s = require("net").createServer(() => {}).listen(0, "127.0.0.1", () => console.log(s.address().port))' \
+    >"$tmp/silent.port" &
+silent=$!
+for _ in $(seq 50); do [ -s "$tmp/silent.port" ] && break; sleep 0.1; done
+rc=0
+timeout 60 "$TD_BIN" bench --base-url "http://127.0.0.1:$(cat "$tmp/silent.port")" --model x \
+    --num-prompts 2 --input-len 4 --output-len 2 --idle-timeout 1 --save-result "$tmp/silent.json" \
+    >/dev/null 2>&1 || rc=$?
+kill "$silent" 2>/dev/null || true
+[ "$rc" = 1 ] || fail "bench against a silent server exited $rc, not 1"
+jq -e '.failed == 2 and (.errors | tostring | test("timeout"))' "$tmp/silent.json" >/dev/null ||
+    fail "silent server: $(jq -c .errors "$tmp/silent.json")"
+
 # A server that is not there: requests fail with a reason, and the exit status is 1.
 rc=0
 "$TD_BIN" bench --base-url http://127.0.0.1:1 --model x --num-prompts 2 --input-len 4 \
@@ -115,6 +155,7 @@ expect_usage_error --base-url "$s_URL" --request-rate -3
 expect_usage_error --base-url "$s_URL" --percentiles 50,abc
 expect_usage_error --base-url "$s_URL" --dataset sharegpt
 expect_usage_error --num-prompts 3
+expect_usage_error --base-url "$s_URL" --idle-timeout -1
 # `tandem bench-serve` (the server-overhead benchmark) runs its rounds against a server it
 # starts and prints both rates and their ratio; every stream of every round must complete.
 "$TD_BIN" bench-serve --model "$MODEL" --threads 1 --streams 8 --prompt-len 16 --max-tokens 8 \

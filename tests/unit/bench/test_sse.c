@@ -115,6 +115,27 @@ static void test_errors_and_bad_counts(void **state)
     assert_true(f->s.bad_event);
 }
 
+/* Nothing after [DONE] is believed; a payload is one JSON value; "error": null is none. */
+static void test_after_done_and_trailing(void **state)
+{
+    fix *f = *state;
+    feed(f, "data: {\"error\":null,\"choices\":[{\"text\":\"a\"}]}\n\n", 1.0);
+    assert_string_equal(f->s.stream_error, "");
+    assert_false(f->s.bad_event);
+    assert_int_equal(f->r.num_events, 1);
+    feed(f, "data: {\"choices\":[{\"text\":\"b\"}]}garbage\n\n", 1.1);
+    assert_true(f->s.bad_event);
+    assert_int_equal(f->r.num_events, 1);
+    f->s.bad_event = false;
+    feed(f, "data: [DONE]\n\n", 1.2);
+    assert_true(f->s.done);
+    assert_true(f->r.t_end == 1.2);
+    feed(f, "data: {\"choices\":[{\"text\":\"c\"}]}\n\ndata: [DONE]\n\n", 1.5);
+    assert_true(f->s.bad_event);
+    assert_int_equal(f->r.num_events, 1);
+    assert_true(f->r.t_end == 1.2);
+}
+
 static void test_line_cap(void **state)
 {
     fix *f = *state;
@@ -137,6 +158,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_chat_role_chunk_and_comments, setup, teardown),
         cmocka_unit_test_setup_teardown(test_split_lines, setup, teardown),
         cmocka_unit_test_setup_teardown(test_errors_and_bad_counts, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_after_done_and_trailing, setup, teardown),
         cmocka_unit_test_setup_teardown(test_line_cap, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
