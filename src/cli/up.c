@@ -23,6 +23,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -169,6 +170,10 @@ static pid_t inst_start(inst *in, const cpu_set_t *allowed)
     if (pid == 0) {
         prctl(PR_SET_PDEATHSIG, SIGTERM); /* die with `tandem up`, whatever kills it */
         if (getppid() != parent) _exit(1);
+        /* Its own process group: a terminal's Ctrl-C reaches `tandem up` alone, which then
+         * stops each instance with one SIGTERM (a drain); a signal that reached them too
+         * made up's SIGTERM their second one, "exit at once", dropping requests. */
+        setpgid(0, 0);
         int fd = open(in->log, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
         if (fd >= 0) {
             dup2(fd, 1);
@@ -278,8 +283,13 @@ static int status(const char *workdir)
  * which makes them exit at once; past the drain and a grace, SIGKILL. */
 static void stop_range(inst *v, int i0, int i1)
 {
+    /* SIGCONT after each: a stopped instance (SIGSTOP) would keep the SIGTERM pending until
+     * the SIGKILL at the end of the grace. */
     for (int i = i0; i < i1; i++)
-        if (v[i].pid > 0) kill(v[i].pid, SIGTERM);
+        if (v[i].pid > 0) {
+            kill(v[i].pid, SIGTERM);
+            kill(v[i].pid, SIGCONT);
+        }
     bool hurried = stop_requested > 1;
     double end = td_now_s() + 35;
     for (int i = i0; i < i1; i++) {
@@ -315,6 +325,14 @@ static void tail_log(const char *path)
 {
     FILE *f = fopen(path, "r");
     if (!f) return;
+    /* Its "error:" lines first, wherever they are (a flag error comes before the whole
+     * usage text, which the tail alone would show), then its end. */
+    char line[512];
+    for (int shown = 0; shown < 10 && fgets(line, sizeof(line), f);)
+        if (!strncmp(line, "error:", 6)) {
+            fprintf(stderr, "%s: %s", path, line);
+            shown++;
+        }
     char buf[4096];
     fseek(f, 0, SEEK_END);
     long end = ftell(f);
@@ -407,6 +425,10 @@ static int load_config(const char *path, const char *me, up_plan *p, cJSON **kee
     p->mode = str_at(j, "transfer_mode", p->mode);
     const cJSON *r = cJSON_GetObjectItemCaseSensitive(j, "router");
     const cJSON *hosts = cJSON_GetObjectItemCaseSensitive(j, "hosts");
+    if (cJSON_GetObjectItemCaseSensitive(j, "model") && !p->model) {
+        fprintf(stderr, "error: --config: \"model\" must be a string (a GGUF path)\n");
+        return 2;
+    }
     if (!mode || (strcmp(mode, "pd") && strcmp(mode, "aggregated")) || !p->protocol ||
         !p->mode || !cJSON_IsObject(r) || !keys_ok(r, rkeys, 2, "router") ||
         !cJSON_IsArray(hosts) || cJSON_GetArraySize(hosts) < 1) {
@@ -608,6 +630,27 @@ int cli_up(int argc, char **argv)
         fprintf(stderr, "error: cannot create %s: %s\n", workdir, strerror(errno));
         return 1;
     }
+    /* One cluster per workdir: its state, logs and CPU board are there. The lock goes with
+     * this process (closed at exec in the children). */
+    char lock_path[600];
+    snprintf(lock_path, sizeof(lock_path), "%s/lock", workdir);
+    int lock_fd = open(lock_path, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (lock_fd < 0 || flock(lock_fd, LOCK_EX | LOCK_NB)) {
+        fprintf(stderr, "error: another `tandem up` runs from %s (its lock %s is held); give "
+                        "this one its own --workdir\n",
+                workdir, lock_path);
+        if (lock_fd >= 0) close(lock_fd);
+        return 1;
+    }
+    /* A port asked for must be free now: a second cluster on it would wait for health
+     * from the first cluster's router, and register its engines there. */
+    if (port && plan.router_here && !port_free((int)port)) {
+        fprintf(stderr, "error: port %lld is in use (another cluster or server?): choose another "
+                        "--port\n",
+                (long long)port);
+        close(lock_fd);
+        return 1;
+    }
     char model_path[600];
     if (!model) { /* a model at a real shape that works on a fresh machine */
         char dir[500];
@@ -616,15 +659,24 @@ int cli_up(int argc, char **argv)
         snprintf(model_path, sizeof(model_path), "%s/llama-134m-f16.gguf", dir);
         if (access(model_path, R_OK)) {
             fprintf(stderr, "tandem up: writing %s (random weights, tandem mkmodel)\n", model_path);
-            pid_t p = fork();
+            /* Written beside, then renamed: a run stopped mid-write leaves no truncated
+             * model for the next one to take. */
+            char tmp_path[620];
+            snprintf(tmp_path, sizeof(tmp_path), "%s.tmp", model_path);
+            pid_t parent = getpid(), p = fork();
             if (p == 0) {
+                prctl(PR_SET_PDEATHSIG, SIGTERM); /* dies with `tandem up` */
+                if (getppid() != parent) _exit(1);
                 execl("/proc/self/exe", "tandem", "mkmodel", "--preset", "llama-134m", "--type",
-                      "f16", "--out", model_path, (char *)NULL);
+                      "f16", "--out", tmp_path, (char *)NULL);
                 _exit(127);
             }
             int st = 0;
-            if (p < 0 || waitpid(p, &st, 0) < 0 || !WIFEXITED(st) || WEXITSTATUS(st)) {
+            if (p < 0 || waitpid(p, &st, 0) < 0 || !WIFEXITED(st) || WEXITSTATUS(st) ||
+                rename(tmp_path, model_path)) {
                 fprintf(stderr, "error: mkmodel failed\n");
+                unlink(tmp_path);
+                close(lock_fd);
                 return 1;
             }
         }
@@ -635,7 +687,9 @@ int cli_up(int argc, char **argv)
     if (sched_getaffinity(0, sizeof(allowed), &allowed)) CPU_ZERO(&allowed);
     int n_cpu = CPU_COUNT(&allowed);
     if (n_cpu < 1) n_cpu = 1;
-    int share = n_cpu / n_eng; /* whole CPUs per engine; 0 when there are more engines */
+    /* whole CPUs per engine; 0 when there are more engines, or none here (a host that runs
+     * only the router) */
+    int share = n_eng > 0 ? n_cpu / n_eng : 0;
     /* Engines that split the CPUs lend theirs to each other while idle (a CPU board in the
      * workdir; docs/ARCHITECTURE.md), unless told not to or they compute elsewhere or place
      * their threads themselves. */
@@ -789,6 +843,12 @@ int cli_up(int argc, char **argv)
         }
         usleep(100000);
     }
+    if (stop_requested) { /* Ctrl-C or SIGTERM during start-up: never "ready" */
+        fprintf(stderr, "tandem up: stopped during start-up\n");
+        stop_all(v, n);
+        close(lock_fd);
+        return 1;
+    }
     write_state(state, router_url, v, n);
     printf("tandem up: %s (%s, %s; %d CPU%s)\n", router_url,
            pd ? "prefill/decode" : "aggregated", model, n_cpu, n_cpu == 1 ? "" : "s");
@@ -848,5 +908,6 @@ int cli_up(int argc, char **argv)
     free(v);
     cJSON_Delete(cfg_json);
     curl_global_cleanup();
+    close(lock_fd);
     return 0;
 }

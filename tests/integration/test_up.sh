@@ -56,6 +56,16 @@ for u in $(jq -r '.router, .instances[].url' "$W/cluster.json"); do
     [ "${u##*:}" -lt "$low" ] || fail "$u is in the ephemeral range (from $low)"
 done
 
+# One cluster per workdir, and a --port already taken is an error, not a cluster that
+# waits on (and registers its engines with) someone else's router.
+rc=0
+"$TD_BIN" up --model "$MODEL" --port 0 --workdir "$W" >"$tmp/o2" 2>"$tmp/e2" || rc=$?
+[ "$rc" -eq 1 ] && grep -q "another \`tandem up\` runs from" "$tmp/e2" || fail "same workdir: $rc $(cat "$tmp/e2")"
+rc=0
+"$TD_BIN" up --model "$MODEL" --port "${R##*:}" --workdir "$tmp/w-taken" >"$tmp/o2" 2>"$tmp/e2" || rc=$?
+[ "$rc" -eq 1 ] && grep -q "is in use" "$tmp/e2" || fail "port taken: $rc $(cat "$tmp/e2")"
+! grep -q '^ready:' "$tmp/o2" || fail "a cluster on a taken port said ready"
+
 "$TD_BIN" up --status --workdir "$W" >"$tmp/status" || fail "status: $(cat "$tmp/status")"
 [ "$(grep -c healthy "$tmp/status")" -eq 3 ] || fail "status: $(cat "$tmp/status")"
 
@@ -102,6 +112,22 @@ if [ "$(nproc)" -ge 2 ]; then
     kill -TERM "$UP"
     wait "$UP" || fail "tandem up --no-lend-cpus exited non-zero on SIGTERM"
 fi
+# Stopped during start-up: never "ready", a non-zero status, nothing left behind.
+"$TD_BIN" up --model "$MODEL" --port 0 --workdir "$tmp/w3" >"$tmp/o3" 2>"$tmp/e3" &
+U3=$!
+for _ in $(seq 1 50); do [ -s "$tmp/w3/router.log" ] && break; sleep 0.05; done
+kill -TERM "$U3"
+rc=0
+wait "$U3" || rc=$?
+[ "$rc" -eq 1 ] && grep -q "stopped during start-up" "$tmp/e3" || fail "SIGTERM in start-up: $rc $(cat "$tmp/e3")"
+! grep -q '^ready:' "$tmp/o3" || fail "stopped in start-up, yet ready: $(cat "$tmp/o3")"
+sleep 0.2
+! pgrep -f "$tmp/w3/" >/dev/null || fail "processes outlived a stop in start-up: $(pgrep -af "$tmp/w3/")"
+# An engine flag it does not know: the engine's own error line is shown, not only its usage.
+rc=0
+"$TD_BIN" up --model "$MODEL" --port 0 --workdir "$tmp/w4" -- --bogus-flag 1 >"$tmp/o4" 2>"$tmp/e4" || rc=$?
+[ "$rc" -eq 1 ] && grep -q "unknown option '--bogus-flag'" "$tmp/e4" || fail "bad engine flag: $rc $(cat "$tmp/e4")"
+
 # Several hosts from one config file: host "a" runs the router and the prefill engine,
 # host "b" the decode engine, each under its own `tandem up` (both on loopback here).
 # The router's port: a free one below the ephemeral range (as tandem up picks its own).
@@ -134,6 +160,23 @@ for bad in 4294975296 1e300 80.5; do
     "$TD_BIN" up --config "$tmp/badport.json" --this-host a >"$tmp/out" 2>"$tmp/err" || rc=$?
     [ "$rc" -eq 2 ] && grep -q "router.port a port" "$tmp/err" || fail "router port $bad: $(cat "$tmp/err")"
 done
+sed "s|\"model\": \"$MODEL\"|\"model\": 5|" "$tmp/c.json" >"$tmp/badmodel.json"
+rc=0
+"$TD_BIN" up --config "$tmp/badmodel.json" --this-host a >"$tmp/out" 2>"$tmp/err" || rc=$?
+[ "$rc" -eq 2 ] && grep -q '"model" must be a string' "$tmp/err" || fail "model 5: $rc $(cat "$tmp/err")"
+# A host that runs only the router (no engines here) starts it (it used to divide by zero).
+cat >"$tmp/r-only.json" <<JSON
+{"mode": "pd", "model": "$MODEL", "router": {"host": "r", "port": $RP},
+ "hosts": [{"name": "r", "address": "127.0.0.1"}, {"name": "b", "address": "127.0.0.1", "prefill": 1, "decode": 1}]}
+JSON
+"$TD_BIN" up --config "$tmp/r-only.json" --this-host r --workdir "$tmp/wr" >"$tmp/r.out" 2>"$tmp/r.err" &
+RO=$!
+for _ in $(seq 1 100); do grep -q "listening on" "$tmp/wr/router.log" 2>/dev/null && break; sleep 0.1; done
+grep -q "listening on" "$tmp/wr/router.log" || fail "router-only host: no router: $(cat "$tmp/r.err")"
+kill -TERM "$RO"
+rc=0
+wait "$RO" || rc=$?
+[ "$rc" -eq 1 ] || fail "router-only host exited $rc: $(cat "$tmp/r.err")"
 "$TD_BIN" up --config "$tmp/c.json" --this-host a --workdir "$tmp/wa" >"$tmp/a.out" 2>"$tmp/a.err" &
 A=$!
 "$TD_BIN" up --config "$tmp/c.json" --this-host b --workdir "$tmp/wb" >"$tmp/b.out" 2>"$tmp/b.err" &
