@@ -686,6 +686,17 @@ static int run_benchmark(bench_opts *o)
     snprintf(base, sizeof(base), "%s", o->base_url);
     for (size_t len = strlen(base); len && base[len - 1] == '/';)
         base[--len] = '\0';
+    if (o->save_result) { /* before the run, not after it: an unwritable path fails now */
+        bool existed = access(o->save_result, F_OK) == 0;
+        FILE *f = fopen(o->save_result, "a");
+        if (!f) {
+            fprintf(stderr, "error: --save-result %s: cannot write it: %s\n", o->save_result,
+                    strerror(errno));
+            return 2;
+        }
+        fclose(f);
+        if (!existed) unlink(o->save_result);
+    }
     curl_global_init(CURL_GLOBAL_DEFAULT);
     char *model_owned = NULL;
     bench_prompt *prompts = calloc((size_t)o->num_prompts, sizeof(bench_prompt));

@@ -811,8 +811,9 @@ int cli_up(int argc, char **argv)
             stop_all(v, n);
             return 1;
         }
-    /* Ready when the router says every role it needs can take requests (on a host without
-     * the router: when its own engines are healthy). */
+    /* Ready when the router says every role it needs can take requests and every engine
+     * of this host answers its own /health (so that none is still starting, or failing to,
+     * when "ready" is printed). */
     char health[200];
     snprintf(health, sizeof(health), "http://%s:%d/health",
              !strcmp(host, "0.0.0.0") ? "127.0.0.1" : host, rport);
@@ -820,7 +821,7 @@ int cli_up(int argc, char **argv)
     rc = 0;
     while (!stop_requested) {
         bool ready = plan.router_here ? http_get(health, 1) == 200 : true;
-        for (int i = first_engine; i < n && ready && !plan.router_here; i++) {
+        for (int i = first_engine; i < n && ready; i++) {
             char h[200];
             snprintf(h, sizeof(h), "http://%s:%d/health", v[i].addr, v[i].port);
             ready = http_get(h, 1) == 200;

@@ -156,6 +156,7 @@ expect_usage_error --base-url "$s_URL" --percentiles 50,abc
 expect_usage_error --base-url "$s_URL" --dataset sharegpt
 expect_usage_error --num-prompts 3
 expect_usage_error --base-url "$s_URL" --idle-timeout -1
+expect_usage_error --base-url "$s_URL" --num-prompts 1 --save-result "$tmp/no-such-dir/r.json"
 # `tandem bench-serve` (the server-overhead benchmark) runs its rounds against a server it
 # starts and prints both rates and their ratio; every stream of every round must complete.
 "$TD_BIN" bench-serve --model "$MODEL" --threads 1 --streams 8 --prompt-len 16 --max-tokens 8 \
