@@ -179,12 +179,18 @@ static int tab_find(const kv_pool *p, uint64_t key, size_t *slot_out)
     return -1;
 }
 
-static void tab_remove(kv_pool *p, uint64_t key)
+/* Remove block's own entry for key (and no other block's: an entry names one block). */
+static void tab_remove(kv_pool *p, uint64_t key, int block)
 {
-    size_t slot;
-    if (tab_find(p, key, &slot) >= 0) {
-        p->tab_key[slot] = TAB_TOMB;
-        p->n_cached--;
+    size_t i = tab_slot(p, key);
+    for (size_t n = 0; n < p->tab_cap; n++, i = (i + 1) & (p->tab_cap - 1)) {
+        uint64_t k = p->tab_key[i];
+        if (k == TAB_EMPTY) return;
+        if (k == key && p->tab_val[i] == block) {
+            p->tab_key[i] = TAB_TOMB;
+            p->n_cached--;
+            return;
+        }
     }
 }
 
@@ -196,6 +202,10 @@ static void tab_rebuild(kv_pool *p)
     for (int b = 0; b < p->n_blocks; b++) {
         uint64_t h = p->hash[b];
         if (!h) continue;
+        if (tab_find(p, h, NULL) >= 0) { /* one block per key: this one is not indexed */
+            p->hash[b] = 0;
+            continue;
+        }
         size_t i = tab_slot(p, h);
         while (p->tab_key[i] != TAB_EMPTY) i = (i + 1) & (p->tab_cap - 1);
         p->tab_key[i] = h;
@@ -204,18 +214,33 @@ static void tab_rebuild(kv_pool *p)
     }
 }
 
+/*
+ * Index block under key, unless another block is indexed under it already (0). The whole
+ * probe chain is searched for the key before a tombstone is reused: inserting at the first
+ * tombstone made a second entry for a key further along, and evicting one of the two blocks
+ * could then remove the other's entry and leave its own, pointing at a reused block (wrong
+ * KV for the next request with that prefix).
+ */
 static int tab_insert(kv_pool *p, uint64_t key, int block)
 {
-    size_t i = tab_slot(p, key);
+    size_t i = tab_slot(p, key), tomb = SIZE_MAX;
     for (size_t n = 0; n < p->tab_cap; n++, i = (i + 1) & (p->tab_cap - 1)) {
         uint64_t k = p->tab_key[i];
         if (k == key) return 0; /* already indexed (by another block) */
-        if (k == TAB_EMPTY || k == TAB_TOMB) {
-            p->tab_key[i] = key;
-            p->tab_val[i] = block;
+        if (k == TAB_TOMB && tomb == SIZE_MAX) tomb = i;
+        if (k == TAB_EMPTY) {
+            size_t at = tomb != SIZE_MAX ? tomb : i;
+            p->tab_key[at] = key;
+            p->tab_val[at] = block;
             p->n_cached++;
             return 1;
         }
+    }
+    if (tomb != SIZE_MAX) { /* no empty slot left, the key is not there: take a tombstone */
+        p->tab_key[tomb] = key;
+        p->tab_val[tomb] = block;
+        p->n_cached++;
+        return 1;
     }
     tab_rebuild(p);
     return tab_insert(p, key, block);
@@ -229,7 +254,7 @@ int kv_alloc(kv_pool *p)
     if (p->crc_ok) /* its contents are about to change */
         for (int l = 0; l < p->n_layers; l++) p->crc_ok[(size_t)l * p->n_blocks + b] = 0;
     if (p->hash[b]) {
-        tab_remove(p, p->hash[b]);
+        tab_remove(p, p->hash[b], b);
         p->hash[b] = 0;
     }
     p->ref[b] = 1;

@@ -87,6 +87,60 @@ static void test_shareable_and_prefault(void **state)
     assert_int_equal(p.fd, -1);
 }
 
+/* The index under churn, against a model: whatever kv_lookup returns holds the key it was
+ * registered under and has not been handed out since. Few keys and many blocks, so that
+ * blocks share keys (identical prompts admitted together, a last block recomputed) and
+ * probe chains cross tombstones; an index that left a stale entry behind after evicting
+ * one of two blocks of a key failed this within a few hundred steps. */
+static void test_prefix_index_churn(void **state)
+{
+    (void)state;
+    enum { NB = 16, NK = 6, STEPS = 20000 };
+    kv_pool p;
+    td_err err;
+    assert_int_equal(kv_pool_init(&p, 1, 8, 4, TD_TYPE_F32, NB, false, &err), 0);
+    uint64_t keys[NK], holds[NB] = {0}; /* holds[b]: the key b's contents are for, or 0 */
+    int refs[NB] = {0};
+    /* Keys that all start at one slot of the table (its hash, as kvcache.c computes it),
+     * so that every probe chain crosses the others' entries and tombstones. */
+    for (int k = 0, n = 0; k < NK; n++) {
+        uint64_t c = 1000003ull * (uint64_t)(n + 1) + 7;
+        if (((c * 0x9e3779b97f4a7c15ull >> 7) & (p.tab_cap - 1)) == 3) keys[k++] = c;
+    }
+    td_rng rng;
+    td_rng_seed(&rng, 12345);
+    for (int step = 0; step < STEPS; step++) {
+        uint64_t r = td_rng_next(&rng);
+        int op = (int)(r % 4), b = (int)((r >> 8) % NB);
+        uint64_t key = keys[(r >> 16) % NK];
+        if (op == 0) { /* a new block, its contents about to be written */
+            int a = kv_alloc(&p);
+            if (a >= 0) {
+                holds[a] = 0;
+                refs[a]++;
+            }
+        } else if (op == 1 && refs[b] > 0) { /* its contents computed for key */
+            if (!holds[b]) holds[b] = key;
+            kv_register(&p, b, holds[b]);
+        } else if (op == 2 && refs[b] > 0) {
+            refs[b]--;
+            kv_release(&p, b);
+        } else if (op == 3) {
+            int hit = kv_lookup(&p, key);
+            if (hit >= 0) {
+                if (holds[hit] != key)
+                    fail_msg("step %d: the index gave block %d for key %d, which holds %s", step,
+                             hit, (int)((r >> 16) % NK), holds[hit] ? "another key" : "nothing yet");
+                refs[hit]++;
+            }
+        }
+    }
+    for (int b = 0; b < NB; b++)
+        while (refs[b]-- > 0) kv_release(&p, b);
+    assert_int_equal(p.n_free, NB);
+    kv_pool_free(&p);
+}
+
 static void test_prefix_index(void **state)
 {
     (void)state;
@@ -252,6 +306,7 @@ int main(void)
         cmocka_unit_test(test_shareable_and_prefault),
         cmocka_unit_test(test_checksums_cleared_on_reuse),
         cmocka_unit_test(test_prefix_index),
+        cmocka_unit_test(test_prefix_index_churn),
         cmocka_unit_test(test_sampler),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
