@@ -604,6 +604,8 @@ int td_engine_add_request_kv(td_engine *e, uint64_t *out_id, const int32_t *prom
     r->include_stop_str = sp->include_stop_str_in_output;
     r->skip_special = sp->skip_special_tokens;
     r->logprobs = sp->logprobs;
+    /* A temperature too small to divide by is greedy (vLLM's 1e-5), on every device. */
+    if (r->sp.temperature < 1e-5f) r->sp.temperature = 0;
     r->repetition = sp->repetition_penalty > 0 ? sp->repetition_penalty : 1.0f;
     r->frequency = sp->frequency_penalty;
     r->presence = sp->presence_penalty;

@@ -158,6 +158,8 @@ int32_t sampler_sample(const sampler_params *p, const float *logits, int n_vocab
     float maxl = -INFINITY; /* NaN never counts (as fmaxf has it), without fmaxf's call */
     for (int i = 0; i < n_vocab; i++)
         if (logits[i] > maxl) maxl = logits[i];
+    /* An infinite logit would make inf - inf below, and no token kept: it takes all. */
+    if (maxl == INFINITY) return sampler_argmax(logits, n_vocab);
     float inv_t = 1.0f / p->temperature;
     /* min-p keeps tokens with prob >= min_p * max prob; max prob is exp(0) = 1 before
      * normalisation, so the threshold is simply min_p. */

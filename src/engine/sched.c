@@ -408,6 +408,13 @@ typedef struct samp_job {
  * as the model gave it, for the log-probabilities. Each row on its own: the same tokens
  * whatever else is in the batch.
  */
+/* A changed logit stays finite (a tiny repetition penalty divides a positive one towards
+ * infinity): the sampler's arithmetic needs finite differences. */
+static float clamp_logit(float v)
+{
+    return v > 1e30f ? 1e30f : v < -1e30f ? -1e30f : v == v ? v : -1e30f;
+}
+
 static const float *penalize(const req *r, const float *row, int n_vocab, sampler_scratch *s)
 {
     float *p = s->pen;
@@ -433,8 +440,14 @@ static const float *penalize(const req *r, const float *row, int n_vocab, sample
             p[t] -= r->presence;
         }
     }
-    for (int i = 0; i < r->n_tokens; i++) /* back to zero for the next row */
-        if (r->tokens[i] >= 0 && r->tokens[i] < n_vocab) s->seen[r->tokens[i]] = 0;
+    for (int i = 0; i < r->n_tokens; i++) { /* back to zero for the next row */
+        int32_t t = r->tokens[i];
+        if (t < 0 || t >= n_vocab) continue;
+        s->seen[t] = 0;
+        p[t] = clamp_logit(p[t]);
+    }
+    for (int i = 0; i < r->n_bias; i++)
+        p[r->bias_ids[i]] = clamp_logit(p[r->bias_ids[i]]);
     return p;
 }
 

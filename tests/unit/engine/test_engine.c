@@ -529,6 +529,24 @@ static void test_penalties(void **state)
     assert_int_equal(run_penalised(e, &rp, true, r2, NULL, NULL), N);
     assert_memory_equal(r1, r2, sizeof(r1));
     assert_memory_not_equal(r1, plain, sizeof(r1));
+    /* A temperature too small to divide by is greedy; a penalty that sends logits to
+     * infinity still samples real tokens (it gave token 0 from NaN probabilities). */
+    td_sampling tiny;
+    td_sampling_default(&tiny);
+    tiny.temperature = 1e-40f;
+    tiny.max_tokens = N;
+    tiny.ignore_eos = true;
+    int32_t t1[N];
+    assert_int_equal(run_penalised(e, &tiny, false, t1, NULL, NULL), N);
+    assert_memory_equal(t1, plain, sizeof(t1));
+    tiny.temperature = 1.0f;
+    tiny.repetition_penalty = 1e-38f;
+    tiny.has_seed = true;
+    tiny.seed = 3;
+    assert_int_equal(run_penalised(e, &tiny, false, t1, NULL, NULL), N);
+    int zeros = 0;
+    for (int i = 0; i < N; i++) zeros += t1[i] == 0;
+    assert_true(zeros < N / 2);
     /* Out of range: refused at add time. */
     td_err err;
     uint64_t id;
