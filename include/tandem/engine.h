@@ -295,7 +295,9 @@ typedef struct td_output {
     int kv_skip;
 } td_output;
 
-/** Next queued output; returns false when none is left. */
+/** Next queued output; returns false when none is left. Its pointers (text, top_ids,
+ *  top_logprobs, kv_blocks) stay valid until the next td_engine_step, and also until the
+ *  next td_engine_abort, which queues an output of its own: copy what you keep first. */
 bool td_engine_poll(td_engine *e, td_output *out);
 
 /* Steps by the tokens they computed: upper bounds 1, 2, 4, ..., 2^(TD_STEP_TOKEN_BUCKETS-1),
