@@ -778,7 +778,7 @@ static int prepare(srv_server *s, const srv_request *r, prepared **out, int *n_o
     const char *what = chat ? "messages" : "prompt";
     for (int i = 0; i < n; i++) {
         if (chat) {
-            char *text = srv_chat_render(s->chat, r->messages, r->n_messages, err);
+            char *text = srv_chat_render_ex(s->chat, &s->chat_extras, r->messages, r->n_messages, err);
             if (!text) goto fail;
             int k = tokenize(s, text, strlen(text), &p[i].ids, err);
             free(text);

@@ -627,13 +627,15 @@ static void detect_chat_template(srv_server *s, td_engine *e)
                 "pass --chat-template chatml|llama-2|llama-3|zephyr|mistral to enable it");
         return;
     }
-    s->chat = srv_chat_detect(t.ptr, t.len);
+    s->chat = srv_chat_detect_ex(t.ptr, t.len, &s->chat_extras);
     if (s->chat == SRV_CHAT_UNKNOWN)
         TD_WARN("the model's chat template (tokenizer.chat_template) is not a family tandem can "
                 "render (chatml, llama-2, llama-3, zephyr, mistral): /v1/chat/completions will "
                 "answer 400; pass --chat-template NAME to choose one");
     else
-        TD_INFO("chat template: %s (detected from the GGUF)", srv_chat_family_name(s->chat));
+        TD_INFO("chat template: %s (detected from the GGUF)%s%s%s", srv_chat_family_name(s->chat),
+                s->chat_extras.default_system[0] ? ", with its default system turn" : "",
+                s->chat_extras.date[0] ? ", dated " : "", s->chat_extras.date);
 }
 
 /* The transfer connector for --kv-transfer-config. The agent (producer) binds to kv_ip,

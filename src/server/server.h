@@ -238,14 +238,29 @@ typedef enum srv_chat_family {
 /** Family by name (chatml, llama-2, llama-3, zephyr, mistral); -1 when unknown. */
 int srv_chat_family_by_name(const char *name);
 const char *srv_chat_family_name(srv_chat_family f);
+/** What a family's template adds beyond the messages (srv_chat_detect_ex reads it). */
+typedef struct srv_chat_extras {
+    char default_system[512]; /* chatml: the system turn written when the messages have
+                                 none (Qwen2.5's "You are Qwen, ..."); "" for none */
+    char date[32];            /* llama-3.1 and later: the system turn's "Cutting Knowledge
+                                 Date" header, with this "Today Date"; "" for none */
+} srv_chat_extras;
+
 /** Detect the family from a Jinja template's text by its markers. */
 srv_chat_family srv_chat_detect(const char *tmpl, size_t len);
+/** The same, with what the template adds (x zeroed first). A chatml template whose
+ *  generation prompt opens a reasoning block (<think>) or whose default system turn is
+ *  not plain text is UNKNOWN: rendered as plain chatml, its prompt would be wrong. */
+srv_chat_family srv_chat_detect_ex(const char *tmpl, size_t len, srv_chat_extras *x);
 /**
  * Render messages as a prompt ending with the assistant's turn opened. The result
  * is malloc'd (caller frees) and carries no BOS: the tokenizer adds it. Returns
  * NULL with err filled for an unsupported role or family.
  */
 char *srv_chat_render(srv_chat_family f, const srv_chat_msg *msgs, int n, srv_error *err);
+/** The same, with the template's extras (NULL: none). */
+char *srv_chat_render_ex(srv_chat_family f, const srv_chat_extras *x, const srv_chat_msg *msgs,
+                         int n, srv_error *err);
 
 /* ---- the server (http.c, engine_thread.c, metrics.c) ---- */
 

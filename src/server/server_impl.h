@@ -179,6 +179,7 @@ struct srv_server {
     int max_model_len, n_vocab, max_num_seqs;
     uint64_t model_fingerprint;
     srv_chat_family chat;
+    srv_chat_extras chat_extras; /* what the GGUF's template adds (none with --chat-template) */
     srv__metrics metrics;
     bool kv_producer, kv_consumer, kv_recompute;
     int outstanding;    /* I/O side: engine requests posted and not finished */

@@ -609,6 +609,9 @@ static void test_detect_shared(void **state)
     } cases[] = {
         {"Qwen-Qwen2.5-7B-Instruct.jinja", SRV_CHAT_CHATML},
         {"meta-llama-Llama-3.1-8B-Instruct.jinja", SRV_CHAT_LLAMA3},
+        {"Qwen-QwQ-32B.jinja", SRV_CHAT_UNKNOWN},    /* opens <think> in the prompt */
+        {"Qwen-Qwen3-0.6B.jinja", SRV_CHAT_UNKNOWN}, /* reasoning blocks in the turns */
+        {"HuggingFaceTB-SmolLM3-3B.jinja", SRV_CHAT_UNKNOWN},
         {"mistralai-Mistral-Nemo-Instruct-2407.jinja", SRV_CHAT_UNKNOWN},
         {"Mistral-Small-3.2-24B-Instruct-2506.jinja", SRV_CHAT_UNKNOWN},
         {"microsoft-Phi-3.5-mini-instruct.jinja", SRV_CHAT_UNKNOWN},
@@ -628,6 +631,55 @@ static void test_detect_shared(void **state)
         if (got != cases[i].want)
             fail_msg("%s: detected %s, want %s", cases[i].file, srv_chat_family_name(got),
                      srv_chat_family_name(cases[i].want));
+    }
+    /* What the templates add, rendered as jinja2 renders these files (the expected texts
+     * were made so: trim_blocks, lstrip_blocks, add_generation_prompt, no BOS): Qwen2.5's
+     * default system turn, Llama-3.1's dated system turn and trimmed turns. */
+    static const struct {
+        const char *file;
+        srv_chat_msg msgs[2];
+        int n;
+        const char *want;
+    } renders[] = {
+        {"Qwen-Qwen2.5-7B-Instruct.jinja",
+         {{"user", "Hi"}},
+         1,
+         "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful "
+         "assistant.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"},
+        {"Qwen-Qwen2.5-7B-Instruct.jinja",
+         {{"system", "S"}, {"user", "Hi"}},
+         2,
+         "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>"
+         "assistant\n"},
+        {"meta-llama-Llama-3.1-8B-Instruct.jinja",
+         {{"system", " SYS \n"}, {"user", " Hi "}},
+         2,
+         "<|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December "
+         "2023\nToday Date: 26 Jul 2024\n\nSYS<|eot_id|><|start_header_id|>user<|end_header_id|>"
+         "\n\nHi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"},
+        {"meta-llama-Llama-3.1-8B-Instruct.jinja",
+         {{"user", "Hi"}},
+         1,
+         "<|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December "
+         "2023\nToday Date: 26 Jul 2024\n\n<|eot_id|><|start_header_id|>user<|end_header_id|>"
+         "\n\nHi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"},
+    };
+    for (size_t i = 0; i < sizeof(renders) / sizeof(renders[0]); i++) {
+        char path[4096];
+        snprintf(path, sizeof(path), "%s/chat-templates/%s", dir, renders[i].file);
+        FILE *f = fopen(path, "rb");
+        if (!f) skip();
+        static char buf[1 << 20];
+        size_t n = fread(buf, 1, sizeof(buf), f);
+        fclose(f);
+        srv_chat_extras x;
+        srv_chat_family fam = srv_chat_detect_ex(buf, n, &x);
+        srv_error err;
+        char *got = srv_chat_render_ex(fam, &x, renders[i].msgs, renders[i].n, &err);
+        assert_non_null(got);
+        if (strcmp(got, renders[i].want))
+            fail_msg("%s: rendered\n%s\nwant\n%s", renders[i].file, got, renders[i].want);
+        free(got);
     }
 }
 
