@@ -367,6 +367,18 @@ static int refuse_unsupported(const srv_request *r, const cJSON *root, srv_error
     return 0;
 }
 
+/* A \u0000 escape in a JSON string (an odd run of backslashes before "u0000"): the parsed
+ * strings are C strings, which would end there and silently lose the rest of the text. */
+static bool has_nul_escape(const char *s, size_t len)
+{
+    for (const char *p = s, *end = s + len; (p = memmem(p, (size_t)(end - p), "u0000", 5)); p++) {
+        size_t bs = 0;
+        for (const char *q = p; q > s && q[-1] == '\\'; q--) bs++;
+        if (bs % 2 == 1) return true;
+    }
+    return false;
+}
+
 static int cmp_name(const void *a, const void *b)
 {
     return strcmp(*(const char *const *)a, *(const char *const *)b);
@@ -521,6 +533,8 @@ int srv_request_parse(srv_request *out, srv_endpoint ep, const char *body, size_
     size_t valid = tok_utf8_valid_prefix(body, len);
     if (valid != len) return BAD(NULL, "the request body is not valid UTF-8 (at byte %zu)", valid);
     if (memchr(body, '\0', len)) return BAD(NULL, "the request body contains a NUL byte");
+    if (has_nul_escape(body, len))
+        return BAD(NULL, "the request body contains U+0000 (\\u0000), which text may not hold");
     if (!json_depth_ok(body, len))
         return BAD(NULL, "the request body nests deeper than %d levels", SRV_MAX_JSON_DEPTH);
     const char *end = NULL;

@@ -174,6 +174,8 @@ static void test_bad(void **state)
         C, "{\"prompt\":[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]}",
         "");
     expect_bad(C, "{\"prompt\":\"\xff\"}", "");
+    expect_bad(C, "{\"prompt\":\"a\\u0000bcd\"}", "");
+    expect_bad(H, "{\"messages\":[{\"role\":\"user\",\"content\":\"a\\u0000b\"}]}", "");
     expect_bad(C, "{\"prompt\":[1],\"max_tokens\":2,\"max_tokens\":0}", "");
     expect_bad(C, "{\"prompt\":[1],\"kv_transfer_params\":{\"a\":1,\"b\":2,\"a\":3}}", "");
     expect_bad(H, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\",\"role\":\"system\"}]}", "");
@@ -247,6 +249,10 @@ static void test_bad(void **state)
                "messages.tool_calls");
     srv_request r;
     srv_error err;
+    const char *lit = "{\"prompt\":\"a\\\\u0000b\"}"; /* an escaped backslash, then text */
+    assert_int_equal(srv_request_parse(&r, C, lit, strlen(lit), &err), 0);
+    assert_string_equal(r.prompts[0].text, "a\\u0000b");
+    srv_request_free(&r);
     const char *fine =
         "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"},{\"role\":\"assistant\","
         "\"content\":null,\"tool_calls\":[]}],\"presence_penalty\":0,\"frequency_penalty\":0,"
