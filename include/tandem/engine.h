@@ -92,7 +92,7 @@ int td_engine_max_model_len(const td_engine *e);
 void td_engine_describe(const td_engine *e, char *buf, size_t cap);
 
 typedef struct td_sampling {
-    float temperature;          /* 0 (or below 1e-5) = greedy (default 1.0 via td_sampling_default) */
+    float temperature; /* 0 (or below 1e-5) = greedy (default 1.0 via td_sampling_default) */
     int top_k;                  /* 0 = off */
     float top_p;                /* 1 = off */
     float min_p;                /* 0 = off */

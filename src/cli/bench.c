@@ -412,7 +412,8 @@ static void call_finish(bench_run *run, bench_call *c, CURLcode result)
     if (c->sse.too_long) {
         snprintf(reason, sizeof(reason), "SSE line longer than %u bytes", BENCH_SSE_LINE_CAP);
     } else if (result == CURLE_OPERATION_TIMEDOUT) {
-        snprintf(reason, sizeof(reason), "timeout: nothing from the server for %g s (--idle-timeout)",
+        snprintf(reason, sizeof(reason),
+                 "timeout: nothing from the server for %g s (--idle-timeout)",
                  run->o->idle_timeout);
     } else if (result != CURLE_OK) {
         snprintf(reason, sizeof(reason), "connection error: %s", curl_easy_strerror(result));

@@ -132,14 +132,15 @@ int cli_serve(int argc, char **argv)
     flags[nf++] = CLI_FLAG("enable-expert-parallel", CLI_FLAG_BOOL, &expert_parallel,
                            "split a mixture-of-experts model's experts across the data-parallel "
                            "ranks (a token exchange per MoE layer; the ranks step together)");
-    flags[nf++] = CLI_FLAG("kv-transfer-config", CLI_FLAG_STR, &kv_json,
-                           "JSON: kv_role (kv_producer|kv_consumer|kv_both, required), "
-                           "kv_connector (tandem|mooncake|moriio), protocol (tcp|shm|ucx|cuda_ipc), "
-                           "transfer_mode (read|write), handshake_port, kv_ip, num_worker_threads, "
-                           "qp_per_transfer, lease_ms, transfer_timeout_ms, "
-                           "kv_load_failure_policy (recompute|fail), verify_checksums, "
-                           "auth_token (or TANDEM_KV_TOKEN), proxy_ip, proxy_ping_port, "
-                           "http_port; see README");
+    flags[nf++] =
+        CLI_FLAG("kv-transfer-config", CLI_FLAG_STR, &kv_json,
+                 "JSON: kv_role (kv_producer|kv_consumer|kv_both, required), "
+                 "kv_connector (tandem|mooncake|moriio), protocol (tcp|shm|ucx|cuda_ipc), "
+                 "transfer_mode (read|write), handshake_port, kv_ip, num_worker_threads, "
+                 "qp_per_transfer, lease_ms, transfer_timeout_ms, "
+                 "kv_load_failure_policy (recompute|fail), verify_checksums, "
+                 "auth_token (or TANDEM_KV_TOKEN), proxy_ip, proxy_ping_port, "
+                 "http_port; see README");
     flags[nf++] = CLI_FLAG("chat-template", CLI_FLAG_STR, &chat,
                            "chatml | llama-2 | llama-3 | zephyr | mistral (default: detected "
                            "from the GGUF's tokenizer.chat_template)");

@@ -636,8 +636,9 @@ int cli_up(int argc, char **argv)
     snprintf(lock_path, sizeof(lock_path), "%s/lock", workdir);
     int lock_fd = open(lock_path, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
     if (lock_fd < 0 || flock(lock_fd, LOCK_EX | LOCK_NB)) {
-        fprintf(stderr, "error: another `tandem up` runs from %s (its lock %s is held); give "
-                        "this one its own --workdir\n",
+        fprintf(stderr,
+                "error: another `tandem up` runs from %s (its lock %s is held); give "
+                "this one its own --workdir\n",
                 workdir, lock_path);
         if (lock_fd >= 0) close(lock_fd);
         return 1;
@@ -645,8 +646,9 @@ int cli_up(int argc, char **argv)
     /* A port asked for must be free now: a second cluster on it would wait for health
      * from the first cluster's router, and register its engines there. */
     if (port && plan.router_here && !port_free((int)port)) {
-        fprintf(stderr, "error: port %lld is in use (another cluster or server?): choose another "
-                        "--port\n",
+        fprintf(stderr,
+                "error: port %lld is in use (another cluster or server?): choose another "
+                "--port\n",
                 (long long)port);
         close(lock_fd);
         return 1;

@@ -560,8 +560,9 @@ int td_engine_add_request_kv(td_engine *e, uint64_t *out_id, const int32_t *prom
 
     if (!(sp->presence_penalty >= -2 && sp->presence_penalty <= 2) ||
         !(sp->frequency_penalty >= -2 && sp->frequency_penalty <= 2))
-        return td_err_set(err, TD_EINVAL, "presence_penalty and frequency_penalty must be in "
-                                          "[-2, 2]");
+        return td_err_set(err, TD_EINVAL,
+                          "presence_penalty and frequency_penalty must be in "
+                          "[-2, 2]");
     if (!(sp->repetition_penalty >= 0 && sp->repetition_penalty <= 10))
         return td_err_set(err, TD_EINVAL, "repetition_penalty must be in (0, 10], got %g",
                           (double)sp->repetition_penalty);
@@ -571,8 +572,9 @@ int td_engine_add_request_kv(td_engine *e, uint64_t *out_id, const int32_t *prom
                           TD_MAX_LOGIT_BIAS);
     for (int i = 0; i < sp->n_logit_bias; i++) {
         if (sp->logit_bias_ids[i] < 0 || sp->logit_bias_ids[i] >= n_vocab)
-            return td_err_set(err, TD_EINVAL, "logit_bias: token %d is outside the vocabulary "
-                                              "(%d tokens)",
+            return td_err_set(err, TD_EINVAL,
+                              "logit_bias: token %d is outside the vocabulary "
+                              "(%d tokens)",
                               sp->logit_bias_ids[i], n_vocab);
         if (!(sp->logit_bias[i] >= -100 && sp->logit_bias[i] <= 100))
             return td_err_set(err, TD_EINVAL, "logit_bias values must be in [-100, 100]");

@@ -23,8 +23,8 @@ typedef struct sampler_scratch {
     float *prob;       /* [n_vocab] */
     int32_t *idx;      /* [n_vocab] */
     uint64_t *key, *tmp; /* [n_vocab] each: the radix sort of large candidate sets */
-    float *pen;        /* [n_vocab]: a penalised copy of a row of logits */
-    uint8_t *seen;     /* [n_vocab], zero between uses: tokens already penalised */
+    float *pen;          /* [n_vocab]: a penalised copy of a row of logits */
+    uint8_t *seen;       /* [n_vocab], zero between uses: tokens already penalised */
     int n_vocab;
 } sampler_scratch;
 

@@ -409,9 +409,9 @@ static void on_leg_done(struct evhttp_request *req, void *arg)
             td_replies_track(&q->r->replies, q->client);
             evhttp_send_reply_end(q->client);
         } else if (!q->started) { /* an answer kept whole */
-            const char *ct = req ? evhttp_find_header(evhttp_request_get_input_headers(req),
-                                                      "Content-Type")
-                                 : NULL;
+            const char *ct =
+                req ? evhttp_find_header(evhttp_request_get_input_headers(req), "Content-Type")
+                    : NULL;
             struct evkeyvalq *out = evhttp_request_get_output_headers(q->client);
             evhttp_add_header(out, "Content-Type", ct ? ct : "application/json");
             evhttp_add_header(out, "X-Request-Id", q->rid);
@@ -908,8 +908,9 @@ void rt_relay_start(rt_router *r, struct evhttp_request *req, int endpoint)
     size_t len = evbuffer_get_length(in);
     if (len > r->cfg.max_payload_bytes) {
         char msg[160];
-        snprintf(msg, sizeof(msg), "the request body is %zu bytes; the limit is %zu "
-                                   "(--max-payload-size)",
+        snprintf(msg, sizeof(msg),
+                 "the request body is %zu bytes; the limit is %zu "
+                 "(--max-payload-size)",
                  len, r->cfg.max_payload_bytes);
         rt_send_error(r, req, 413, "invalid_request_error", msg);
         return;

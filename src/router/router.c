@@ -513,7 +513,8 @@ int rt_run(const rt_config *cfg, td_err *err)
     evhttp_set_gencb(r->http, on_request, r);
     /* Bodies up to 4x the limit are read and refused with a JSON 413 (relay.c); beyond
      * that evhttp stops reading and answers 413 itself, so memory stays bounded. */
-    evhttp_set_max_body_size(r->http, (ev_ssize_t)TD_MIN(r->cfg.max_payload_bytes * 4, (size_t)1 << 30));
+    evhttp_set_max_body_size(r->http,
+                             (ev_ssize_t)TD_MIN(r->cfg.max_payload_bytes * 4, (size_t)1 << 30));
     evhttp_set_max_headers_size(r->http, 64 * 1024); /* as the engines: a 400 past that */
     evhttp_set_allowed_methods(r->http, EVHTTP_REQ_GET | EVHTTP_REQ_POST | EVHTTP_REQ_DELETE);
     evhttp_set_timeout(r->http, (int)(cfg->request_timeout_s + 60));

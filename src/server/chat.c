@@ -135,9 +135,11 @@ static void put(td_sbuf *b, const char *s)
 /* Append s without its leading and trailing white space (Jinja's trim, Python's strip). */
 static void put_trimmed(td_sbuf *b, const char *s)
 {
-    while (*s == ' ' || *s == '\t' || *s == '\n' || *s == '\r') s++;
+    while (*s == ' ' || *s == '\t' || *s == '\n' || *s == '\r')
+        s++;
     size_t n = strlen(s);
-    while (n && (s[n - 1] == ' ' || s[n - 1] == '\t' || s[n - 1] == '\n' || s[n - 1] == '\r')) n--;
+    while (n && (s[n - 1] == ' ' || s[n - 1] == '\t' || s[n - 1] == '\n' || s[n - 1] == '\r'))
+        n--;
     td_sbuf_add(b, s, n);
 }
 
@@ -186,8 +188,8 @@ char *srv_chat_render(srv_chat_family f, const srv_chat_msg *m, int n, srv_error
     return srv_chat_render_ex(f, NULL, m, n, err);
 }
 
-char *srv_chat_render_ex(srv_chat_family f, const srv_chat_extras *x, const srv_chat_msg *m,
-                         int n, srv_error *err)
+char *srv_chat_render_ex(srv_chat_family f, const srv_chat_extras *x, const srv_chat_msg *m, int n,
+                         srv_error *err)
 {
     static const srv_chat_extras none;
     if (!x) x = &none;

@@ -73,7 +73,7 @@ typedef struct srv__req {
     char *first_text;
     int first_text_len;
     bool has_first_lp;
-    srv__out first_lp; /* token, logprob, n_top, top_ids, top_logprobs */
+    srv__out first_lp;          /* token, logprob, n_top, top_ids, top_logprobs */
     srv__out kv_res;            /* the final output's KV fields (kv_blocks owned here) */
     double t_second;            /* when the second token arrived */
     int rank;                   /* the data-parallel rank that serves it */
@@ -778,7 +778,8 @@ static int prepare(srv_server *s, const srv_request *r, prepared **out, int *n_o
     const char *what = chat ? "messages" : "prompt";
     for (int i = 0; i < n; i++) {
         if (chat) {
-            char *text = srv_chat_render_ex(s->chat, &s->chat_extras, r->messages, r->n_messages, err);
+            char *text =
+                srv_chat_render_ex(s->chat, &s->chat_extras, r->messages, r->n_messages, err);
             if (!text) goto fail;
             int k = tokenize(s, text, strlen(text), &p[i].ids, err);
             free(text);

@@ -282,7 +282,8 @@ static int parse_logit_bias(srv_request *r, const cJSON *v, srv_error *err)
     const char *P = "logit_bias";
     if (!cJSON_IsObject(v)) return BAD(P, "'logit_bias' must be an object of token id: bias");
     int n = cJSON_GetArraySize(v);
-    if (n > TD_MAX_LOGIT_BIAS) return BAD(P, "'logit_bias' may hold at most %d tokens", TD_MAX_LOGIT_BIAS);
+    if (n > TD_MAX_LOGIT_BIAS)
+        return BAD(P, "'logit_bias' may hold at most %d tokens", TD_MAX_LOGIT_BIAS);
     if (n == 0) return 0;
     r->logit_bias_ids = malloc((size_t)n * sizeof(int32_t));
     r->logit_bias = malloc((size_t)n * sizeof(float));
@@ -330,29 +331,32 @@ static int refuse_unsupported(const srv_request *r, const cJSON *root, srv_error
         if (!cJSON_IsObject(v) || !cJSON_IsString(t))
             return BAD("response_format", "'response_format' must be an object with a 'type'");
         if (strcmp(t->valuestring, "text"))
-            return BAD("response_format", "response_format '%.32s' is not supported (only "
-                                          "\"text\": no structured output)",
+            return BAD("response_format",
+                       "response_format '%.32s' is not supported (only "
+                       "\"text\": no structured output)",
                        t->valuestring);
     }
     static const char *const lists[] = {"tools", "functions"};
     for (int i = 0; i < 2; i++)
         if (GIVEN(lists[i])) {
             if (!cJSON_IsArray(v)) return BAD(lists[i], "'%s' must be an array", lists[i]);
-            if (v->child) return BAD(lists[i], "'%s' are not supported (no tool calling)", lists[i]);
+            if (v->child)
+                return BAD(lists[i], "'%s' are not supported (no tool calling)", lists[i]);
         }
     static const char *const choices[] = {"tool_choice", "function_call"};
     for (int i = 0; i < 2; i++)
-        if (GIVEN(choices[i]) &&
-            !(cJSON_IsString(v) && (!strcmp(v->valuestring, "none") || !strcmp(v->valuestring, "auto"))))
-            return BAD(choices[i], "'%s' is not supported (no tool calling): only \"none\" or "
-                                   "\"auto\"",
+        if (GIVEN(choices[i]) && !(cJSON_IsString(v) && (!strcmp(v->valuestring, "none") ||
+                                                         !strcmp(v->valuestring, "auto"))))
+            return BAD(choices[i],
+                       "'%s' is not supported (no tool calling): only \"none\" or "
+                       "\"auto\"",
                        choices[i]);
     if (GIVEN("parallel_tool_calls") && !cJSON_IsBool(v))
         return BAD("parallel_tool_calls", "'parallel_tool_calls' must be a boolean");
     if (GIVEN("modalities")) {
         const cJSON *m0 = cJSON_IsArray(v) ? v->child : NULL;
-        if (!cJSON_IsArray(v) || (m0 && !(cJSON_IsString(m0) && !strcmp(m0->valuestring, "text") &&
-                                          !m0->next)))
+        if (!cJSON_IsArray(v) ||
+            (m0 && !(cJSON_IsString(m0) && !strcmp(m0->valuestring, "text") && !m0->next)))
             return BAD("modalities", "'modalities' is not supported beyond [\"text\"]");
     }
     static const char *const never[] = {"audio", "prediction"};
@@ -373,7 +377,8 @@ static bool has_nul_escape(const char *s, size_t len)
 {
     for (const char *p = s, *end = s + len; (p = memmem(p, (size_t)(end - p), "u0000", 5)); p++) {
         size_t bs = 0;
-        for (const char *q = p; q > s && q[-1] == '\\'; q--) bs++;
+        for (const char *q = p; q > s && q[-1] == '\\'; q--)
+            bs++;
         if (bs % 2 == 1) return true;
     }
     return false;

@@ -348,7 +348,8 @@ static void test_flush_len(void **state)
     td_err err;
     uint64_t id;
     char first[256] = "";
-    assert_int_equal(td_engine_add_request(e, &id, g_cases[0].prompt, g_cases[0].n_prompt, &sp, &err), 0);
+    assert_int_equal(
+        td_engine_add_request(e, &id, g_cases[0].prompt, g_cases[0].n_prompt, &sp, &err), 0);
     while (td_engine_has_work(e)) {
         td_engine_step(e, &err);
         td_output o;
@@ -365,7 +366,8 @@ static void test_flush_len(void **state)
     sp.n_stop = 1;
     for (int max = 1; max <= 2; max++) {
         sp.max_tokens = max;
-        assert_int_equal(td_engine_add_request(e, &id, g_cases[0].prompt, g_cases[0].n_prompt, &sp, &err), 0);
+        assert_int_equal(
+            td_engine_add_request(e, &id, g_cases[0].prompt, g_cases[0].n_prompt, &sp, &err), 0);
         int k = 0;
         char text[512] = "";
         while (td_engine_has_work(e)) {
@@ -439,12 +441,15 @@ static int run_penalised(td_engine *e, const td_sampling *sp, bool crowd, int32_
 {
     td_err err;
     uint64_t id, other;
-    assert_int_equal(td_engine_add_request(e, &id, g_cases[0].prompt, g_cases[0].n_prompt, sp, &err), 0);
+    assert_int_equal(
+        td_engine_add_request(e, &id, g_cases[0].prompt, g_cases[0].n_prompt, sp, &err), 0);
     if (crowd) {
         td_sampling plain;
         td_sampling_default(&plain);
         plain.max_tokens = 20;
-        assert_int_equal(td_engine_add_request(e, &other, g_cases[1].prompt, g_cases[1].n_prompt, &plain, &err), 0);
+        assert_int_equal(
+            td_engine_add_request(e, &other, g_cases[1].prompt, g_cases[1].n_prompt, &plain, &err),
+            0);
     }
     int n = 0;
     while (td_engine_has_work(e)) {
@@ -497,7 +502,8 @@ static void test_penalties(void **state)
         int32_t want = -1;
         for (int k = 0; k < TD_MAX_LOGPROBS; k++) {
             int count = 0;
-            for (int j = 0; j < t; j++) count += toks[j] == ids[t][k];
+            for (int j = 0; j < t; j++)
+                count += toks[j] == ids[t][k];
             float v = lps[t][k] - sp.frequency_penalty * (float)count -
                       (count ? sp.presence_penalty : 0.0f) + (ids[t][k] == bias_id ? bias : 0.0f);
             if (v > best) {
@@ -545,19 +551,24 @@ static void test_penalties(void **state)
     tiny.seed = 3;
     assert_int_equal(run_penalised(e, &tiny, false, t1, NULL, NULL), N);
     int zeros = 0;
-    for (int i = 0; i < N; i++) zeros += t1[i] == 0;
+    for (int i = 0; i < N; i++)
+        zeros += t1[i] == 0;
     assert_true(zeros < N / 2);
     /* Out of range: refused at add time. */
     td_err err;
     uint64_t id;
     rp.repetition_penalty = 11;
-    assert_int_equal(td_engine_add_request(e, &id, g_cases[0].prompt, g_cases[0].n_prompt, &rp, &err), TD_EINVAL);
+    assert_int_equal(
+        td_engine_add_request(e, &id, g_cases[0].prompt, g_cases[0].n_prompt, &rp, &err),
+        TD_EINVAL);
     rp.repetition_penalty = 1;
     bias_id = 1 << 20;
     rp.logit_bias_ids = &bias_id;
     rp.logit_bias = &bias;
     rp.n_logit_bias = 1;
-    assert_int_equal(td_engine_add_request(e, &id, g_cases[0].prompt, g_cases[0].n_prompt, &rp, &err), TD_EINVAL);
+    assert_int_equal(
+        td_engine_add_request(e, &id, g_cases[0].prompt, g_cases[0].n_prompt, &rp, &err),
+        TD_EINVAL);
     assert_non_null(strstr(err.msg, "vocabulary"));
     td_engine_free(e);
 }

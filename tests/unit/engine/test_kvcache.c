@@ -130,13 +130,15 @@ static void test_prefix_index_churn(void **state)
             if (hit >= 0) {
                 if (holds[hit] != key)
                     fail_msg("step %d: the index gave block %d for key %d, which holds %s", step,
-                             hit, (int)((r >> 16) % NK), holds[hit] ? "another key" : "nothing yet");
+                             hit, (int)((r >> 16) % NK),
+                             holds[hit] ? "another key" : "nothing yet");
                 refs[hit]++;
             }
         }
     }
     for (int b = 0; b < NB; b++)
-        while (refs[b]-- > 0) kv_release(&p, b);
+        while (refs[b]-- > 0)
+            kv_release(&p, b);
     assert_int_equal(p.n_free, NB);
     kv_pool_free(&p);
 }

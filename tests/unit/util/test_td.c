@@ -108,10 +108,8 @@ static void test_sbuf(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_err_set),
-        cmocka_unit_test(test_parse),
-        cmocka_unit_test(test_hash_and_rng),
-        cmocka_unit_test(test_http_reason),
+        cmocka_unit_test(test_err_set),      cmocka_unit_test(test_parse),
+        cmocka_unit_test(test_hash_and_rng), cmocka_unit_test(test_http_reason),
         cmocka_unit_test(test_sbuf),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
