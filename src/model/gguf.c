@@ -397,6 +397,12 @@ static int parse_tensor_info(gguf_file *f, rd *r, int64_t i)
     return 0;
 }
 
+static int cmp_by_offset(const void *a, const void *b)
+{
+    const gguf_tensor *x = *(const gguf_tensor *const *)a, *y = *(const gguf_tensor *const *)b;
+    return x->offset < y->offset ? -1 : x->offset > y->offset;
+}
+
 /* general.alignment: a u32 power of two (llama.cpp insists on the u32 type too). */
 static int read_alignment(gguf_file *f, td_err *err)
 {
@@ -485,7 +491,34 @@ static int parse(gguf_file *f, td_err *err)
                               "file (data section starts at %zu, file has %zu bytes)",
                               t->name, (unsigned long long)t->offset, t->nbytes, f->data_offset,
                               f->size);
+        /* The kernels read f32 as floats and f16, bf16 and block scales as 16-bit words:
+         * data placed off those boundaries (general.alignment 1, say) is refused. */
+        size_t natural = t->type == TD_TYPE_F32 ? 4 : 2;
+        if (start % natural)
+            return td_err_set(err, TD_EFORMAT,
+                              "gguf: tensor '%s' (%s) starts at file offset %llu, not a multiple "
+                              "of %zu",
+                              t->name, td_type_name(t->type), (unsigned long long)start, natural);
         t->data = f->base + start;
+    }
+    /* No two tensors share bytes: a file whose tensors overlap describes no real model. */
+    if (f->n_tensors > 1) {
+        gguf_tensor **by = malloc((size_t)f->n_tensors * sizeof(*by));
+        if (!by) return td_err_set(err, TD_ENOMEM, "gguf: out of memory");
+        for (int64_t i = 0; i < f->n_tensors; i++)
+            by[i] = &f->tensors[i];
+        qsort(by, (size_t)f->n_tensors, sizeof(*by), cmp_by_offset);
+        for (int64_t i = 1; i < f->n_tensors; i++)
+            if (by[i - 1]->offset + by[i - 1]->nbytes > by[i]->offset && by[i]->nbytes) {
+                rc = td_err_set(err, TD_EFORMAT,
+                                "gguf: the data of tensors '%s' and '%s' overlap (offsets %llu "
+                                "and %llu)",
+                                by[i - 1]->name, by[i]->name, (unsigned long long)by[i - 1]->offset,
+                                (unsigned long long)by[i]->offset);
+                break;
+            }
+        free(by);
+        if (rc) return rc;
     }
     return 0;
 }

@@ -934,7 +934,6 @@ static int from_gguf(td_model **out, gguf_file *f, int part, int n_parts, td_err
     td_model__tensor *plan = td_model__plan(&m->shape, TD_TYPE_F32, m, &n);
     for (int i = 0; i < n && !rc; i++)
         rc = bind_tensor(f, &plan[i], err);
-    free(plan);
     if (!rc && m->shape.tied_output) m->output = m->tok_embd;
 
     const gguf_tensor *rf = rc ? NULL : gguf_find_tensor(f, "rope_freqs.weight");
@@ -946,9 +945,35 @@ static int from_gguf(td_model **out, gguf_file *f, int part, int n_parts, td_err
                             "has %s [%lld, %lld]",
                             m->shape.head_dim / 2, td_type_name(rf->type), (long long)rf->ne[0],
                             (long long)rf->ne[1]);
-        else
-            m->rope_freqs = rf->data;
+        for (int64_t i = 0; !rc && i < rf->ne[0]; i++) {
+            float v;
+            memcpy(&v, (const uint8_t *)rf->data + 4 * i, 4);
+            if (!(v > 0 && v < 1e30f))
+                rc = td_err_set(err, TD_EFORMAT,
+                                "model: tensor 'rope_freqs.weight' holds %g at %lld: its RoPE "
+                                "frequency factors must be positive and finite",
+                                (double)v, (long long)i);
+        }
+        if (!rc) m->rope_freqs = rf->data;
     }
+    /* Every tensor of the file is one the model uses (the whole model: an expert part
+     * leaves the other parts' experts alone): a tensor left over means the metadata
+     * describes another model than the tensors do (block_count too low, say), which would
+     * otherwise run a model with layers missing. */
+    for (int64_t i = 0; !rc && n_parts == 1 && i < gguf_n_tensors(f); i++) {
+        const char *name = gguf_tensor_at(f, i)->name;
+        bool used = !strcmp(name, "rope_freqs.weight") ||
+                    (strlen(name) > 14 && !strcmp(name + strlen(name) - 14, ".attn_rot_embd"));
+        for (int k = 0; k < n && !used; k++)
+            used = !strcmp(name, plan[k].name);
+        if (!used)
+            rc = td_err_set(err, TD_EFORMAT,
+                            "model: tensor '%s' is not part of the model the metadata describes "
+                            "(%s, %d layers)",
+                            name, td_arch_name(m->shape.arch),
+                            m->shape.n_layer);
+    }
+    free(plan);
     if (rc) {
         free(m->layers);
         free(m);

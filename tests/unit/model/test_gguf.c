@@ -782,6 +782,26 @@ static void test_bad_tensors(void **state)
     for (int i = 0; i < 32; i++)
         bb_put(&b, "", 1);
     assert_err(parse_bb(&b, &err), err, TD_EFORMAT, "invalid name");
+    /* two tensors whose data overlap */
+    b.n = 0;
+    bb_header(&b, 3, 2, 0);
+    bb_tensor(&b, "a", 1, ne8, TD_TYPE_F32, 0);
+    bb_tensor(&b, "b", 1, ne8, TD_TYPE_F32, 0);
+    bb_pad(&b, 32);
+    for (int i = 0; i < 64; i++)
+        bb_put(&b, "", 1);
+    assert_err(parse_bb(&b, &err), err, TD_EFORMAT, "the data of tensors 'a' and 'b' overlap");
+    /* alignment 1 lets a tensor start anywhere: f32 data off a 4-byte boundary is refused */
+    b.n = 0;
+    bb_header(&b, 3, 1, 1);
+    bb_str(&b, "general.alignment");
+    bb_u32(&b, GGUF_VT_UINT32);
+    bb_u32(&b, 1);
+    bb_tensor(&b, "a", 1, ne8, TD_TYPE_F32, 0);
+    assert_true(b.n % 4 != 0); /* the data section starts right here, off a 4-byte boundary */
+    for (int i = 0; i < 64; i++)
+        bb_put(&b, "", 1);
+    assert_err(parse_bb(&b, &err), err, TD_EFORMAT, "not a multiple of 4");
     /* a truncated tensor info, with the full message */
     b.n = 0;
     bb_header(&b, 3, 1, 0);

@@ -225,6 +225,10 @@ static void edit_partial_rope(gguf_writer *w)
 {
     gguf_writer_set_u32(w, "llama.rope.dimension_count", 4);
 }
+static void edit_fewer_layers(gguf_writer *w)
+{
+    gguf_writer_set_u32(w, "llama.block_count", 4); /* the file has 5 layers' tensors */
+}
 static void edit_huge_layers(gguf_writer *w)
 {
     gguf_writer_set_u32(w, "llama.block_count", 100000);
@@ -265,6 +269,9 @@ static void test_bad_models(void **state)
         {{.edit = edit_rope_yarn}, TD_EUNSUPPORTED, "rope scaling 'yarn' is not supported"},
         {{.edit = edit_partial_rope}, TD_EUNSUPPORTED, "partial RoPE"},
         {{.edit = edit_huge_layers}, TD_EFORMAT, "'llama.block_count' = 100000 is out of range"},
+        {{.edit = edit_fewer_layers},
+         TD_EFORMAT,
+         "is not part of the model the metadata describes (llama, 4 layers)"},
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         rewrite(src, dst, &cases[i].o);
