@@ -319,7 +319,7 @@ static void accept_token(td_engine *e, req *r, int32_t tok, const float *logits)
     r->tokens[r->n_tokens++] = tok;
     r->n_generated++;
     td_finish fin = TD_FINISH_NONE;
-    char piece[1024];
+    char piece[3 * (TOK_MAX_PIECE + 3) + 8]; /* every byte of a piece may become U+FFFD */
     size_t emit_from = r->emitted, emit_to, stream_to;
     if (is_stop_token(e, r, tok)) {
         fin = TD_FINISH_STOP;

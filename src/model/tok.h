@@ -52,6 +52,8 @@ int32_t tok_find(const td_tokenizer *t, const char *text, size_t len);
 const char *tok_text(const td_tokenizer *t, int32_t id, int *len);
 /** The longest piece tok_piece can return, in bytes (special tokens rendered). */
 int tok_max_piece_len(const td_tokenizer *t);
+/* The longest token text a vocabulary may have (tok_load refuses longer). */
+#define TOK_MAX_PIECE 1024
 
 /**
  * Encode UTF-8 text. Invalid UTF-8 is an error (TD_EINVAL, err says at which

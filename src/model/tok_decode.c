@@ -72,6 +72,12 @@ int tok__build_pieces(td_tokenizer *t, td_err *err)
     for (int i = 0; i < t->n_vocab; i++) {
         p->off[i] = pos;
         int n = piece_of(t, i, p->data + pos);
+        /* The engine streams a token's text through a buffer of 3 * (TOK_MAX_PIECE + 3)
+         * bytes (every byte may become U+FFFD); no real vocabulary comes near. */
+        if (n > TOK_MAX_PIECE)
+            return td_err_set(err, TD_EFORMAT,
+                              "tokenizer: token %d's text is %d bytes; at most %d are supported", i,
+                              n, TOK_MAX_PIECE);
         pos += (uint32_t)n;
         t->max_piece_len = TD_MAX(t->max_piece_len, n);
     }

@@ -203,7 +203,7 @@ static void bytes_json(struct evbuffer *b, const char *p, int n)
 static void logprobs_record(srv__req *q, srv__choice *c, const srv__out *o)
 {
     const td_tokenizer *tok = q->s->tok;
-    char piece[512];
+    char piece[TOK_MAX_PIECE + 8];
     int n = tok_piece(tok, o->token, true, piece, sizeof(piece));
     n = n < 0 ? 0 : TD_MIN(n, (int)sizeof(piece));
     int top = TD_MIN(q->r.logprobs, o->n_top);
@@ -218,7 +218,7 @@ static void logprobs_record(srv__req *q, srv__choice *c, const srv__out *o)
         bytes_json(b, piece, n);
         evbuffer_add(b, ",\"top_logprobs\":[", 17);
         for (int i = 0; i < top; i++) {
-            char tp[512];
+            char tp[TOK_MAX_PIECE + 8];
             int m = tok_piece(tok, o->top_ids[i], true, tp, sizeof(tp));
             m = m < 0 ? 0 : TD_MIN(m, (int)sizeof(tp));
             evbuffer_add(b, i ? ",{\"token\":" : "{\"token\":", i ? 10 : 9);
@@ -236,7 +236,7 @@ static void logprobs_record(srv__req *q, srv__choice *c, const srv__out *o)
     if (evbuffer_get_length(c->lp[2])) evbuffer_add(c->lp[2], ",", 1);
     evbuffer_add(c->lp[2], "{", 1);
     for (int i = 0; i < top; i++) {
-        char tp[512];
+        char tp[TOK_MAX_PIECE + 8];
         int m = tok_piece(tok, o->top_ids[i], true, tp, sizeof(tp));
         m = m < 0 ? 0 : TD_MIN(m, (int)sizeof(tp));
         if (i) evbuffer_add(c->lp[2], ",", 1);
