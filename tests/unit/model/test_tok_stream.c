@@ -296,6 +296,8 @@ typedef struct kv_spec {
     bool bad_byte_token;
 } kv_spec;
 
+static bool g_long_token; /* build_tok: token 200 (llama) is 1,025 bytes of text */
+
 /* A 256-token vocabulary: for gpt2 the byte characters, for llama <0xNN> byte tokens. */
 static int build_tok(const kv_spec *spec, td_tokenizer **out, td_err *err)
 {
@@ -324,12 +326,17 @@ static int build_tok(const kv_spec *spec, td_tokenizer **out, td_err *err)
         }
         strs[i].ptr = names[i];
     }
+    static char long_text[1025];
+    if (g_long_token && !gpt2 && spec->n_tokens > 200) {
+        memset(long_text, 'x', sizeof(long_text));
+        strs[200] = (gguf_str){long_text, sizeof(long_text)};
+    }
     if (spec->n_tokens)
         gguf_writer_set_arr_str(w, "tokenizer.ggml.tokens", strs, (uint64_t)spec->n_tokens);
     if (!gpt2 && spec->n_tokens) {
         int32_t types[300];
         for (int i = 0; i < spec->n_tokens; i++)
-            types[i] = 6;
+            types[i] = g_long_token && i == 200 ? 1 : 6; /* byte tokens; the long one normal */
         gguf_writer_set_arr(w, "tokenizer.ggml.token_type", GGUF_VT_INT32, types,
                             (uint64_t)spec->n_tokens);
     }
@@ -386,6 +393,10 @@ static void test_load_errors(void **state)
                       "tokenizer.ggml.scores");
     expect_load_error(&(kv_spec){"gpt2", "gpt-2", 256, false, -2, -1, false}, TD_EFORMAT, "merges");
     expect_load_error(&(kv_spec){"llama", NULL, 256, false, -2, -1, true}, TD_EFORMAT, "<0xNN>");
+    g_long_token = true;
+    expect_load_error(&(kv_spec){"llama", NULL, 256, false, -2, 256, false}, TD_EFORMAT,
+                      "token 200's text is 1025 bytes; at most 1024");
+    g_long_token = false;
 
     /* A good one, with 0xFFFFFFFF as "no BOS" (as some converters write it). */
     td_tokenizer *t;
