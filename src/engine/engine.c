@@ -169,6 +169,28 @@ int td_engine_create(td_engine **out, const td_engine_config *cfg, td_err *err)
     if (e->max_model_len > s->n_ctx_train)
         TD_WARN("--max-model-len %d exceeds the model's trained context %d", e->max_model_len,
                 s->n_ctx_train);
+    if (!cfg->max_model_len && !cfg->kv_cache_memory) {
+        /* Neither given: a model whose trained context needs more KV for one sequence than
+         * the default budget (4 GiB, a quarter of RAM) gets the context that budget holds,
+         * rather than a pool and a workspace sized for a context nobody asked for (a file's
+         * context_length can be anything up to 2^24). */
+        struct sysinfo si;
+        uint64_t ram = sysinfo(&si) == 0 ? (uint64_t)si.totalram * si.mem_unit : (8ull << 30);
+        uint64_t cap = TD_MIN(DEFAULT_KV_CAP, ram / 4);
+        size_t bb = kv_pool_bytes(s->n_layer, s->n_head_kv * s->head_dim, cfg->block_size,
+                                  td_type_parse(cfg->kv_cache_dtype), 1);
+        uint64_t fit = cap / bb * (uint64_t)cfg->block_size;
+        if ((uint64_t)e->max_model_len > fit && fit >= (uint64_t)cfg->block_size) {
+            TD_WARN("the model's context of %d tokens needs %.1f GiB of KV for one sequence, "
+                    "more than the default budget of %.1f GiB: max_model_len is %d (choose "
+                    "with --max-model-len and --kv-cache-memory)",
+                    e->max_model_len,
+                    (double)bb * (double)((e->max_model_len + cfg->block_size - 1) / cfg->block_size) /
+                        (double)(1ull << 30),
+                    (double)cap / (double)(1ull << 30), (int)fit);
+            e->max_model_len = (int)fit;
+        }
+    }
     e->max_num_seqs = cfg->max_num_seqs;
     e->max_batched = cfg->max_num_batched_tokens;
 

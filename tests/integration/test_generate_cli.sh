@@ -65,4 +65,12 @@ printf 'GGUX\003\000\000\000' >"$tmp/magic.gguf"
 expect 1 "magic" --model "$tmp/magic.gguf" --prompt hi
 head -c 3000 "$M" >"$tmp/trunc.gguf"
 expect 1 "truncated" --model "$tmp/trunc.gguf" --prompt hi
+
+# A model that claims a huge context: without --max-model-len and --kv-cache-memory it gets
+# the context the default KV budget holds, and says so, instead of a pool sized for 2^24.
+"$TD_BIN" mkmodel --out "$tmp/bigctx.gguf" --dim 64 --layers 2 --heads 4 --kv-heads 4 --ffn 128 \
+    --vocab 300 --ctx 16777216 --type f32 >/dev/null 2>&1 || fail "mkmodel --ctx 16777216"
+"$TD_BIN" generate --model "$tmp/bigctx.gguf" --prompt-ids 1,2,3 -n 2 --threads 1 \
+    >"$tmp/big.out" 2>"$tmp/big.err" || fail "huge context: $(cat "$tmp/big.err")"
+grep -q "more than the default budget" "$tmp/big.err" || fail "no warning for a huge context: $(cat "$tmp/big.err")"
 echo "ok"
