@@ -126,8 +126,8 @@ static void reply_error(rt_req *q, int status, const char *type, const char *fmt
     va_start(ap, fmt);
     vsnprintf(msg, sizeof(msg), fmt, ap);
     va_end(ap);
-    count_status(q->r, status);
-    if (!q->started) {
+    if (!q->started) { /* a stream cut later was counted by its status line already */
+        count_status(q->r, status);
         TD_WARN("router %s: %d %s", q->rid, status, msg);
         rt_send_error(q->r, q->client, status, type, msg);
     } else {
@@ -912,11 +912,13 @@ void rt_relay_start(rt_router *r, struct evhttp_request *req, int endpoint)
                  "the request body is %zu bytes; the limit is %zu "
                  "(--max-payload-size)",
                  len, r->cfg.max_payload_bytes);
+        count_status(r, 413);
         rt_send_error(r, req, 413, "invalid_request_error", msg);
         return;
     }
     char *text = malloc(len + 1);
     if (!text) {
+        count_status(r, 500);
         rt_send_error(r, req, 500, "server_error", "out of memory");
         return;
     }
@@ -948,6 +950,7 @@ void rt_relay_start(rt_router *r, struct evhttp_request *req, int endpoint)
     rt_req *q = calloc(1, sizeof(*q));
     if (!q) {
         free(text);
+        count_status(r, 500);
         rt_send_error(r, req, 500, "server_error", "out of memory");
         return;
     }

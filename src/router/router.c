@@ -411,9 +411,12 @@ static void on_request(struct evhttp_request *req, void *arg)
     if (!strcmp(path, "/v1/completions") || !strcmp(path, "/v1/chat/completions")) {
         if (m != EVHTTP_REQ_POST)
             return rt_send_error(r, req, 405, "invalid_request_error", "POST only");
-        if (r->draining)
+        if (r->draining) {
+            r->requests_total++;
+            r->responses_by_class[5]++;
             return rt_send_error(r, req, 503, "service_unavailable",
                                  "the router is shutting down: it takes no new requests");
+        }
         return rt_relay_start(r, req, !strcmp(path, "/v1/chat/completions") ? SRV_EP_CHAT
                                                                               : SRV_EP_COMPLETIONS);
     }

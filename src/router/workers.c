@@ -56,6 +56,10 @@ static int parse_url(const char *url, char *host, size_t cap, int *port, td_err 
         return td_err_set(err, TD_EINVAL, "worker URL '%s' needs a host and a port", url);
     memcpy(host, p, (size_t)(colon - p));
     host[colon - p] = 0;
+    for (const char *c = host; *c; c++) /* a host name, an IPv4 or a bracketed IPv6 address */
+        if (!((*c >= 'a' && *c <= 'z') || (*c >= 'A' && *c <= 'Z') || (*c >= '0' && *c <= '9') ||
+              *c == '.' || *c == '-' || *c == '_' || *c == ':' || *c == '[' || *c == ']'))
+            return td_err_set(err, TD_EINVAL, "worker URL '%.200s' has a bad host", url);
     char digits[8];
     size_t nd = (size_t)(end - colon - 1);
     if (nd == 0 || nd >= sizeof(digits))
@@ -710,35 +714,50 @@ cJSON *rt_workers_json(rt_router *r)
     return arr;
 }
 
+/* A worker's labels: its URL escaped as a label value, and its data-parallel rank where
+ * it is one rank of an engine (--dp-aware: the ranks share a URL, and one series each). */
+static const char *lbl(const rt_worker *w, char out[600])
+{
+    char url[400];
+    td_prom_escape(w->url, url, sizeof(url));
+    if (w->dp_rank >= 0 && w->dp_size > 1)
+        snprintf(out, 600, "worker=\"%s\",dp_rank=\"%d\"", url, w->dp_rank);
+    else
+        snprintf(out, 600, "worker=\"%s\"", url);
+    return out;
+}
+
 void rt_workers_metrics(rt_router *r, struct evbuffer *b)
 {
+    char L[600];
     evbuffer_add_printf(b, "# HELP tandem_router_worker_healthy 1 if the worker passes its "
                            "health checks.\n# TYPE tandem_router_worker_healthy gauge\n");
     for (rt_worker *w = r->workers; w; w = w->next)
-        evbuffer_add_printf(b, "tandem_router_worker_healthy{worker=\"%s\",role=\"%s\"} %d\n",
-                            w->url, rt_role_name(w->role), w->healthy ? 1 : 0);
+        evbuffer_add_printf(b, "tandem_router_worker_healthy{%s,role=\"%s\"} %d\n", lbl(w, L),
+                            rt_role_name(w->role), w->healthy ? 1 : 0);
     evbuffer_add_printf(b, "# HELP tandem_router_worker_breaker_open 1 while the worker's "
                            "circuit breaker is open, 0.5 half-open.\n"
                            "# TYPE tandem_router_worker_breaker_open gauge\n");
     for (rt_worker *w = r->workers; w; w = w->next)
-        evbuffer_add_printf(b, "tandem_router_worker_breaker_open{worker=\"%s\"} %g\n", w->url,
-                            w->cb == RT_CB_OPEN ? 1.0 : w->cb == RT_CB_HALF_OPEN ? 0.5 : 0.0);
+        evbuffer_add_printf(b, "tandem_router_worker_breaker_open{%s} %g\n", lbl(w, L),
+                            w->cb == RT_CB_OPEN        ? 1.0
+                            : w->cb == RT_CB_HALF_OPEN ? 0.5
+                                                       : 0.0);
     evbuffer_add_printf(b, "# HELP tandem_router_worker_in_flight Requests in flight to the "
                            "worker.\n# TYPE tandem_router_worker_in_flight gauge\n");
     for (rt_worker *w = r->workers; w; w = w->next)
-        evbuffer_add_printf(b, "tandem_router_worker_in_flight{worker=\"%s\"} %d\n", w->url,
-                            w->in_flight);
+        evbuffer_add_printf(b, "tandem_router_worker_in_flight{%s} %d\n", lbl(w, L), w->in_flight);
     evbuffer_add_printf(b, "# HELP tandem_router_worker_requests_total Requests relayed to the "
                            "worker.\n# TYPE tandem_router_worker_requests_total counter\n");
     for (rt_worker *w = r->workers; w; w = w->next)
-        evbuffer_add_printf(b, "tandem_router_worker_requests_total{worker=\"%s\"} %llu\n",
-                            w->url, (unsigned long long)w->requests);
+        evbuffer_add_printf(b, "tandem_router_worker_requests_total{%s} %llu\n", lbl(w, L),
+                            (unsigned long long)w->requests);
     evbuffer_add_printf(b, "# HELP tandem_router_worker_failures_total Relayed requests that "
                            "failed (connection, timeout, 5xx).\n"
                            "# TYPE tandem_router_worker_failures_total counter\n");
     for (rt_worker *w = r->workers; w; w = w->next)
-        evbuffer_add_printf(b, "tandem_router_worker_failures_total{worker=\"%s\"} %llu\n",
-                            w->url, (unsigned long long)w->failures);
+        evbuffer_add_printf(b, "tandem_router_worker_failures_total{%s} %llu\n", lbl(w, L),
+                            (unsigned long long)w->failures);
     evbuffer_add_printf(b, "# HELP tandem_router_worker_latency_seconds Time from relaying a "
                            "request to the end of the worker's answer.\n"
                            "# TYPE tandem_router_worker_latency_seconds histogram\n");
@@ -747,16 +766,16 @@ void rt_workers_metrics(rt_router *r, struct evbuffer *b)
         for (int i = 0; i < RT_LAT_BUCKETS; i++) {
             cum += w->lat_hist[i];
             evbuffer_add_printf(b,
-                                "tandem_router_worker_latency_seconds_bucket{worker=\"%s\","
+                                "tandem_router_worker_latency_seconds_bucket{%s,"
                                 "le=\"%g\"} %llu\n",
-                                w->url, LAT_BUCKETS[i], (unsigned long long)cum);
+                                lbl(w, L), LAT_BUCKETS[i], (unsigned long long)cum);
         }
         cum += w->lat_hist[RT_LAT_BUCKETS];
         evbuffer_add_printf(b,
-                            "tandem_router_worker_latency_seconds_bucket{worker=\"%s\",le=\"+Inf\"} "
-                            "%llu\ntandem_router_worker_latency_seconds_sum{worker=\"%s\"} %.6f\n"
-                            "tandem_router_worker_latency_seconds_count{worker=\"%s\"} %llu\n",
-                            w->url, (unsigned long long)cum, w->url, w->lat_sum, w->url,
+                            "tandem_router_worker_latency_seconds_bucket{%s,le=\"+Inf\"} "
+                            "%llu\ntandem_router_worker_latency_seconds_sum{%s} %.6f\n"
+                            "tandem_router_worker_latency_seconds_count{%s} %llu\n",
+                            lbl(w, L), (unsigned long long)cum, lbl(w, L), w->lat_sum, lbl(w, L),
                             (unsigned long long)cum);
     }
 }

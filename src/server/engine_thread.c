@@ -491,9 +491,15 @@ static void *engine_main(void *arg)
         pthread_mutex_lock(&x->mu);
         /* Requests in flight but nothing to step (their KV is being copied in): wait with
          * a timeout below, so that the loop still shows progress to /health. */
+        bool idle = false;
         while (!x->inbox_head && !x->stop_requested && !td_engine_has_work(x->engine) &&
-               x->n_active == 0 && !ep_asked(x))
+               x->n_active == 0 && !ep_asked(x)) {
+            idle = true;
             pthread_cond_wait(&x->cv, &x->mu);
+        }
+        /* Work after idleness: the stall clock of /health starts now, not at the last step
+         * (which may be long ago: the first request after a quiet minute read as stalled). */
+        if (idle) atomic_store(&x->last_progress_ns, td_now_ns());
         if ((blocked || !td_engine_has_work(x->engine)) && !x->inbox_head && !x->stop_requested &&
             !ep_asked(x)) {
             /* Waiting requests that cannot get blocks yet (held for consumers, or being

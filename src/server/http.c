@@ -272,7 +272,9 @@ static void handle_metrics(srv_server *s, struct evhttp_request *req)
 {
     srv__snapshot snap;
     srv__snapshot_sum(s, &snap);
-    char *text = srv__metrics_render(&s->metrics, &snap, s->model_name);
+    char model[512]; /* a served name may hold anything a label value must escape */
+    td_prom_escape(s->model_name, model, sizeof(model));
+    char *text = srv__metrics_render(&s->metrics, &snap, model);
     struct evbuffer *b = evbuffer_new();
     if (text) evbuffer_add(b, text, strlen(text));
     free(text);

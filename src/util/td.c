@@ -361,3 +361,19 @@ const char *td_http_reason(int status)
         return "Error";
     }
 }
+
+void td_prom_escape(const char *s, char *out, size_t cap)
+{
+    size_t w = 0;
+    for (; *s; s++) {
+        const char *e = *s == '\\' ? "\\\\" : *s == '"' ? "\\\"" : *s == '\n' ? "\\n" : NULL;
+        size_t n = e ? 2 : 1;
+        if (w + n + 1 > cap) break;
+        if (e)
+            memcpy(out + w, e, 2);
+        else
+            out[w] = *s;
+        w += n;
+    }
+    out[w] = 0;
+}

@@ -41,6 +41,10 @@ const char *td_strerror(int code);
 /* The reason phrase of an HTTP status code ("Bad Request"), or "Error" for one not listed. */
 const char *td_http_reason(int status);
 
+/* s as a Prometheus label value (backslash, double quote and newline escaped) in out,
+ * cut short to fit cap (at least 1). */
+void td_prom_escape(const char *s, char *out, size_t cap);
+
 /** An error record: a code and a bounded, NUL-terminated message. */
 typedef struct td_err {
     int code;

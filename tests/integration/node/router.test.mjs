@@ -194,6 +194,12 @@ test('--dp-aware: an engine with two data-parallel ranks is two workers, each re
   assert.deepEqual((await workers(r.url)).map((w) => w.dp_rank).sort(), [0, 1]);
   for (let i = 0; i < 4; i++) assert.equal((await post(r.url, '/v1/completions', { prompt: 'x', max_tokens: 1 })).status, 200);
   assert.deepEqual(seen.slice(-4).sort(), [0, 0, 1, 1]);
+  // One series per rank in /metrics (the ranks share a URL): no duplicates, which a
+  // Prometheus scrape would reject.
+  const samples = (await (await fetch(r.url + '/metrics')).text()).split('\n')
+    .filter((l) => l && !l.startsWith('#')).map((l) => l.slice(0, l.lastIndexOf(' ')));
+  assert.equal(new Set(samples).size, samples.length, 'duplicate series');
+  assert.ok(samples.some((l) => l.includes('dp_rank="1"')), 'a dp_rank label');
   r.proc.kill('SIGTERM');
   // Without --dp-aware the engine is one worker and requests name no rank.
   const plain = await router(['--worker', url]);
@@ -321,9 +327,14 @@ test('bad requests get the engines\' error shapes; a wrong API key gets 401', as
   });
   const badJson = 'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nConnection: close\r\n\r\n{';
   assert.equal(await rawStatus(R1.port, badJson), 'HTTP/1.1 400 Bad Request', 'a reason phrase in the status line');
+  const before = (await metrics(R1.url))['tandem_router_responses_total{class="4xx"}'] ?? 0;
   r = await post(R1.url, '/v1/completions', { prompt: 'a'.repeat(5_000_000), max_tokens: 1 });
   assert.equal(r.status, 413, r.text);
   assert.match(r.json.error.message, /50000\d\d bytes; the limit is 4194304 \(--max-payload-size\)/);
+  assert.equal((await metrics(R1.url))['tandem_router_responses_total{class="4xx"}'], before + 1, 'the 413 counted');
+  // A worker URL whose host is no host name (it would land in the metrics' labels) is refused.
+  r = await post(R1.url, '/workers', { url: 'http://x\ninjected 42\n:81', role: 'worker' });
+  assert.equal(r.status, 400, r.text);
   // Headers past 64 KiB are a 400, as at the engines (a raw request: clients cap them).
   const status = await new Promise((resolve, reject) => {
     const c = net.connect(R1.port, '127.0.0.1', () =>
