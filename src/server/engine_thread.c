@@ -444,6 +444,19 @@ static int step(srv__engine *x)
  */
 #define STOP_LOAD_WAIT_NS (35ull * 1000000000ull)
 
+/* Under x->mu: wait for a command, at most 100 ms. */
+static void wait_tick(srv__engine *x)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ts.tv_nsec += 100 * 1000000L;
+    if (ts.tv_nsec >= 1000000000L) {
+        ts.tv_sec++;
+        ts.tv_nsec -= 1000000000L;
+    }
+    pthread_cond_timedwait(&x->cv, &x->mu, &ts);
+}
+
 static void stop_drain_loads(srv__engine *x, batch *b)
 {
     pthread_mutex_lock(&x->mu);
@@ -453,14 +466,7 @@ static void stop_drain_loads(srv__engine *x, batch *b)
     while (x->n_active > 0 && td_now_ns() < until) {
         pthread_mutex_lock(&x->mu);
         if (!x->inbox_head) {
-            struct timespec ts;
-            clock_gettime(CLOCK_REALTIME, &ts);
-            ts.tv_nsec += 100 * 1000000L;
-            if (ts.tv_nsec >= 1000000000L) {
-                ts.tv_sec++;
-                ts.tv_nsec -= 1000000000L;
-            }
-            pthread_cond_timedwait(&x->cv, &x->mu, &ts);
+            wait_tick(x);
         }
         srv__cmd *cmds = x->inbox_head;
         x->inbox_head = x->inbox_tail = NULL;
@@ -505,14 +511,7 @@ static void *engine_main(void *arg)
             /* Waiting requests that cannot get blocks yet (held for consumers, or being
              * loaded): what frees them arrives as a command. Wait for one, waking now and
              * then so that /health sees a live loop. */
-            struct timespec ts;
-            clock_gettime(CLOCK_REALTIME, &ts);
-            ts.tv_nsec += 100 * 1000000L;
-            if (ts.tv_nsec >= 1000000000L) {
-                ts.tv_sec++;
-                ts.tv_nsec -= 1000000000L;
-            }
-            pthread_cond_timedwait(&x->cv, &x->mu, &ts);
+            wait_tick(x);
         }
         srv__cmd *cmds = x->inbox_head;
         x->inbox_head = x->inbox_tail = NULL;

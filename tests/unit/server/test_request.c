@@ -604,6 +604,19 @@ static void test_kv_params(void **state)
 }
 
 /* Real templates from the shared folder: the families render, look-alikes are refused. */
+/* A template of the shared folder into g_tmpl; its length (the test is skipped without it). */
+static char g_tmpl[1 << 20];
+static size_t read_template(const char *dir, const char *file)
+{
+    char path[4096];
+    snprintf(path, sizeof(path), "%s/chat-templates/%s", dir, file);
+    FILE *f = fopen(path, "rb");
+    if (!f) skip();
+    size_t n = fread(g_tmpl, 1, sizeof(g_tmpl), f);
+    fclose(f);
+    return n;
+}
+
 static void test_detect_shared(void **state)
 {
     (void)state;
@@ -626,14 +639,8 @@ static void test_detect_shared(void **state)
         {"deepseek-ai-DeepSeek-V3.1.jinja", SRV_CHAT_UNKNOWN},
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
-        char path[4096];
-        snprintf(path, sizeof(path), "%s/chat-templates/%s", dir, cases[i].file);
-        FILE *f = fopen(path, "rb");
-        if (!f) skip();
-        static char buf[1 << 20];
-        size_t n = fread(buf, 1, sizeof(buf), f);
-        fclose(f);
-        srv_chat_family got = srv_chat_detect(buf, n);
+        size_t n = read_template(dir, cases[i].file);
+        srv_chat_family got = srv_chat_detect(g_tmpl, n);
         if (got != cases[i].want)
             fail_msg("%s: detected %s, want %s", cases[i].file, srv_chat_family_name(got),
                      srv_chat_family_name(cases[i].want));
@@ -671,15 +678,9 @@ static void test_detect_shared(void **state)
          "\n\nHi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"},
     };
     for (size_t i = 0; i < sizeof(renders) / sizeof(renders[0]); i++) {
-        char path[4096];
-        snprintf(path, sizeof(path), "%s/chat-templates/%s", dir, renders[i].file);
-        FILE *f = fopen(path, "rb");
-        if (!f) skip();
-        static char buf[1 << 20];
-        size_t n = fread(buf, 1, sizeof(buf), f);
-        fclose(f);
+        size_t n = read_template(dir, renders[i].file);
         srv_chat_extras x;
-        srv_chat_family fam = srv_chat_detect_ex(buf, n, &x);
+        srv_chat_family fam = srv_chat_detect_ex(g_tmpl, n, &x);
         srv_error err;
         char *got = srv_chat_render_ex(fam, &x, renders[i].msgs, renders[i].n, &err);
         assert_non_null(got);
