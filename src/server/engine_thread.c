@@ -108,29 +108,24 @@ static srv__out *batch_push(batch *b)
     return o;
 }
 
-static void push_reject(batch *b, void *user, int choice, const char *msg)
+/* A request's final output, an error: one the engine could not end (a stop while its KV
+ * load would not end in time), so that its client is answered. */
+static srv__out *push_failed(batch *b, void *user, int choice, const char *msg)
 {
     srv__out *o = batch_push(b);
     o->user = user;
     o->choice = choice;
-    o->rejected = true;
     o->token = -1;
     o->finish = TD_FINISH_ERROR;
     o->error = dup_n(msg, strlen(msg));
     o->text = dup_n("", 0);
+    return o;
 }
 
-/* A request the engine could not end (a stop while its KV load would not end in time):
- * its final output, an error, so that its client is answered. */
-static void push_failed(batch *b, void *user, int choice, const char *msg)
+/* A request the engine never took (a 400 with msg). */
+static void push_reject(batch *b, void *user, int choice, const char *msg)
 {
-    srv__out *o = batch_push(b);
-    o->user = user;
-    o->choice = choice;
-    o->token = -1;
-    o->finish = TD_FINISH_ERROR;
-    o->error = dup_n(msg, strlen(msg));
-    o->text = dup_n("", 0);
+    push_failed(b, user, choice, msg)->rejected = true;
 }
 
 static srv__active *active_add(srv__engine *x, uint64_t id, void *user, int choice)
@@ -435,15 +430,6 @@ static int step(srv__engine *x)
     return did;
 }
 
-/*
- * After a stop: a request whose KV is being copied in cannot end before the copy does (its
- * blocks are being written), so its abort waits for the load's end. Take those ends (the
- * loads are bounded by their transfer deadline) and the releases of held blocks, until no
- * request is left or STOP_LOAD_WAIT_NS passed; a request still left then ends with an
- * error, so that its client is answered.
- */
-#define STOP_LOAD_WAIT_NS (35ull * 1000000000ull)
-
 /* Under x->mu: wait for a command, at most 100 ms. */
 static void wait_tick(srv__engine *x)
 {
@@ -457,6 +443,15 @@ static void wait_tick(srv__engine *x)
     pthread_cond_timedwait(&x->cv, &x->mu, &ts);
 }
 
+/*
+ * After a stop: a request whose KV is being copied in cannot end before the copy does (its
+ * blocks are being written), so its abort waits for the load's end. Take those ends (the
+ * loads are bounded by their transfer deadline) and the releases of held blocks, until no
+ * request is left or STOP_LOAD_WAIT_NS passed; a request still left then ends with an
+ * error, so that its client is answered.
+ */
+#define STOP_LOAD_WAIT_NS (35ull * 1000000000ull)
+
 static void stop_drain_loads(srv__engine *x, batch *b)
 {
     pthread_mutex_lock(&x->mu);
@@ -465,9 +460,7 @@ static void stop_drain_loads(srv__engine *x, batch *b)
     uint64_t until = final ? 0 : td_now_ns() + STOP_LOAD_WAIT_NS;
     while (x->n_active > 0 && td_now_ns() < until) {
         pthread_mutex_lock(&x->mu);
-        if (!x->inbox_head) {
-            wait_tick(x);
-        }
+        if (!x->inbox_head) wait_tick(x);
         srv__cmd *cmds = x->inbox_head;
         x->inbox_head = x->inbox_tail = NULL;
         pthread_mutex_unlock(&x->mu);
