@@ -110,7 +110,7 @@ static void client_detach(rt_req *q)
     q->finished = true;
 }
 
-static void count_status(rt_router *r, int status)
+void rt_count_status(rt_router *r, int status)
 {
     int c = status / 100;
     if (c >= 1 && c <= 5) r->responses_by_class[c]++;
@@ -127,7 +127,7 @@ static void reply_error(rt_req *q, int status, const char *type, const char *fmt
     vsnprintf(msg, sizeof(msg), fmt, ap);
     va_end(ap);
     if (!q->started) { /* a stream cut later was counted by its status line already */
-        count_status(q->r, status);
+        rt_count_status(q->r, status);
         TD_WARN("router %s: %d %s", q->rid, status, msg);
         rt_send_error(q->r, q->client, status, type, msg);
     } else {
@@ -227,7 +227,7 @@ static void leg_failed(rt_req *q, rt_leg *leg, int status, const char *why)
     if (!q->started && status >= 500 && status < 600 && leg->body &&
         evbuffer_get_length(leg->body)) {
         /* The worker's own 5xx answer, relayed as it is. */
-        count_status(r, status);
+        rt_count_status(r, status);
         struct evbuffer *b = leg->body;
         evhttp_add_header(evhttp_request_get_output_headers(q->client), "Content-Type",
                           "application/json");
@@ -309,7 +309,7 @@ static bool stream_first_token(rt_req *q, const cJSON *pre, const cJSON *kv)
     evhttp_add_header(h, "Content-Type", "text/event-stream");
     evhttp_add_header(h, "Cache-Control", "no-cache");
     evhttp_add_header(h, "X-Request-Id", q->rid);
-    count_status(q->r, 200);
+    rt_count_status(q->r, 200);
     evhttp_send_reply_start(q->client, 200, "OK");
     evhttp_send_reply_chunk(q->client, out);
     evbuffer_free(out);
@@ -329,7 +329,7 @@ static void prefill_done(rt_req *q, rt_leg *leg)
     evbuffer_remove(leg->body, s, n);
     s[n] = 0;
     if (leg->status != 200) { /* the client's error (4xx): relay it */
-        count_status(q->r, leg->status);
+        rt_count_status(q->r, leg->status);
         struct evbuffer *b = evbuffer_new();
         evbuffer_add(b, s, n);
         evhttp_add_header(evhttp_request_get_output_headers(q->client), "Content-Type",
@@ -415,7 +415,7 @@ static void on_leg_done(struct evhttp_request *req, void *arg)
             struct evkeyvalq *out = evhttp_request_get_output_headers(q->client);
             evhttp_add_header(out, "Content-Type", ct ? ct : "application/json");
             evhttp_add_header(out, "X-Request-Id", q->rid);
-            count_status(q->r, status);
+            rt_count_status(q->r, status);
             td_replies_track(&q->r->replies, q->client);
             evhttp_send_reply(q->client, status, td_http_reason(status), leg->body);
         } else { /* the router streamed the first token, then the decode refused (4xx) */
@@ -459,7 +459,7 @@ static int on_leg_header(struct evhttp_request *req, void *arg)
     evhttp_add_header(out, "Content-Type", ct ? ct : "application/json");
     if (ct && strstr(ct, "event-stream")) evhttp_add_header(out, "Cache-Control", "no-cache");
     evhttp_add_header(out, "X-Request-Id", q->rid);
-    count_status(q->r, status);
+    rt_count_status(q->r, status);
     evhttp_send_reply_start(q->client, status, td_http_reason(status));
     q->started = true;
     leg->passthrough = true;
@@ -912,13 +912,13 @@ void rt_relay_start(rt_router *r, struct evhttp_request *req, int endpoint)
                  "the request body is %zu bytes; the limit is %zu "
                  "(--max-payload-size)",
                  len, r->cfg.max_payload_bytes);
-        count_status(r, 413);
+        rt_count_status(r, 413);
         rt_send_error(r, req, 413, "invalid_request_error", msg);
         return;
     }
     char *text = malloc(len + 1);
     if (!text) {
-        count_status(r, 500);
+        rt_count_status(r, 500);
         rt_send_error(r, req, 500, "server_error", "out of memory");
         return;
     }
@@ -930,7 +930,7 @@ void rt_relay_start(rt_router *r, struct evhttp_request *req, int endpoint)
     if (srv_request_parse(&parsed, endpoint == SRV_EP_CHAT ? SRV_EP_CHAT : SRV_EP_COMPLETIONS,
                           text, len, &err)) {
         free(text);
-        count_status(r, err.status);
+        rt_count_status(r, err.status);
         cJSON *root = cJSON_CreateObject(), *e = cJSON_AddObjectToObject(root, "error");
         cJSON_AddStringToObject(e, "message", err.message);
         cJSON_AddStringToObject(e, "type", err.type ? err.type : "invalid_request_error");
@@ -950,7 +950,7 @@ void rt_relay_start(rt_router *r, struct evhttp_request *req, int endpoint)
     rt_req *q = calloc(1, sizeof(*q));
     if (!q) {
         free(text);
-        count_status(r, 500);
+        rt_count_status(r, 500);
         rt_send_error(r, req, 500, "server_error", "out of memory");
         return;
     }

@@ -413,7 +413,7 @@ static void on_request(struct evhttp_request *req, void *arg)
             return rt_send_error(r, req, 405, "invalid_request_error", "POST only");
         if (r->draining) {
             r->requests_total++;
-            r->responses_by_class[5]++;
+            rt_count_status(r, 503);
             return rt_send_error(r, req, 503, "service_unavailable",
                                  "the router is shutting down: it takes no new requests");
         }

@@ -162,6 +162,8 @@ void rt_relay_shutdown(rt_router *r);
 int rt_relay_count(const rt_router *r);
 
 /* ---- router.c ---- */
+/* Count a client response by its status class (tandem_router_responses_total). */
+void rt_count_status(rt_router *r, int status);
 void rt_send_error(rt_router *r, struct evhttp_request *req, int status, const char *type,
                    const char *msg);
 void rt_send_json(rt_router *r, struct evhttp_request *req, int status, const char *json);

@@ -281,17 +281,24 @@ static void test_seeded_sampling(void **state)
     td_engine_free(e);
 }
 
+/* Greedy sampling of max_tokens tokens, past EOS. */
+static td_sampling greedy(int max_tokens)
+{
+    td_sampling sp;
+    td_sampling_default(&sp);
+    sp.temperature = 0;
+    sp.max_tokens = max_tokens;
+    sp.ignore_eos = true;
+    return sp;
+}
+
 /* Stop strings end the request, across token boundaries, and are not in the text. */
 static void test_stop_string(void **state)
 {
     (void)state;
     load_golden();
     td_engine *e = make_engine(1, 512, 0, "f32", true);
-    td_sampling sp;
-    td_sampling_default(&sp);
-    sp.temperature = 0;
-    sp.max_tokens = N_OUT;
-    sp.ignore_eos = true;
+    td_sampling sp = greedy(N_OUT);
     td_err err;
     /* First get the full text of case 0. */
     char full[4096] = "";
@@ -340,11 +347,7 @@ static void test_flush_len(void **state)
     (void)state;
     load_golden();
     td_engine *e = make_engine(1, 512, 0, "f32", true);
-    td_sampling sp;
-    td_sampling_default(&sp);
-    sp.temperature = 0;
-    sp.max_tokens = 1;
-    sp.ignore_eos = true;
+    td_sampling sp = greedy(1);
     td_err err;
     uint64_t id;
     char first[256] = "";
@@ -478,11 +481,7 @@ static void test_penalties(void **state)
     load_golden();
     td_engine *e = make_engine(2, 512, 0, "f32", true);
     enum { N = 24 };
-    td_sampling sp;
-    td_sampling_default(&sp);
-    sp.temperature = 0;
-    sp.max_tokens = N;
-    sp.ignore_eos = true;
+    td_sampling sp = greedy(N);
     sp.logprobs = TD_MAX_LOGPROBS;
     int32_t plain[N], toks[N], ids[N][TD_MAX_LOGPROBS];
     float lps[N][TD_MAX_LOGPROBS];
@@ -524,11 +523,7 @@ static void test_penalties(void **state)
     int32_t again[N];
     assert_int_equal(run_penalised(e, &sp, true, again, NULL, NULL), N);
     assert_memory_equal(again, toks, sizeof(toks));
-    td_sampling rp;
-    td_sampling_default(&rp);
-    rp.temperature = 0;
-    rp.max_tokens = N;
-    rp.ignore_eos = true;
+    td_sampling rp = greedy(N);
     rp.repetition_penalty = 1.5f;
     int32_t r1[N], r2[N];
     assert_int_equal(run_penalised(e, &rp, false, r1, NULL, NULL), N);
