@@ -282,8 +282,11 @@ int pd_push_open(pd_connector *pd, uint64_t req_id, const char *transfer_id, int
     it->req_id = req_id;
     snprintf(it->transfer_id, sizeof(it->transfer_id), "%s", transfer_id);
     it->dropped = false;
+    /* A push is a lease from its opening: it is in the agent's table (active) from now,
+     * and its end, finished or cancelled, counts as released or expired. */
     pthread_mutex_lock(&pd->mu);
     pd->push_opened++;
+    pd->holds++;
     pthread_mutex_unlock(&pd->mu);
     return 0;
 }
@@ -320,13 +323,8 @@ int pd_push_finish(pd_connector *pd, uint64_t req_id, const int32_t *blocks, int
     (void)n_blocks; /* the transfer was opened with this count */
     uint8_t note[NOTE_BYTES];
     note_encode(note, first_token, queue_ms, compute_ms);
-    int rc = kvx_agent_push_finish(pd->agent, transfer_id, blocks, note, sizeof(note));
-    if (rc == 0) {
-        pthread_mutex_lock(&pd->mu);
-        pd->holds++;
-        pthread_mutex_unlock(&pd->mu);
-    }
-    return rc;
+    /* (counted as a lease when it opened: it has been in the agent's table since) */
+    return kvx_agent_push_finish(pd->agent, transfer_id, blocks, note, sizeof(note));
 }
 
 void pd_push_abort(pd_connector *pd, uint64_t req_id)
@@ -729,7 +727,8 @@ char *pd_metrics_render(pd_connector *pd)
         kvx_agent_get_stats(pd->agent, &st);
         td_sbuf_printf(
             &b,
-            "# HELP tandem_kv_leases_total Prompt KV handed to consumers under a lease.\n"
+            "# HELP tandem_kv_leases_total Prompt KV handed to consumers under a lease (a push "
+            "from its opening): active + released + expired.\n"
             "# TYPE tandem_kv_leases_total counter\ntandem_kv_leases_total %llu\n"
             "# HELP tandem_kv_leases_active Leases held now.\n"
             "# TYPE tandem_kv_leases_active gauge\ntandem_kv_leases_active %d\n"

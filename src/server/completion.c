@@ -536,7 +536,16 @@ static void flush(srv__req *q)
 {
     q->touched = false;
     if (!q->req) {
-        if (q->outstanding == 0) req_free(q);
+        if (q->outstanding == 0) {
+            /* A producer whose client left while the prefill's last step ran: the abort
+             * came too late, and the blocks went under a lease whose transfer id nobody
+             * will ever learn. End it now rather than when the lease expires. (In write
+             * mode the router knows the id and releases it.) */
+            if (q->kv_mode == KV_PRODUCE && !q->push_id[0] && q->kv_res.transfer_id[0] &&
+                q->s->ranks[q->rank].pd)
+                pd_cancel(q->s->ranks[q->rank].pd, q->kv_res.transfer_id);
+            req_free(q);
+        }
         return;
     }
     if (q->failed) {

@@ -532,16 +532,18 @@ static void *engine_main(void *arg)
             break;
         }
         int did = step(x);
-        int before = b.n;
-        drain_outputs(x, &b);
-        blocked = did == 0 && b.n == before && td_engine_has_work(x->engine);
-        atomic_store(&x->last_progress_ns, td_now_ns());
-        publish(x, &b);
+        /* The test hook makes a step slow: its outputs come out after the sleep, so that
+         * what arrives meanwhile (an abort, a stop) meets a step already under way. */
         if (did > 0 && x->step_delay_ms > 0) {
             struct timespec ts = {x->step_delay_ms / 1000,
                                   (long)(x->step_delay_ms % 1000) * 1000000L};
             nanosleep(&ts, NULL);
         }
+        int before = b.n;
+        drain_outputs(x, &b);
+        blocked = did == 0 && b.n == before && td_engine_has_work(x->engine);
+        atomic_store(&x->last_progress_ns, td_now_ns());
+        publish(x, &b);
     }
     free(b.v);
     pthread_mutex_lock(&x->mu);

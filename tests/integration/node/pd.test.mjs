@@ -69,6 +69,15 @@ async function noLeaks(base, what) {
   });
 }
 
+// A producer's lease counters agree: every lease (a push from its opening) is active,
+// released or expired.
+function leaseBooks(m, total) {
+  if (total !== undefined) assert.equal(m.tandem_kv_leases_total, total);
+  assert.equal(m.tandem_kv_leases_total,
+    m.tandem_kv_leases_active + m.tandem_kv_leases_released_total + m.tandem_kv_leases_expired_total,
+    `leases: ${JSON.stringify(m)}`.slice(0, 400));
+}
+
 const GEN = { max_tokens: 12, temperature: 0, ignore_eos: true };
 
 // Prompts as token ids (BOS first): 1 token, multiples of the block size (16), and
@@ -258,6 +267,7 @@ for (const proto of ['tcp', 'shm', 'ucx']) {
     assert.equal(cm.tandem_kv_push_transfers_total, 40);
     assert.equal(pm.tandem_kv_pushes_opened_total, 40);
     assert.equal(pm.tandem_kv_pushes_claimed_total, 40);
+    leaseBooks(pm);
     // A consumer prefix-cache hit: only the tail moves, in write mode too.
     const p = ps[13]; /* 100 tokens: 6 full blocks cached here now */
     const before = await metrics(cons.url);
@@ -544,6 +554,44 @@ test('the consumer gone after the producer answered: the lease expires, the bloc
   await noLeaks(prod.url, 'producer after its consumer died');
   m = await metrics(prod.url);
   assert.equal(m.tandem_kv_leases_expired_total, 1);
+  prod.proc.kill('SIGKILL');
+});
+
+test('a client that leaves during the producer\'s last prefill step leaves no lease behind', async () => {
+  // Each step takes 600 ms here: the client hangs up 200 ms into the step that ends the
+  // prefill, so its abort arrives after the step has put the blocks under a lease whose
+  // transfer id nobody will learn. The producer must end that lease at once.
+  const prod = await serve(['--enable-debug-endpoints', '--debug-step-delay-ms', '600',
+    '--kv-transfer-config', '{"kv_role":"kv_producer","lease_ms":60000}']);
+  // Read mode, then stream, then write mode (a push: its transfer id is the router's, and
+  // the router releases a push that no consumer read, as this test does).
+  const modes = [{ stream: false }, { stream: true },
+    { stream: false, kv: { transfer_mode: 'write', transfer_id: crypto.randomBytes(16).toString('hex') } }];
+  for (const [i, mode] of modes.entries()) {
+    const ac = new AbortController();
+    const t = setTimeout(() => ac.abort(), 200);
+    await fetch(`${prod.url}/v1/completions`, {
+      method: 'POST', headers: { 'Content-Type': 'application/json' }, signal: ac.signal,
+      body: JSON.stringify({ prompt: prompts()[7], max_tokens: 1, temperature: 0, stream: mode.stream,
+        kv_transfer_params: { do_remote_decode: true, ...mode.kv } }),
+    }).then((r) => r.text()).then(() => assert.fail('the request should have been cut'), (e) => {
+      assert.equal(e.name, 'AbortError', String(e));
+    });
+    clearTimeout(t);
+    if (mode.kv) {
+      const r = await fetch(`${prod.url}/kv_release`, { method: 'POST',
+        headers: { 'Content-Type': 'application/json' }, body: JSON.stringify({ transfer_id: mode.kv.transfer_id }) });
+      assert.equal(r.status, 200, await r.text());
+    }
+    // The step ends 400 ms later; well within the 60 s lease, its lease is ended...
+    await until(async () => (await metrics(prod.url)).tandem_kv_leases_released_total === i + 1,
+      `the orphaned lease ended (${JSON.stringify(mode)})`);
+    // ...and the blocks are back.
+    await noLeaks(prod.url, `producer after a client left mid-step (${JSON.stringify(mode)})`);
+  }
+  const m = await metrics(prod.url);
+  assert.equal(m.tandem_kv_leases_expired_total, 0);
+  leaseBooks(m, 3);
   prod.proc.kill('SIGKILL');
 });
 
