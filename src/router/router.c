@@ -293,6 +293,7 @@ static void handle_workers_post(rt_router *r, struct evhttp_request *req)
     const cJSON *url = cJSON_GetObjectItemCaseSensitive(j, "url");
     const cJSON *role = cJSON_GetObjectItemCaseSensitive(j, "role");
     const cJSON *eid = cJSON_GetObjectItemCaseSensitive(j, "engine_id");
+    const cJSON *inst = cJSON_GetObjectItemCaseSensitive(j, "instance_id");
     bool beat = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(j, "heartbeat"));
     rt_role ro = r->cfg.pd ? RT_ROLE_DECODE : RT_ROLE_WORKER;
     if (!cJSON_IsString(url) ||
@@ -336,18 +337,22 @@ static void handle_workers_post(rt_router *r, struct evhttp_request *req)
         rt_worker_probe(r, w);
     } else {
         if (beat) w->dynamic = true;
-        if (cJSON_IsString(eid) && w->engine_id[0] && strcmp(eid->valuestring, w->engine_id)) {
-            /* restarted: forget what we knew of the old incarnation */
-            TD_INFO("router: %s %s restarted (engine %s, was %s)", rt_role_name(ro), w->url,
-                    eid->valuestring, w->engine_id);
-            w->info_ok = false;
-            w->engine_id[0] = 0;
-            w->healthy = true;
-            w->health_fail = w->health_ok = 0;
-            w->cb = RT_CB_CLOSED;
-            w->cb_fail = w->cb_ok = 0;
-            rt_worker_probe(r, w);
+        /* Restarted (a new engine id, or a new instance: a consumer has no engine id):
+         * forget what we knew of the old incarnation, its open breaker included. */
+        bool new_engine = cJSON_IsString(eid) && eid->valuestring[0] && w->engine_id[0] &&
+                          strcmp(eid->valuestring, w->engine_id);
+        bool new_instance = cJSON_IsString(inst) &&
+                            strlen(inst->valuestring) < sizeof(w->instance) && w->instance[0] &&
+                            strcmp(inst->valuestring, w->instance);
+        if (new_engine || new_instance) {
+            TD_INFO("router: %s %s restarted (%s %s, was %s)", rt_role_name(ro), w->url,
+                    new_engine ? "engine" : "instance",
+                    new_engine ? eid->valuestring : inst->valuestring,
+                    new_engine ? w->engine_id : w->instance);
+            rt_worker_reincarnated(r, w);
         }
+        if (cJSON_IsString(inst) && strlen(inst->valuestring) < sizeof(w->instance))
+            snprintf(w->instance, sizeof(w->instance), "%s", inst->valuestring);
     }
     /* every data-parallel rank of this engine beats with it */
     for (rt_worker *x = r->workers; x; x = x->next)

@@ -138,6 +138,10 @@ void rt_worker_result(rt_router *r, rt_worker *w, bool ok, double seconds);
 void rt_health_start(rt_router *r);
 /** Read a worker's /kv_transfer_info now (at registration). */
 void rt_worker_probe(rt_router *r, rt_worker *w);
+/** w's URL is served by a new incarnation of its engine (a new instance or engine id):
+ * forget the old one's health and breaker state and its transfer endpoint, and read
+ * /kv_transfer_info again. */
+void rt_worker_reincarnated(rt_router *r, rt_worker *w);
 /** Apply a worker's /kv_transfer_info (its kv_role, engine id, transfer agent, data-parallel
  *  ranks): it is ready when the role fits its own and the report is well formed, refused
  *  (not ready, logged) otherwise. Under --dp-aware a first report with ranks adds a worker

@@ -527,13 +527,14 @@ static void check_end(check *c, struct evhttp_request *req, bool sent)
                 code == 503 && cJSON_IsString(st) && !strcmp(st->valuestring, "draining");
             bool restarted = code == 200 && rt_worker_health_apply(w, j);
             cJSON_Delete(j);
-            if (restarted && w->info_ok) {
-                /* Its transfer agent (port, engine id) is another one now: ineligible until
-                 * its /kv_transfer_info is read again (below). */
+            if (restarted) {
+                /* A new process: what the breaker and the checks learnt of the old one says
+                 * nothing of it, and its transfer agent (port, engine id) is another one:
+                 * ineligible until its /kv_transfer_info is read again. */
                 TD_INFO("router: %s %s restarted (a new instance at the same URL): reading its "
                         "/kv_transfer_info again",
                         rt_role_name(w->role), w->url);
-                w->info_ok = false;
+                rt_worker_reincarnated(r, w);
             }
             char why[64];
             snprintf(why, sizeof(why), code ? "/health answered %d" : "no answer", code);
@@ -606,6 +607,17 @@ void rt_worker_release_kv(rt_router *r, const char *url, const char *transfer_id
     char body[128];
     snprintf(body, sizeof(body), "{\"transfer_id\":\"%.64s\"}", transfer_id);
     send_check(r, w, CHECK_RELEASE, "/kv_release", body);
+}
+
+void rt_worker_reincarnated(rt_router *r, rt_worker *w)
+{
+    w->info_ok = false;
+    w->engine_id[0] = 0;
+    w->healthy = true;
+    w->health_fail = w->health_ok = 0;
+    w->cb = RT_CB_CLOSED;
+    w->cb_fail = w->cb_ok = 0;
+    rt_worker_probe(r, w);
 }
 
 void rt_worker_probe(rt_router *r, rt_worker *w)

@@ -90,9 +90,10 @@ int srv__register_start(srv_server *s, const srv_kv_config *kv, td_err *err)
     if (!adv || !adv[0] || !strcmp(adv, "0.0.0.0") || !strcmp(adv, "::")) adv = "127.0.0.1";
     const char *role = kv->role == SRV_KV_PRODUCER ? "prefill" : "decode";
     snprintf(g->body, sizeof(g->body),
-             "{\"url\":\"http://%s:%d\",\"role\":\"%s\",\"engine_id\":\"%s\",\"heartbeat\":true}",
+             "{\"url\":\"http://%s:%d\",\"role\":\"%s\",\"engine_id\":\"%s\",\"instance_id\":"
+             "\"%s\",\"heartbeat\":true}",
              adv, kv->http_port > 0 ? kv->http_port : s->port, role,
-             s->ranks[0].pd ? pd_engine_id(s->ranks[0].pd) : "");
+             s->ranks[0].pd ? pd_engine_id(s->ranks[0].pd) : "", s->instance_id);
     const char *key = getenv("TANDEM_ROUTER_API_KEY"); /* a router started with --api-key */
     if (key && key[0] && strlen(key) < sizeof(g->auth) - 8 && !strpbrk(key, "\r\n"))
         snprintf(g->auth, sizeof(g->auth), "Bearer %s", key);

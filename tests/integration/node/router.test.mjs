@@ -521,6 +521,35 @@ test('workers register themselves, are removed, restarted and evicted, with no r
   for (const x of [r, p]) x.proc.kill('SIGKILL');
 });
 
+test('a decode restarted at its URL takes requests at once: its old incarnation\'s open breaker is forgotten', async () => {
+  // One failure opens a breaker for a minute. The decode (a consumer: no engine id of its
+  // own) is killed, a request trips its breaker, and a new process on the same port must be
+  // used as soon as it registers or its health check sees the new instance.
+  const r = await router(['--pd-disaggregation', '--cb-failure-threshold', '1', '--cb-timeout-duration-secs', '60',
+    '--retry-max-retries', '0', '--prefill', P1.url]);
+  const reg = { proxy_ip: '127.0.0.1', proxy_ping_port: r.port };
+  const port = await freePort();
+  const decodeOn = () => start(['serve', '--model', MODEL, '--threads', '1', '--host', '127.0.0.1',
+    '--server-port', String(port), '--log-level', 'warn', '--kv-transfer-config', JSON.stringify({ kv_role: 'kv_consumer', ...reg })]);
+  let d = await decodeOn();
+  await until(async () => (await fetch(r.url + '/health')).status === 200, 'router healthy');
+  const q = prompts()[4];
+  assert.equal((await post(r.url, '/v1/completions', { prompt: q, ...GEN })).status, 200);
+  const gone = new Promise((ok) => d.proc.on('exit', ok));
+  d.proc.kill('SIGKILL');
+  await gone;
+  const failed = await post(r.url, '/v1/completions', { prompt: q, ...GEN });
+  assert.ok(failed.status >= 500, `${failed.status} ${failed.text}`);
+  await until(async () => (await workers(r.url)).find((x) => x.role === 'decode')?.circuit_breaker === 'open',
+    'the dead decode\'s breaker open');
+  d = await decodeOn();
+  await until(async () => (await post(r.url, '/v1/completions', { prompt: q, ...GEN })).status === 200,
+    'a request served by the restarted decode', 10000);
+  const w = (await workers(r.url)).find((x) => x.role === 'decode');
+  assert.equal(w.circuit_breaker, 'closed', JSON.stringify(w));
+  for (const x of [r, d]) x.proc.kill('SIGKILL');
+});
+
 test('a prefill given on the command line and restarted at its URL is known by its new agent, not the stale one', async () => {
   // Not registered (no proxy in its config), so only the health checks can see the restart:
   // its /health carries an instance id, and a new one makes the router read
