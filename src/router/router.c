@@ -59,10 +59,25 @@ int rt_config_check(const rt_config *c, td_err *err)
         for (int i = 0; i < counts[l]; i++) {
             int rc = rt_url_check(lists[l][i], err);
             if (rc) return rc;
+            for (int k = 0; k < i; k++)
+                if (rt_url_same(lists[l][k], lists[l][i]))
+                    return td_err_set(err, TD_EINVAL, "%s %s is given twice",
+                                      l == 0   ? "--prefill"
+                                      : l == 1 ? "--decode"
+                                               : "--worker",
+                                      lists[l][i]);
         }
     if (!(c->request_timeout_s > 0) || !(c->health_interval_s > 0) || !(c->health_timeout_s > 0) ||
         !(c->cb_timeout_s >= 0) || !(c->queue_timeout_s > 0) || !(c->worker_ttl_s > 0))
         return td_err_set(err, TD_EINVAL, "timeouts and intervals must be positive");
+    /* A bound on every duration, so that none overflows the timers' integer seconds and
+     * nanoseconds (1e7 s is 115 days: far past any request). */
+    const double max_s = 1e7;
+    if (c->request_timeout_s > max_s || c->health_interval_s > max_s ||
+        c->health_timeout_s > max_s || c->cb_timeout_s > max_s || c->queue_timeout_s > max_s ||
+        c->worker_ttl_s > max_s || c->retry_initial_backoff_s > max_s ||
+        c->retry_max_backoff_s > max_s)
+        return td_err_set(err, TD_EINVAL, "timeouts, intervals and backoffs must be at most 1e7 s");
     if (!(c->shutdown_timeout_s >= 0 && c->shutdown_timeout_s <= 86400))
         return td_err_set(err, TD_EINVAL, "--shutdown-timeout-secs must be in [0, 86400]");
     if (c->max_payload_bytes < 1024 || c->max_payload_bytes > (1u << 30))
@@ -136,7 +151,6 @@ static bool authorized(rt_router *r, struct evhttp_request *req)
     cJSON_AddStringToObject(e, "type", "invalid_request_error");
     cJSON_AddNullToObject(e, "param");
     cJSON_AddStringToObject(e, "code", "invalid_api_key");
-    r->responses_by_class[4]++;
     send_cjson(r, req, 401, root);
     return false;
 }
@@ -402,6 +416,7 @@ static void on_request(struct evhttp_request *req, void *arg)
     }
     path[k] = 0;
     enum evhttp_cmd_type m = evhttp_request_get_command(req);
+    if (m == EVHTTP_REQ_HEAD) m = EVHTTP_REQ_GET; /* evhttp sends a HEAD's headers only */
     if (!strcmp(path, "/health")) {
         if (m != EVHTTP_REQ_GET)
             return rt_send_error(r, req, 405, "invalid_request_error", "GET only");
@@ -412,8 +427,16 @@ static void on_request(struct evhttp_request *req, void *arg)
             return rt_send_error(r, req, 405, "invalid_request_error", "GET only");
         return handle_metrics(r, req);
     }
-    if (!authorized(r, req)) return;
-    if (!strcmp(path, "/v1/completions") || !strcmp(path, "/v1/chat/completions")) {
+    bool completion = !strcmp(path, "/v1/completions") || !strcmp(path, "/v1/chat/completions");
+    if (!authorized(r, req)) {
+        /* the request and response counters count completion requests, refused ones too */
+        if (completion) {
+            r->requests_total++;
+            rt_count_status(r, 401);
+        }
+        return;
+    }
+    if (completion) {
         if (m != EVHTTP_REQ_POST)
             return rt_send_error(r, req, 405, "invalid_request_error", "POST only");
         if (r->draining) {
@@ -524,7 +547,11 @@ int rt_run(const rt_config *cfg, td_err *err)
     evhttp_set_max_body_size(r->http,
                              (ev_ssize_t)TD_MIN(r->cfg.max_payload_bytes * 4, (size_t)1 << 30));
     evhttp_set_max_headers_size(r->http, 64 * 1024); /* as the engines: a 400 past that */
-    evhttp_set_allowed_methods(r->http, EVHTTP_REQ_GET | EVHTTP_REQ_POST | EVHTTP_REQ_DELETE);
+    /* Every method reaches on_request, which answers what it does not take with a JSON 405
+     * (as the engines do) rather than libevent's HTML 501. */
+    evhttp_set_allowed_methods(r->http, EVHTTP_REQ_GET | EVHTTP_REQ_POST | EVHTTP_REQ_DELETE |
+                                            EVHTTP_REQ_HEAD | EVHTTP_REQ_OPTIONS | EVHTTP_REQ_PUT |
+                                            EVHTTP_REQ_PATCH);
     evhttp_set_timeout(r->http, (int)(cfg->request_timeout_s + 60));
     r->sock = evhttp_bind_socket_with_handle(r->http, cfg->host, (uint16_t)cfg->port);
     if (!r->sock) {

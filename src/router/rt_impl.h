@@ -112,6 +112,8 @@ typedef struct rt_router {
 /* ---- workers.c ---- */
 /** "http://host:port": 0, or TD_EINVAL with a message. */
 int rt_url_check(const char *url, td_err *err);
+/** Whether two worker URLs name the same host and port ("http://h:1/" is "http://h:1"). */
+bool rt_url_same(const char *a, const char *b);
 /** Add a worker (URL checked); *out may be NULL. TD_EINVAL for a bad URL. */
 int rt_worker_add(rt_router *r, const char *url, rt_role role, bool dynamic, rt_worker **out,
                   td_err *err);

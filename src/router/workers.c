@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #include "router/rt_impl.h"
 
@@ -108,6 +109,15 @@ int rt_worker_add(rt_router *r, const char *url, rt_role role, bool dynamic, rt_
     *pp = w;
     if (out) *out = w;
     return 0;
+}
+
+bool rt_url_same(const char *a, const char *b)
+{
+    char ha[200], hb[200];
+    int pa, pb;
+    td_err e;
+    return !parse_url(a, ha, sizeof(ha), &pa, &e) && !parse_url(b, hb, sizeof(hb), &pb, &e) &&
+           pa == pb && !strcasecmp(ha, hb);
 }
 
 rt_worker *rt_worker_find_url(rt_router *r, const char *url)

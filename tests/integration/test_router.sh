@@ -23,6 +23,14 @@ expect_usage_error "pd-disaggregation" --prefill http://127.0.0.1:1 --decode htt
 expect_usage_error "http://" --worker 127.0.0.1:1
 expect_usage_error "rank-mapping" --worker http://127.0.0.1:1 --atom-pd-rank-mapping-policy all
 expect_usage_error "max-payload-size" --worker http://127.0.0.1:1 --max-payload-size 10
+# The same worker twice (a trailing slash or the host's case make no other worker).
+expect_usage_error "given twice" --worker http://127.0.0.1:1 --worker http://127.0.0.1:1/
+expect_usage_error "given twice" --pd-disaggregation --prefill http://h:1 --prefill http://H:1 --decode http://h:2
+# Durations past 1e7 s would overflow the timers: refused rather than broken.
+for f in --request-timeout-secs --queue-timeout-secs --health-check-interval-secs --cb-timeout-duration-secs \
+    --retry-max-backoff-secs; do
+    expect_usage_error "at most 1e7" --worker http://127.0.0.1:1 "$f" 1e10
+done
 
 TD_BIN=$TD_BIN TD_MODEL=$MODEL node --test --test-reporter=spec "$TESTS_DIR/node/router.test.mjs" ||
     fail "node/router.test.mjs failed"

@@ -307,6 +307,12 @@ test('bad requests get the engines\' error shapes; a wrong API key gets 401', as
   assert.equal((await fetch(rk.url + '/health')).status, 200);
   // /workers is guarded too; an engine registers with TANDEM_ROUTER_API_KEY.
   assert.equal((await fetch(rk.url + '/workers')).status, 401);
+  // The counters count completion requests, the refused ones too: never more responses
+  // than requests (the 401 of /workers is not a completion request).
+  const km = await metrics(rk.url);
+  assert.equal(km.tandem_router_requests_total, 3);
+  assert.equal(km['tandem_router_responses_total{class="4xx"}'], 2);
+  assert.equal(km['tandem_router_responses_total{class="2xx"}'], 1);
   const eng = await start(['serve', '--model', MODEL, '--threads', '1', '--host', '127.0.0.1', '--server-port', '0',
     '--log-level', 'warn', '--kv-transfer-config', JSON.stringify({ kv_role: 'kv_consumer', proxy_ip: '127.0.0.1', proxy_ping_port: rk.port })],
   { TANDEM_ROUTER_API_KEY: 'sekrit' });
@@ -317,6 +323,16 @@ test('bad requests get the engines\' error shapes; a wrong API key gets 401', as
   eng.proc.kill('SIGKILL');
   r = await fetch(R1.url + '/nope');
   assert.equal(r.status, 404);
+  // Methods a route does not take are a JSON 405, as at the engines; HEAD is a GET's
+  // headers.
+  for (const method of ['OPTIONS', 'PUT', 'PATCH', 'DELETE']) {
+    r = await fetch(R1.url + '/v1/completions', { method });
+    assert.equal(r.status, 405, method);
+    assert.equal((await r.json()).error.type, 'invalid_request_error');
+  }
+  r = await fetch(R1.url + '/health', { method: 'HEAD' });
+  assert.equal(r.status, 200);
+  assert.equal(await r.text(), '');
   // A body past --max-payload-size (4 MiB) is the router's own 413, never forwarded.
   const rawStatus = (port, request) => new Promise((resolve, reject) => {
     const c = net.connect(port, '127.0.0.1', () => c.write(request));
