@@ -93,6 +93,7 @@ struct kvx_xfer {
     int n_blocks, skip;
     uint32_t timeout_ms;
     int fd; /* the push connection, -1 when none (kvx_client_destroy shuts it down) */
+    bool cancelled; /* kvx_client_cancel: a push ends with TD_ECANCELED */
     int outstanding, sub_code;
     td_err sub_err;
     struct kvx__session *ds; /* a push's data session when reads go over a rail, else NULL */
@@ -1569,6 +1570,8 @@ static void *push_main(void *arg)
     if (!rc) {
         pthread_mutex_lock(&c->mu);
         if (c->stopping) rc = td_err_set(&e, TD_ECANCELED, "kvx: the consumer shut down");
+        else if (x->cancelled)
+            rc = td_err_set(&e, TD_ECANCELED, "kvx: the transfer was cancelled");
         else x->fd = fd;
         pthread_mutex_unlock(&c->mu);
     }
@@ -1612,6 +1615,8 @@ static void *push_main(void *arg)
     }
     pthread_mutex_lock(&c->mu);
     x->fd = -1;
+    if (rc && x->cancelled) /* the shut-down connection failed the read: say why */
+        rc = td_err_set(&e, TD_ECANCELED, "kvx: the transfer was cancelled");
     while (x->outstanding > 0) /* every read ends by its deadline */
         pthread_cond_wait(&c->done_cv, &c->mu);
     if (x->sub_code) {
@@ -1706,6 +1711,32 @@ int kvx_write_start(kvx_client *c, const kvx_write_req *req, kvx_xfer **out, td_
     }
     *out = x;
     return 0;
+}
+
+int kvx_client_cancel(kvx_client *c, const char *transfer_id)
+{
+    uint8_t id[KVX_ID_BYTES];
+    if (kvx_id_from_hex(transfer_id, id)) return TD_EINVAL;
+    int rc = TD_ENOTFOUND;
+    pthread_mutex_lock(&c->mu);
+    for (struct kvx_xfer *x = c->pushes; x; x = x->next_push)
+        if (!memcmp(x->transfer_id, id, KVX_ID_BYTES) && !x->done) {
+            x->cancelled = true;
+            if (x->fd >= 0) shutdown(x->fd, SHUT_RDWR); /* its thread ends the push */
+            rc = 0;
+        }
+    /* Reads (a push's own reads among them): queued pieces of a failed transfer end
+     * without running. */
+    for (kvx__piece *p = c->qhead; p; p = p->next) {
+        struct kvx_xfer *x = p->x;
+        if (memcmp(x->transfer_id, id, KVX_ID_BYTES)) continue;
+        rc = 0;
+        if (x->code) continue;
+        x->code = TD_ECANCELED;
+        td_err_set(&x->result, TD_ECANCELED, "kvx: the transfer was cancelled");
+    }
+    pthread_mutex_unlock(&c->mu);
+    return rc;
 }
 
 size_t kvx_xfer_note(kvx_xfer *x, void *buf, size_t cap)

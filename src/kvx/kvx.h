@@ -350,6 +350,13 @@ int kvx_xfer_poll(kvx_xfer *x, td_err *result);
 int kvx_xfer_wait(kvx_xfer *x, td_err *result);
 /** Free a handle. If the transfer is still running it is freed when it ends. */
 void kvx_xfer_free(kvx_xfer *x);
+/**
+ * End this consumer's transfers of transfer_id (hex) early, with TD_ECANCELED: a push's
+ * connection is shut down (its thread ends at once rather than when the producer's
+ * silence times out), and pieces not yet running are dropped; pieces under way finish.
+ * Completion callbacks run as for any failure. TD_ENOTFOUND when none is running.
+ */
+int kvx_client_cancel(kvx_client *c, const char *transfer_id);
 
 typedef struct kvx_xfer_info {
     uint64_t bytes;         /* bytes moved */

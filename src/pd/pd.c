@@ -516,6 +516,11 @@ void pd_unwatch(pd_connector *pd, uint64_t req_id)
     pthread_mutex_unlock(&pd->mu);
 }
 
+int pd_load_cancel(pd_connector *pd, const char *transfer_id)
+{
+    return pd->client ? kvx_client_cancel(pd->client, transfer_id) : TD_ENOTFOUND;
+}
+
 void pd_release_remote(pd_connector *pd, const pd_remote *src)
 {
     if (!pd->client) return;

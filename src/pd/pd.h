@@ -133,6 +133,9 @@ void pd_unwatch(pd_connector *pd, uint64_t req_id);
 
 /** Tell a producer (in the background) that a transfer it holds is not needed. */
 void pd_release_remote(pd_connector *pd, const pd_remote *src);
+/** End this consumer's load of transfer_id early (its request was aborted): the load
+ *  completes at once with an error, as loaded_cb reports. TD_ENOTFOUND when none runs. */
+int pd_load_cancel(pd_connector *pd, const char *transfer_id);
 
 /** Prometheus text for the transfer metrics (malloc'd). */
 char *pd_metrics_render(pd_connector *pd);

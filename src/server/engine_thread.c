@@ -187,8 +187,15 @@ static void apply(srv__engine *x, srv__cmd *c, batch *b)
         break;
     }
     case CMD_ABORT:
-        for (int i = 0; i < x->n_active; i++)
-            if (x->active[i].user == c->user) td_engine_abort(x->engine, x->active[i].engine_id);
+        for (int i = 0; i < x->n_active; i++) {
+            srv__active *a = &x->active[i];
+            if (a->user != c->user) continue;
+            td_engine_abort(x->engine, a->engine_id);
+            /* A request whose KV is being loaded ends when the load does: end the load now
+             * (a push whose prefill was cancelled too would wait out its timeout). */
+            if (a->load_started && has_remote(&a->remote) && x->pd)
+                pd_load_cancel(x->pd, a->remote.transfer_id);
+        }
         break;
     case CMD_KV_LOADED: {
         int k = active_find(x, c->engine_id);

@@ -288,6 +288,38 @@ for (const proto of ['tcp', 'shm', 'ucx']) {
   });
 }
 
+test('a write-mode decode request whose client leaves ends at once, not at the push timeout', async () => {
+  // The prefill never comes (the router cancelled it with the client): the consumer must not
+  // hold the request and its blocks for transfer_timeout_ms (60 s here).
+  const prod = await serve(['--kv-transfer-config', '{"kv_role":"kv_producer","transfer_mode":"write"}']);
+  const pinfo = await info(prod.url);
+  const cons = await serve(['--kv-transfer-config', '{"kv_role":"kv_consumer","transfer_timeout_ms":60000}']);
+  for (const stream of [false, true]) {
+    const ac = new AbortController();
+    const t = setTimeout(() => ac.abort(), 300);
+    await fetch(`${cons.url}/v1/completions`, {
+      method: 'POST', headers: { 'Content-Type': 'application/json' }, signal: ac.signal,
+      body: JSON.stringify({ prompt: prompts()[12], ...GEN, stream, kv_transfer_params: {
+        do_remote_prefill: true, transfer_mode: 'write', transfer_id: crypto.randomBytes(16).toString('hex'),
+        remote_engine_id: pinfo.engine_id, remote_host: pinfo.kv_host, remote_handshake_port: pinfo.handshake_port } }),
+    }).then((r) => r.text()).then(() => assert.fail('the request should have been cut'), (e) => {
+      assert.equal(e.name, 'AbortError', String(e));
+    });
+    clearTimeout(t);
+    await until(async () => {
+      const m = await metrics(cons.url);
+      return m.tandem_num_requests_running === 0 && m.tandem_kv_blocks_used === 0;
+    }, `the aborted push request ended (stream ${stream})`, 5000);
+  }
+  // Both sides still work.
+  const p = prompts()[3];
+  const { p: pr, d } = await pushPair(prod.url, pinfo, cons.url, p);
+  assert.equal(pr.status, 200, pr.text);
+  assert.equal(d.json.kv_transfer_params.kv_load, 'transferred', d.text);
+  assert.equal(d.json.choices[0].text, await expected(p));
+  for (const x of [prod, cons]) { await noLeaks(x.url, 'after the aborted pushes'); x.proc.kill('SIGKILL'); }
+});
+
 test('write mode failures: no prefill arrives, the producer dies mid-push, a reused transfer id', async () => {
   // A short lease: a push that no consumer claims (the second prefill below may come after
   // the first one's consumer released the id) is reclaimed when it expires.
