@@ -176,6 +176,35 @@ static void leg_cancel(rt_req *q, rt_leg *leg)
     leg_release(q, leg);
 }
 
+/*
+ * A read-mode prefill whose answer is arriving (its headers read, or bytes of it in the
+ * router's buffer or socket): the KV it holds under a lease is named only by that answer,
+ * so a request whose client left reads it to its end and gives the KV back (req_free)
+ * rather than drop it and leave the lease to expire.
+ */
+static bool prefill_answer_arriving(rt_req *q)
+{
+    rt_leg *leg = &q->pre;
+    if (q->write_mode || leg->state != LEG_RUNNING || !leg->conn || !leg->ereq) return false;
+    if (evhttp_request_get_response_code(leg->ereq) > 0) return true;
+    struct bufferevent *bev = evhttp_connection_get_bufferevent(leg->conn);
+    if (!bev) return false;
+    if (evbuffer_get_length(bufferevent_get_input(bev)) > 0) return true;
+    evutil_socket_t fd = bufferevent_getfd(bev);
+    char c;
+    return fd >= 0 && recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT) > 0;
+}
+
+/* The client is gone: stop every leg, except a prefill whose answer (naming its KV) is
+ * already arriving. */
+static void req_end_legs_for_gone_client(rt_req *q)
+{
+    if (!prefill_answer_arriving(q)) leg_cancel(q, &q->pre);
+    leg_cancel(q, &q->dec);
+    if (q->retry_ev) event_del(q->retry_ev);
+    q->retry_leg = NULL;
+}
+
 static void req_end_legs(rt_req *q)
 {
     leg_cancel(q, &q->pre);
@@ -317,6 +346,20 @@ static bool stream_first_token(rt_req *q, const cJSON *pre, const cJSON *kv)
     return true;
 }
 
+/* A read-mode prefill's answer (leg->body) for a request whose client is gone: keep the
+ * transfer id it names, so that req_free gives the KV back at once. */
+static void note_held_tid(rt_req *q, rt_leg *leg)
+{
+    size_t n = evbuffer_get_length(leg->body);
+    cJSON *j = cJSON_ParseWithLength((const char *)evbuffer_pullup(leg->body, -1), n);
+    const cJSON *kv = cJSON_GetObjectItemCaseSensitive(j, "kv_transfer_params");
+    const cJSON *tid = cJSON_GetObjectItemCaseSensitive(kv, "transfer_id");
+    if (cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(kv, "do_remote_prefill")) &&
+        cJSON_IsString(tid))
+        snprintf(q->held_tid, sizeof(q->held_tid), "%s", tid->valuestring);
+    cJSON_Delete(j);
+}
+
 /* PD read mode: the prefill answered. */
 static void prefill_done(rt_req *q, rt_leg *leg)
 {
@@ -385,6 +428,8 @@ static void on_leg_done(struct evhttp_request *req, void *arg)
     if (ok && status == 200 && leg == &q->dec) q->dec_ok = true;
     leg_release(q, leg);
     if (q->finished) {
+        if (ok && status == 200 && leg == &q->pre && !q->write_mode && q->held_url[0])
+            note_held_tid(q, leg); /* req_free gives that KV back */
         req_maybe_free(q);
         return;
     }
@@ -746,7 +791,8 @@ static void req_maybe_free(rt_req *q)
     if (q->pre.state == LEG_RUNNING || q->dec.state == LEG_RUNNING || q->retry_leg) {
         /* write mode: the prefill may still run after the decode's answer ended: it ends
          * by itself (its KV goes back after the lease), but nobody waits for it */
-        if (q->pre.state == LEG_RUNNING && q->dec.state != LEG_RUNNING && !q->retry_leg)
+        if (q->pre.state == LEG_RUNNING && q->dec.state != LEG_RUNNING && !q->retry_leg &&
+            !prefill_answer_arriving(q))
             leg_cancel(q, &q->pre);
         else
             return;
@@ -843,7 +889,7 @@ static void on_client_close(struct evhttp_connection *evcon, void *arg)
     }
     q->finished = true;
     if (q->queued) queue_remove(q->r, q);
-    req_end_legs(q);
+    req_end_legs_for_gone_client(q);
     req_maybe_free(q);
 }
 

@@ -401,6 +401,39 @@ test('admission: past --max-concurrent-requests requests queue; a full queue is 
   for (const x of [r, r2, slow]) x.proc.kill('SIGKILL');
 });
 
+test('a client that hangs up while the prefill\'s answer is on its way: the router gives that KV back', async () => {
+  // The router is stopped (SIGSTOP) once the prefill runs; the client hangs up, then the
+  // prefill answers into the router's socket. When the router runs again both have
+  // happened: it must read the answer, which alone names the leased KV, and release it,
+  // not drop it and leave the lease (60 s here) to expire.
+  const prod = await serve({ kv_role: 'kv_producer', lease_ms: 60000 }, ['--enable-debug-endpoints', '--debug-step-delay-ms', '300']);
+  const r = await router(['--pd-disaggregation', '--prefill', prod.url, '--decode', D1.url]);
+  await until(async () => (await fetch(r.url + '/health')).status === 200, 'router healthy');
+  const before = await metrics(prod.url);
+  const u = new URL(r.url);
+  const req = http.request({ host: u.hostname, port: u.port, path: '/v1/completions', method: 'POST',
+    headers: { 'content-type': 'application/json' } });
+  req.on('error', () => {});
+  req.end(JSON.stringify({ prompt: prompts()[4], ...GEN }));
+  await until(async () => (await metrics(r.url)).tandem_router_requests_running === 1, 'the request at the router');
+  await new Promise((ok) => setTimeout(ok, 100)); /* its prefill leg sent: the step takes 300 ms */
+  r.proc.kill('SIGSTOP');
+  try {
+    // The client's hang-up first, then the answer: the router sees them in that order.
+    req.destroy();
+    await until(async () => (await metrics(prod.url)).tandem_kv_leases_total === before.tandem_kv_leases_total + 1,
+      'the prefill answered');
+  } finally {
+    r.proc.kill('SIGCONT');
+  }
+  await until(async () => (await metrics(prod.url)).tandem_kv_leases_active === 0, 'the lease given back', 10000);
+  const m = await metrics(prod.url);
+  assert.equal(m.tandem_kv_leases_expired_total, 0);
+  await idle(prod.url, 'the producer');
+  await idle(D1.url, 'the decode');
+  for (const x of [r, prod]) x.proc.kill('SIGKILL');
+});
+
 test('a client that hangs up mid-stream: both engines free their blocks', async () => {
   // A decode slowed down (20 ms a step) so that the stream is surely still running.
   const slow = await serve({ kv_role: 'kv_consumer' }, ['--enable-debug-endpoints', '--debug-step-delay-ms', '20']);
