@@ -199,6 +199,15 @@ static void bytes_json(struct evbuffer *b, const char *p, int n)
     evbuffer_add(b, "]", 1);
 }
 
+/* Characters (code points) in n bytes of UTF-8: text_offset counts them, as Python's len(). */
+static size_t utf8_chars(const char *s, size_t n)
+{
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++)
+        k += ((unsigned char)s[i] & 0xC0) != 0x80;
+    return k;
+}
+
 /* Record one token's log-probabilities into the choice's buffers. */
 static void logprobs_record(srv__req *q, srv__choice *c, const srv__out *o)
 {
@@ -244,7 +253,10 @@ static void logprobs_record(srv__req *q, srv__choice *c, const srv__out *o)
         evbuffer_add_printf(c->lp[2], ":%.6g", finite_lp(o->top_logprobs[i]));
     }
     evbuffer_add(c->lp[2], "}", 1);
+    /* Where this token's text (as in "tokens") starts: the characters of the tokens before
+     * it, as vLLM counts them, whatever text a stop string holds back meanwhile. */
     lp_add(c->lp[3], "%zu", c->text_offset);
+    c->text_offset += utf8_chars(piece, (size_t)n);
 }
 
 /* Move the recorded logprobs into `b` as the value of a "logprobs" field, or null. */
@@ -706,7 +718,6 @@ void srv__handle_outputs(srv_server *s, srv__out *outs, int n)
                 }
                 logprobs_record(q, c, src);
             }
-            c->text_offset += (size_t)o->text_len;
         }
         if (o->finish != TD_FINISH_NONE) kv_capture(q, o);
         if (!q->failed) {
@@ -1097,7 +1108,7 @@ void srv__handle_generate(srv_server *s, struct evhttp_request *req, srv_endpoin
                     chunk(q, ci, p[pi].echo, p[pi].echo_len, false, TD_FINISH_NONE);
                 else
                     evbuffer_add(c->text, p[pi].echo, p[pi].echo_len);
-                c->text_offset = p[pi].echo_len;
+                c->text_offset = utf8_chars(p[pi].echo, p[pi].echo_len);
             }
             if (q->r.stream && ep == SRV_EP_CHAT && !q->skip_first) chunk(q, ci, "", 0, true, TD_FINISH_NONE);
         }

@@ -203,6 +203,14 @@ test('logprobs: tokens and top alternatives in OpenAI shape', async () => {
   assert.equal(lp.top_logprobs.length, 4);
   assert.deepEqual(lp.text_offset.length, 4);
   assert.equal(lp.tokens.join(''), r.json.choices[0].text);
+  // text_offset: where each token starts, in characters (code points, as vLLM counts);
+  // the same with a stop string that holds text back and never matches.
+  const offsets = (tokens) => tokens.map((t, i) => tokens.slice(0, i).reduce((a, x) => a + [...x].length, 0));
+  assert.deepEqual(lp.text_offset, offsets(lp.tokens));
+  // (the first token's last character is held back as the start of the stop string)
+  const held = await complete({ prompt: [1, 306], max_tokens: 4, logprobs: 2, stop: [lp.tokens[0].slice(-1) + '\u0001'] });
+  assert.equal(held.json.choices[0].text, r.json.choices[0].text);
+  assert.deepEqual(held.json.choices[0].logprobs.text_offset, lp.text_offset);
   for (const t of lp.token_logprobs) assert.ok(t <= 0);
   const c = await post('/v1/chat/completions', { messages: [{ role: 'user', content: 'hi' }],
     max_tokens: 3, temperature: 0, logprobs: true, top_logprobs: 2 });
