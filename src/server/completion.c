@@ -199,6 +199,27 @@ static void bytes_json(struct evbuffer *b, const char *p, int n)
     evbuffer_add(b, "]", 1);
 }
 
+/* n bytes as valid UTF-8 in out (3n bytes at most): each byte that starts no whole
+ * character becomes U+FFFD, as srv__json_str writes it; returns the length. */
+static size_t utf8_fix(const char *s, size_t n, char *out)
+{
+    size_t w = 0;
+    for (size_t i = 0; i < n;) {
+        unsigned char c = (unsigned char)s[i];
+        size_t clen = c < 0x80 ? 1 : c >= 0xF0 ? 4 : c >= 0xE0 ? 3 : 2;
+        if (c < 0x80 || (clen <= n - i && tok_utf8_valid_prefix(s + i, clen) >= clen)) {
+            memcpy(out + w, s + i, clen);
+            w += clen;
+            i += clen;
+        } else {
+            memcpy(out + w, "\xEF\xBF\xBD", 3);
+            w += 3;
+            i++;
+        }
+    }
+    return w;
+}
+
 /* Characters (code points) in n bytes of UTF-8: text_offset counts them, as Python's len(). */
 static size_t utf8_chars(const char *s, size_t n)
 {
@@ -244,14 +265,28 @@ static void logprobs_record(srv__req *q, srv__choice *c, const srv__out *o)
     lp_add(c->lp[1], "%.6g", finite_lp(o->logprob));
     if (evbuffer_get_length(c->lp[2])) evbuffer_add(c->lp[2], ",", 1);
     evbuffer_add(c->lp[2], "{", 1);
-    for (int i = 0; i < top; i++) {
+    /* An object names each text once: tokens that print alike (byte tokens that are no
+     * whole character all print as U+FFFD) keep the first, likelier one, as a dict would
+     * (vLLM). Keys are compared as they are written. */
+    enum { KEY_CAP = 3 * (TOK_MAX_PIECE + 8) };
+    char *keys = malloc((size_t)TD_MAX_LOGPROBS * KEY_CAP);
+    int key_len[TD_MAX_LOGPROBS], n_keys = 0;
+    for (int i = 0; i < top && keys && n_keys < TD_MAX_LOGPROBS; i++) {
         char tp[TOK_MAX_PIECE + 8];
         int m = tok_piece(tok, o->top_ids[i], true, tp, sizeof(tp));
         m = m < 0 ? 0 : TD_MIN(m, (int)sizeof(tp));
-        if (i) evbuffer_add(c->lp[2], ",", 1);
-        srv__json_str(c->lp[2], tp, (size_t)m);
+        char *key = keys + (size_t)n_keys * KEY_CAP;
+        int len = (int)utf8_fix(tp, (size_t)m, key);
+        bool dup = false;
+        for (int k = 0; k < n_keys && !dup; k++)
+            dup = key_len[k] == len && !memcmp(keys + (size_t)k * KEY_CAP, key, (size_t)len);
+        if (dup) continue;
+        key_len[n_keys] = len;
+        if (n_keys++) evbuffer_add(c->lp[2], ",", 1);
+        srv__json_str(c->lp[2], key, (size_t)len);
         evbuffer_add_printf(c->lp[2], ":%.6g", finite_lp(o->top_logprobs[i]));
     }
+    free(keys);
     evbuffer_add(c->lp[2], "}", 1);
     /* Where this token's text (as in "tokens") starts: the characters of the tokens before
      * it, as vLLM counts them, whatever text a stop string holds back meanwhile. */

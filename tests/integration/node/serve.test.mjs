@@ -211,6 +211,19 @@ test('logprobs: tokens and top alternatives in OpenAI shape', async () => {
   const held = await complete({ prompt: [1, 306], max_tokens: 4, logprobs: 2, stop: [lp.tokens[0].slice(-1) + '\u0001'] });
   assert.equal(held.json.choices[0].text, r.json.choices[0].text);
   assert.deepEqual(held.json.choices[0].logprobs.text_offset, lp.text_offset);
+  // Each top_logprobs object names a text once, though byte tokens all print as U+FFFD
+  // (checked on the raw body: JSON.parse would keep one of two equal keys silently).
+  const wide = await complete({ prompt: 'Once upon a time', max_tokens: 8, logprobs: 20 });
+  const raw = wide.text;
+  const objs = raw.slice(raw.indexOf('"top_logprobs"')).match(/\{[^{}]*\}/g);
+  assert.ok(objs.length >= 8);
+  let fffd = 0;
+  for (const o of objs) {
+    const keys = [...o.matchAll(/"((?:[^"\\]|\\.)*)":/g)].map((m) => m[1]);
+    assert.equal(new Set(keys).size, keys.length, `a key twice in ${o}`);
+    fffd += keys.some((k) => JSON.parse(`"${k}"`) === '\ufffd');
+  }
+  assert.ok(fffd > 0, 'byte tokens among the alternatives');
   for (const t of lp.token_logprobs) assert.ok(t <= 0);
   const c = await post('/v1/chat/completions', { messages: [{ role: 'user', content: 'hi' }],
     max_tokens: 3, temperature: 0, logprobs: true, top_logprobs: 2 });
