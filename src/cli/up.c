@@ -35,6 +35,7 @@
 
 #include "cli/cli.h"
 #include "cli/flags.h"
+#include "util/json.h"
 #include "util/pool.h"
 #include "util/td.h"
 
@@ -407,9 +408,14 @@ static int load_config(const char *path, const char *me, up_plan *p, cJSON **kee
     fclose(f);
     if (!buf) return 1;
     buf[n] = 0;
-    cJSON *j = cJSON_Parse(buf);
+    char why[160];
+    cJSON *j = td_json_parse_strict(buf, n, why, sizeof(why));
     free(buf);
     *keep = j;
+    if (!j) {
+        fprintf(stderr, "error: --config: %s: %s\n", path, why);
+        return 2;
+    }
     static const char *const top[] = {"mode", "model", "protocol", "transfer_mode",
                                        "engine_flags", "router", "hosts"};
     static const char *const rkeys[] = {"host", "port"};
@@ -453,6 +459,21 @@ static int load_config(const char *path, const char *me, up_plan *p, cJSON **kee
                             "(prefill, decode; or engines) from 0 to 32\n");
             return 2;
         }
+        /* counts of the other mode would be ignored: a typo in the recipe */
+        const char *wrong = p->pd && cJSON_GetObjectItemCaseSensitive(h, "engines")    ? "engines"
+                            : !p->pd && cJSON_GetObjectItemCaseSensitive(h, "prefill") ? "prefill"
+                            : !p->pd && cJSON_GetObjectItemCaseSensitive(h, "decode")  ? "decode"
+                                                                                       : NULL;
+        if (wrong) {
+            fprintf(stderr, "error: --config: host %s: \"%s\" is for %s mode (this is %s)\n", name,
+                    wrong, p->pd ? "aggregated" : "pd", p->pd ? "pd" : "aggregated");
+            return 2;
+        }
+        for (const cJSON *e = hosts->child; e != h; e = e->next)
+            if (!strcmp(str_at(e, "name", ""), name)) {
+                fprintf(stderr, "error: --config: two hosts are named %s\n", name);
+                return 2;
+            }
         if (me && !strcmp(name, me)) mine = h;
         if (rhost && !strcmp(name, rhost)) p->router_addr = addr;
         tp += np;
@@ -615,6 +636,35 @@ int cli_up(int argc, char **argv)
     /* Engines register themselves with the router in PD mode, and everywhere in a
      * multi-host cluster (as kv_both in aggregated mode). */
     bool reg = pd || config;
+    /* each count on its own first: their sum must not wrap */
+    if (n_prefill < 0 || n_prefill > MAX_INST || n_decode < 0 || n_decode > MAX_INST || n_agg < 0 ||
+        n_agg > MAX_INST) {
+        fprintf(stderr, "error: --prefill, --decode and --aggregated take 0 to %d engines\n",
+                MAX_INST - 1);
+        return 2;
+    }
+    /* Flags that up gives every engine itself: a second one would win over up's and leave
+     * the cluster waiting for an engine that is elsewhere. */
+    static const char *const up_sets[] = {"--model", "--host", "--server-port", "--port",
+                                          "--kv-transfer-config"};
+    for (int k = 0; k < n_pass; k++)
+        for (size_t j = 0; j < TD_ARRAY_LEN(up_sets); j++) {
+            size_t len = strlen(up_sets[j]);
+            char alt[32]; /* the underscore spelling every flag also takes */
+            snprintf(alt, sizeof(alt), "%s", up_sets[j]);
+            for (char *c = alt + 2; *c; c++)
+                if (*c == '-') *c = '_';
+            if ((!strncmp(pass[k], up_sets[j], len) || !strncmp(pass[k], alt, len)) &&
+                (pass[k][len] == 0 || pass[k][len] == '=')) {
+                fprintf(stderr,
+                        "error: %s after -- : tandem up sets it for every engine itself (%s)\n",
+                        pass[k],
+                        j == 0   ? "use --model"
+                        : j == 4 ? "use --protocol and --transfer-mode"
+                                 : "each engine gets its own port; --host is the router's");
+                return 2;
+            }
+        }
     int n_eng = pd ? (int)(n_prefill + n_decode) : (int)n_agg;
     if ((pd && !config && (n_prefill < 1 || n_decode < 1)) || n_agg < 0 ||
         (n_eng < 1 && !plan.router_here) || n_eng > MAX_INST - 1 ||

@@ -14,6 +14,7 @@
 #include <cjson/cJSON.h>
 
 #include "kvx/rails.h"
+#include "util/json.h"
 #include "server/server.h"
 
 const char *srv_kv_role_name(srv_kv_role r)
@@ -127,8 +128,12 @@ int srv_kv_config_parse(srv_kv_config *c, const char *json, char *err, size_t ca
     c->enable_notification = -1;
     snprintf(c->connector, sizeof(c->connector), "tandem");
     bool mode_set = false;
-    cJSON *root = cJSON_Parse(json);
-    if (!root) return fail(err, cap, "is not valid JSON", NULL);
+    char why[160], msg[200];
+    cJSON *root = td_json_parse_strict(json, strlen(json), why, sizeof(why));
+    if (!root) {
+        snprintf(msg, sizeof(msg), "is not valid JSON: %s", why);
+        return fail(err, cap, msg, NULL);
+    }
     int rc = 0;
     if (!cJSON_IsObject(root)) {
         rc = fail(err, cap, "must be a JSON object", NULL);

@@ -15,6 +15,7 @@
 #include <cjson/cJSON.h>
 
 #include "model/tok.h"
+#include "util/json.h"
 #include "server/server.h"
 
 int srv_error_set(srv_error *err, int status, const char *type, const char *param, const char *fmt,
@@ -384,42 +385,11 @@ static bool has_nul_escape(const char *s, size_t len)
     return false;
 }
 
-static int cmp_name(const void *a, const void *b)
-{
-    return strcmp(*(const char *const *)a, *(const char *const *)b);
-}
-
 /*
- * The first key that an object of the value names twice, or NULL. JSON leaves duplicate
- * keys to the parser, and parsers differ (first wins, last wins): a router and an engine
- * that read different values would check one and use the other, so a request with a
- * duplicate key is refused. Nesting is bounded by json_depth_ok.
+ * A request that names a key twice is refused (td_json_duplicate_key): JSON leaves
+ * duplicate keys to the parser, and parsers differ (first wins, last wins), so a router
+ * and an engine that read different values would check one and use the other.
  */
-static const char *duplicate_key(const cJSON *v)
-{
-    int n = 0;
-    for (const cJSON *c = v->child; c; c = c->next) {
-        n++;
-        if (cJSON_IsObject(c) || cJSON_IsArray(c)) {
-            const char *d = duplicate_key(c);
-            if (d) return d;
-        }
-    }
-    if (!cJSON_IsObject(v) || n < 2) return NULL;
-    const char *small[16];
-    const char **names = n <= 16 ? small : malloc((size_t)n * sizeof(*names));
-    if (!names) return NULL; /* out of memory: the fields are checked as they are */
-    int k = 0;
-    for (const cJSON *c = v->child; c; c = c->next)
-        names[k++] = c->string ? c->string : "";
-    qsort(names, (size_t)n, sizeof(*names), cmp_name);
-    const char *dup = NULL;
-    for (int i = 1; i < n && !dup; i++)
-        if (!strcmp(names[i - 1], names[i])) dup = names[i];
-    if (names != small) free(names);
-    return dup;
-}
-
 static int parse_fields(srv_request *r, const cJSON *root, srv_error *err)
 {
     const cJSON *v;
@@ -559,7 +529,7 @@ int srv_request_parse(srv_request *out, srv_endpoint ep, const char *body, size_
         cJSON_Delete(root);
         return BAD(NULL, "the request body must be a JSON object");
     }
-    const char *dup = duplicate_key(root);
+    const char *dup = td_json_duplicate_key(root);
     int rc = dup ? BAD(NULL, "the request body names the key '%.64s' twice in one object", dup)
                  : parse_fields(out, root, err);
     cJSON_Delete(root);

@@ -164,6 +164,35 @@ sed "s|\"model\": \"$MODEL\"|\"model\": 5|" "$tmp/c.json" >"$tmp/badmodel.json"
 rc=0
 "$TD_BIN" up --config "$tmp/badmodel.json" --this-host a >"$tmp/out" 2>"$tmp/err" || rc=$?
 [ "$rc" -eq 2 ] && grep -q '"model" must be a string' "$tmp/err" || fail "model 5: $rc $(cat "$tmp/err")"
+# A recipe with bytes after the object, a key twice, counts of the other mode or two hosts of
+# one name is refused, not half read.
+up_config_error() { # WANT JSON
+    printf '%s' "$2" >"$tmp/e.json"
+    rc=0
+    "$TD_BIN" up --config "$tmp/e.json" --this-host a >"$tmp/out" 2>"$tmp/err" || rc=$?
+    [ "$rc" -eq 2 ] && grep -q -- "$1" "$tmp/err" || fail "config $2: $rc $(cat "$tmp/err")"
+}
+hosts='"hosts": [{"name": "a", "address": "127.0.0.1", "prefill": 1, "decode": 1}]'
+up_config_error "trailing data" "{\"mode\": \"pd\", \"router\": {\"host\": \"a\"}, $hosts} junk"
+up_config_error "'mode' appears twice" "{\"mode\": \"aggregated\", \"mode\": \"pd\", \"router\": {\"host\": \"a\"}, $hosts}"
+up_config_error '"engines" is for aggregated mode' \
+    '{"mode": "pd", "router": {"host": "a"}, "hosts": [{"name": "a", "address": "127.0.0.1", "prefill": 1, "decode": 1, "engines": 2}]}'
+up_config_error '"prefill" is for pd mode' \
+    '{"mode": "aggregated", "router": {"host": "a"}, "hosts": [{"name": "a", "address": "127.0.0.1", "engines": 1, "prefill": 1}]}'
+up_config_error "two hosts are named a" \
+    '{"mode": "aggregated", "router": {"host": "a"}, "hosts": [{"name": "a", "address": "127.0.0.1", "engines": 1}, {"name": "a", "address": "127.0.0.2", "engines": 1}]}'
+# Counts that would wrap in an int, and flags after -- that up sets for every engine itself.
+for args in "--aggregated 4294967297" "--prefill 4294967296 --decode 1"; do
+    rc=0
+    # shellcheck disable=SC2086
+    "$TD_BIN" up $args --model "$MODEL" --workdir "$tmp/wc" >"$tmp/out" 2>"$tmp/err" || rc=$?
+    [ "$rc" -eq 2 ] && grep -q "0 to 32 engines" "$tmp/err" || fail "up $args: $rc $(cat "$tmp/err")"
+done
+for f in --port --server-port --host --kv_transfer_config=x --model; do
+    rc=0
+    "$TD_BIN" up --aggregated 1 --model "$MODEL" --workdir "$tmp/wc" -- "$f" 1 >"$tmp/out" 2>"$tmp/err" || rc=$?
+    [ "$rc" -eq 2 ] && grep -q "sets it for every engine itself" "$tmp/err" || fail "up -- $f: $rc $(cat "$tmp/err")"
+done
 # A host that runs only the router (no engines here) starts it (it used to divide by zero).
 cat >"$tmp/r-only.json" <<JSON
 {"mode": "pd", "model": "$MODEL", "router": {"host": "r", "port": $RP},

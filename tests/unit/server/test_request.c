@@ -389,6 +389,9 @@ static void test_kv_config(void **state)
         "{\"kv_role\":\"kv_both\",\"ib_device\":7}",
         "{\"kv_role\":\"kv_both\",\"matched_rails\":\"\"}",
         "{\"kv_role\":\"kv_both\",\"rail_striping\":\"yes\"}",
+        /* a recipe cut or pasted wrong: nothing after the object, no key twice */
+        "{\"kv_role\":\"kv_producer\"}, \"protocol\":\"shm\"}",
+        "{\"kv_role\":\"kv_producer\",\"kv_role\":\"kv_consumer\"}",
     };
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
         msg[0] = '\0';
