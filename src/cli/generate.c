@@ -4,6 +4,7 @@
  *   tandem generate --model M --prompt "Once upon a time" -n 32
  *   tandem generate --model M --prompt-ids 1,306,434 -n 24 --print-ids
  */
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -53,7 +54,7 @@ int cli_generate(int argc, char **argv)
     cli_flag flags[ENGINE_OPTS_MAX_FLAGS + 16];
     int nf = engine_opts_register(&eo, flags);
     const char *prompt = NULL, *prompt_ids = NULL, *stop = NULL;
-    int64_t n_predict = 32, top_k = 0, req_seed = -1;
+    int64_t n_predict = 32, top_k = 0, req_seed = INT64_MIN; /* MIN: not given */
     double temperature = 0.0, top_p = 1.0, min_p = 0.0;
     bool print_ids = false, ignore_eos = false;
     flags[nf++] = CLI_FLAG("prompt", CLI_FLAG_STR, &prompt, "prompt text (BOS added as the "
@@ -83,7 +84,8 @@ int cli_generate(int argc, char **argv)
         return 2;
     }
     if (top_k < 0 || top_k > 1 << 20) {
-        fprintf(stderr, "error: --top-k must be >= 0\n");
+        fprintf(stderr, "error: --top-k must be in [0, 1048576] (0: off), got %lld\n",
+                (long long)top_k);
         return 2;
     }
     td_engine_config cfg;
@@ -130,7 +132,7 @@ int cli_generate(int argc, char **argv)
     sp.min_p = (float)min_p;
     sp.max_tokens = (int)n_predict;
     sp.ignore_eos = ignore_eos;
-    if (req_seed >= 0) {
+    if (req_seed != INT64_MIN) { /* any seed, negative ones too, as the API takes them */
         sp.has_seed = true;
         sp.seed = (uint64_t)req_seed;
     }

@@ -147,8 +147,10 @@ int cli_router(int argc, char **argv)
     c.shutdown_timeout_s = drain;
     c.max_payload_bytes = (size_t)max_payload;
     c.seed = (uint64_t)seed;
+    /* (checked before the int casts above mean anything: -4294967295 would read as 1) */
     if (hc_fail > 1000 || hc_ok > 1000 || cb_fail > 1000 || cb_ok > 1000 || max_conc > 1000000 ||
-        queue > 1000000 || port > 65535 || port < 0) {
+        queue > 1000000 || port > 65535 || port < 0 || retries > 100 || hc_fail < -1 ||
+        hc_ok < -1 || cb_fail < -1 || cb_ok < -1 || max_conc < -1 || queue < -1 || retries < -1) {
         fprintf(stderr, "error: a count or port is out of range\n");
         return 2;
     }

@@ -60,6 +60,13 @@ int td__engine_load_model(const td_engine_config *c, td_model **model, td_tokeni
         part = c->ep_rank;
         n_parts = td_ep_size(c->ep);
     }
+    /* checked whatever the format: a typo is an error even where the type is not used */
+    td_type wtype = td_type_parse(c->dummy_type ? c->dummy_type : "f32");
+    if (wtype == TD_TYPE_INVALID || wtype == TD_TYPE_FP8_E4M3)
+        return td_err_set(err, TD_EINVAL,
+                          "dummy weight type '%s' is not one of f32, f16, bf16, "
+                          "q8_0, q4_0",
+                          c->dummy_type);
     if (strcmp(lf, "dummy") != 0) {
         if (!path || !*path) return td_err_set(err, TD_EINVAL, "no model given (--model FILE)");
         if (!is_file(path))
@@ -77,10 +84,6 @@ int td__engine_load_model(const td_engine_config *c, td_model **model, td_tokeni
         return rc;
     }
 
-    td_type wtype = td_type_parse(c->dummy_type ? c->dummy_type : "f32");
-    if (wtype == TD_TYPE_INVALID || wtype == TD_TYPE_FP8_E4M3)
-        return td_err_set(err, TD_EINVAL, "dummy weight type '%s' is not one of f32, f16, bf16, "
-                          "q8_0, q4_0", c->dummy_type);
     td_model_shape shape;
     if (is_file(path)) {
         /* Shape and tokenizer from the file, weights random. */

@@ -6,6 +6,7 @@
  * not check) and to nest at most SRV_MAX_JSON_DEPTH levels (cJSON recurses), so a
  * hostile body can cost neither a wrong prompt nor a deep stack.
  */
+#include <float.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -418,6 +419,7 @@ static int parse_fields(srv_request *r, const cJSON *root, srv_error *err)
     if (FIELD("top_p")) {
         if (get_num(v, "top_p", 0, 1, &r->top_p, err)) return TD_EINVAL;
         if (r->top_p <= 0) return BAD("top_p", "'top_p' must be in (0, 1], got 0");
+        r->top_p = fmax(r->top_p, FLT_MIN); /* the engine's float: no positive value reads 0 */
     }
     if (FIELD("top_k")) {
         if (get_int(v, "top_k", -1, 1 << 20, &i64, err)) return TD_EINVAL;
@@ -469,6 +471,7 @@ static int parse_fields(srv_request *r, const cJSON *root, srv_error *err)
         if (get_num(v, "repetition_penalty", 0, 10, &r->repetition_penalty, err)) return TD_EINVAL;
         if (r->repetition_penalty <= 0)
             return BAD("repetition_penalty", "'repetition_penalty' must be in (0, 10]");
+        r->repetition_penalty = fmax(r->repetition_penalty, FLT_MIN);
     }
     if (FIELD("logit_bias") && parse_logit_bias(r, v, err)) return TD_EINVAL;
     if (FIELD("user")) {

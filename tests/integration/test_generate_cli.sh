@@ -51,6 +51,12 @@ expect 2 "give exactly one of --prompt and --prompt-ids" --model "$M"
 expect 2 "--prompt-ids must be comma-separated token ids" --model "$M" --prompt-ids "1,,2"
 expect 2 "outside the vocabulary" --model "$M" --prompt-ids 1,99999
 expect 2 "--kv-cache-dtype" --model "$M" --prompt hi --kv-cache-dtype q3
+expect 2 "dummy weight type 'q3'" --model "$M" --prompt hi --dtype q3
+expect 2 "--top-k must be in [0, 1048576]" --model "$M" --prompt hi --top-k 4294967296
+# A negative --sampling-seed seeds the request as the API's seed does (it was ignored).
+seeded() { "$TD_BIN" generate --model "$M" --prompt-ids 1,306 -n 12 --temperature 1 --sampling-seed "$1" --print-ids --log-level warn 2>/dev/null | tail -1; }
+[ "$(seeded -5)" = "$(seeded -5)" ] || fail "--sampling-seed -5 does not reproduce"
+[ "$(seeded -5)" != "$(seeded -6)" ] || fail "--sampling-seed -5 and -6 agree"
 expect 2 "maximum context length is 128" --model "$M" --prompt-ids 1,2,3 -n 500
 expect 2 "invalid UTF-8" --model "$M" --prompt "$(printf 'ab\xffcd')"
 expect 1 "not found" --model "$tmp/nope.gguf" --prompt hi

@@ -24,6 +24,8 @@ expect_usage_error "http://" --worker 127.0.0.1:1
 expect_usage_error "rank-mapping" --worker http://127.0.0.1:1 --atom-pd-rank-mapping-policy all
 expect_usage_error "max-payload-size" --worker http://127.0.0.1:1 --max-payload-size 10
 # The same worker twice (a trailing slash or the host's case make no other worker).
+expect_usage_error "out of range" --worker http://127.0.0.1:1 --retry-max-retries 4294967297
+expect_usage_error "out of range" --worker http://127.0.0.1:1 --cb-failure-threshold -4294967295
 expect_usage_error "given twice" --worker http://127.0.0.1:1 --worker http://127.0.0.1:1/
 expect_usage_error "given twice" --pd-disaggregation --prefill http://h:1 --prefill http://H:1 --decode http://h:2
 # Durations past 1e7 s would overflow the timers: refused rather than broken.

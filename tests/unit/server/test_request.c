@@ -273,6 +273,12 @@ static void test_bad(void **state)
     assert_int_equal(r.logit_bias_ids[0], 306);
     assert_true(r.logit_bias[0] == -100.0f && r.logit_bias[1] == 2.5f);
     srv_request_free(&r);
+    /* Positive values too small for the engine's float stay positive there (0 would be
+     * "off" for the penalty and a refused top_p) */
+    const char *tiny = "{\"prompt\":[1],\"repetition_penalty\":1e-300,\"top_p\":1e-300}";
+    assert_int_equal(srv_request_parse(&r, C, tiny, strlen(tiny), &err), 0);
+    assert_true((float)r.repetition_penalty > 0 && (float)r.top_p > 0);
+    srv_request_free(&r);
 }
 
 static void test_kv_config(void **state)
