@@ -4,8 +4,8 @@
  * reports segment progress as a prefill would, and finishes with a note. Covers: blocks
  * move before the prefill finishes, a WRITE that comes before the open, skipped (cached)
  * blocks, keep-alives through a slow prefill, a WRITE nobody opens, a cancelled push, a
- * second claim, a block-count mismatch, reads of blocks not computed yet, and the
- * producer shutting down mid-push.
+ * second claim, a block-count mismatch, reads of blocks not computed yet, the producer
+ * shutting down mid-push, and the consumer cancelling a push that waits.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -286,6 +286,50 @@ static void test_push_consumer_shuts_down(void **state)
     assert_int_equal(kvx_agent_n_leases(f->agent), 1);
 }
 
+/* The consumer's request was aborted while its push waits for a prefill that will never
+ * run (the router cancelled it too): kvx_client_cancel ends the push at once, with
+ * TD_ECANCELED, rather than after the producer's silence times out. */
+static void test_push_cancelled_by_consumer(void **state)
+{
+    fixture *f = *state;
+    int32_t dst[4] = {1, 2, 3, 4};
+    td_err err;
+    assert_int_equal(kvx_client_cancel(f->client, TID), TD_ENOTFOUND); /* nothing yet */
+    assert_int_equal(kvx_client_cancel(f->client, "not hex"), TD_EINVAL);
+    /* cancelled before its thread even connects, and while it waits */
+    for (int round = 0; round < 2; round++) {
+        kvx_xfer *x = start_write(f, dst, 4, 0, 60000);
+        if (round) usleep(100000); /* its WRITE is at the producer, waiting for an open */
+        uint64_t t0 = td_now_ns();
+        assert_int_equal(kvx_client_cancel(f->client, TID), 0);
+        assert_int_equal(kvx_xfer_wait(x, &err), TD_ECANCELED);
+        assert_non_null(strstr(err.msg, "cancelled"));
+        assert_true(td_now_ns() - t0 < 3000000000ull);
+        kvx_xfer_free(x);
+    }
+    /* the client works on (another transfer: the producer may still hold the cancelled
+     * WRITE's claim on TID until it notices the closed connection) */
+    enum { N = 4 };
+    static const char tid2[] = "fedcba9876543210fedcba9876543210";
+    int32_t src[N], d2[N];
+    make_blocks(src, d2, N);
+    assert_int_equal(kvx_agent_push_open(f->agent, tid2, N, NULL, &err), 0);
+    kvx_write_req rq = {.host = "127.0.0.1",
+                        .port = kvx_agent_port(f->agent),
+                        .engine_id = kvx_agent_engine_id(f->agent),
+                        .transfer_id = tid2,
+                        .dst_blocks = d2,
+                        .n_blocks = N};
+    kvx_xfer *x = NULL;
+    assert_int_equal(kvx_write_start(f->client, &rq, &x, &err), 0);
+    for (uint32_t s = 0; s < N_SEG; s++)
+        assert_int_equal(kvx_agent_push_ready(f->agent, tid2, s, N, src), 0);
+    assert_int_equal(kvx_agent_push_finish(f->agent, tid2, src, "n", 2), 0);
+    assert_int_equal(kvx_xfer_wait(x, &err), 0);
+    assert_true(copied(f, src, d2, 0, N, 0, N_SEG));
+    kvx_xfer_free(x);
+}
+
 static int teardown_push(void **state)
 {
     fixture *f = *state;
@@ -311,6 +355,7 @@ int main(void)
         T(test_push_reads_only_computed_blocks),
         T(test_push_producer_shuts_down),
         T(test_push_consumer_shuts_down),
+        T(test_push_cancelled_by_consumer),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
