@@ -1111,6 +1111,15 @@ void srv__handle_generate(srv_server *s, struct evhttp_request *req, srv_endpoin
         prepared_free(p, n_prompts);
         goto reject;
     }
+    if (n_choices > s->max_num_seqs + s->cfg.max_queue) { /* never, not "later" */
+        prepared_free(p, n_prompts);
+        srv_error_set(&err, 400, "invalid_request_error", "n",
+                      "the request has %d sequences (prompts x n); this server takes at most %d "
+                      "at once (--max-num-seqs %d + --max-queue %d)",
+                      n_choices, s->max_num_seqs + s->cfg.max_queue, s->max_num_seqs,
+                      s->cfg.max_queue);
+        goto reject;
+    }
     if (s->outstanding + n_choices > s->max_num_seqs + s->cfg.max_queue) {
         prepared_free(p, n_prompts);
         s->metrics.rejected_queue_full++;

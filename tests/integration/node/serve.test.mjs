@@ -333,10 +333,19 @@ test('a client that hangs up before a non-streamed reply has its request aborted
   assert.equal(await metric('tandem_kv_blocks_used', SLOW), 0);
 });
 
-test('a full waiting queue answers 429', async () => {
-  const r = await post('/v1/completions', { prompt: [1, 2], max_tokens: 2, n: 8 }, SLOW);
+test('a full waiting queue answers 429; a request that could never fit, 400', async () => {
+  // 4 running + 2 waiting fill the slow server (20 ms a step) for about a second.
+  const busy = post('/v1/completions', { prompt: [1, 2], max_tokens: 40, ignore_eos: true, n: 6 }, SLOW);
+  await new Promise((r) => setTimeout(r, 100));
+  const r = await post('/v1/completions', { prompt: [1, 2], max_tokens: 2 }, SLOW);
   assert.equal(r.status, 429, r.text);
   assert.equal(r.json.error.type, 'rate_limit_error');
+  assert.equal((await busy).status, 200);
+  // More sequences than running + waiting slots is no "retry later": a 400 naming n.
+  const never = await post('/v1/completions', { prompt: [1, 2], max_tokens: 2, n: 7 }, SLOW);
+  assert.equal(never.status, 400, never.text);
+  assert.equal(never.json.error.param, 'n');
+  assert.match(never.json.error.message, /at most 6 at once/);
   const ok = await post('/v1/completions', { prompt: [1, 2], max_tokens: 2 }, SLOW);
   assert.equal(ok.status, 200);
 });
