@@ -145,6 +145,14 @@ static void lookup_prefix(td_engine *e, req *r)
     }
     r->n_hashed = r->n_blocks;
     r->n_computed = r->n_blocks * bs;
+}
+
+/* A request admitted for the first time counts in the prefix cache's statistics once:
+ * not the lookups of a request that waits for blocks (one a step), nor a preempted one
+ * finding its own blocks again. */
+static void count_prefix(td_engine *e, const req *r)
+{
+    if (!e->cfg.enable_prefix_caching || r->admitted_once) return;
     e->stats.prefix_queries_tokens += (uint64_t)r->n_tokens;
     e->stats.prefix_hits_tokens += (uint64_t)r->n_computed;
 }
@@ -540,6 +548,7 @@ int sched__step(td_engine *e, td_err *err)
             e->running[e->n_running++] = r;
             r->state = REQ_LOADING;
             e->n_loading++;
+            count_prefix(e, r);
             r->admitted_once = true;
             r->kv_skip = r->n_computed / e->kv.block_size;
             if (!r->t_first_scheduled) r->t_first_scheduled = td_now_s();
@@ -562,6 +571,7 @@ int sched__step(td_engine *e, td_err *err)
         TD_ASSERT(e->n_running < e->cap_running); /* reserved by td_engine_add_request */
         e->running[e->n_running++] = r;
         r->state = REQ_RUNNING;
+        count_prefix(e, r);
         r->admitted_once = true;
         if (!r->t_first_scheduled) r->t_first_scheduled = td_now_s();
         e->b_reqs[n_sched] = r;

@@ -144,6 +144,14 @@ static void test_golden_preemption(void **state)
         td_engine_stats st;
         td_engine_get_stats(e, &st);
         assert_true(st.num_preemptions > 0);
+        if (c == 1) {
+            /* Each request counts in the prefix cache's statistics once, however many
+             * steps it waited for blocks and however often it was preempted. */
+            uint64_t prompt = 0;
+            for (int i = 0; i < 16; i++) prompt += (uint64_t)g_cases[order[i]].n_prompt;
+            assert_int_equal(st.prefix_queries_tokens, prompt);
+            assert_true(st.prefix_hits_tokens <= prompt);
+        }
         td_engine_free(e);
     }
 }
