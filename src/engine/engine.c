@@ -198,7 +198,25 @@ int td_engine_create(td_engine **out, const td_engine_config *cfg, td_err *err)
     rc = lend__create_pool(e, cfg, n_threads, err);
     if (rc) goto fail;
 
-    /* Activation workspace first: a step of max_batched tokens must always fit. */
+    /* Activation workspace first: a step of max_batched tokens must always fit. It is
+     * planned before any of it is taken (each buffer is zeroed, so it is all resident): a
+     * setting this machine cannot hold is refused here, not found by the OOM killer. */
+    {
+        size_t ws = fwd_workspace_bytes(e->model, e->max_batched, e->max_num_seqs, e->max_model_len,
+                                        td_pool_size(e->pool)) +
+                    (size_t)e->max_num_seqs * (size_t)s->n_vocab * sizeof(float);
+        struct sysinfo si;
+        uint64_t ram = sysinfo(&si) == 0 ? (uint64_t)si.totalram * si.mem_unit : 0;
+        if (ram && (uint64_t)ws > ram / 2) {
+            rc = td_err_set(err, TD_ETOOLARGE,
+                            "the activation workspace for --max-num-batched-tokens %d and "
+                            "--max-num-seqs %d (with --max-model-len %d) needs %.1f GiB, more "
+                            "than half of this machine's %.1f GiB of RAM; lower them",
+                            e->max_batched, e->max_num_seqs, e->max_model_len,
+                            (double)ws / (double)(1ull << 30), (double)ram / (double)(1ull << 30));
+            goto fail;
+        }
+    }
     rc = fwd_init(&e->fwd, e->model, &e->kv, e->pool, e->max_batched, e->max_num_seqs,
                   e->max_model_len, err);
     if (rc) goto fail;
@@ -395,10 +413,14 @@ void td_engine_describe(const td_engine *e, char *buf, size_t cap)
     td_model_describe(e->model, mdesc, sizeof(mdesc));
     snprintf(buf, cap,
              "%s; %d threads (%s); memory plan: weights %.1f MiB, workspace %.1f MiB for %d "
-             "tokens/step, KV %.1f MiB = %d blocks x %d tokens (%s, %d tokens); max_model_len %d",
+             "tokens/step and logits of %d sequences, KV %.1f MiB = %d blocks x %d tokens (%s, "
+             "%d tokens); max_model_len %d",
              mdesc, td_pool_size(e->pool) - td_pool_guests(e->pool), cpu_isa_name(cpu_get_isa()),
-             (double)e->model->weight_bytes / 1048576.0, (double)e->fwd.workspace_bytes / 1048576.0,
-             e->max_batched, (double)e->kv.total_bytes / 1048576.0, e->kv.n_blocks,
+             (double)e->model->weight_bytes / 1048576.0,
+             (double)(e->fwd.workspace_bytes +
+                      (size_t)e->max_num_seqs * (size_t)e->model->shape.n_vocab * sizeof(float)) /
+                 1048576.0,
+             e->max_batched, e->max_num_seqs, (double)e->kv.total_bytes / 1048576.0, e->kv.n_blocks,
              e->kv.block_size, td_type_name(e->kv.dtype), e->kv.n_blocks * e->kv.block_size,
              e->max_model_len);
     if (e->lend.board) {

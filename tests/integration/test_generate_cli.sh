@@ -53,6 +53,13 @@ expect 2 "outside the vocabulary" --model "$M" --prompt-ids 1,99999
 expect 2 "--kv-cache-dtype" --model "$M" --prompt hi --kv-cache-dtype q3
 expect 2 "dummy weight type 'q3'" --model "$M" --prompt hi --dtype q3
 expect 2 "--top-k must be in [0, 1048576]" --model "$M" --prompt hi --top-k 4294967296
+# A step workspace this machine cannot hold is refused before it is taken (about 40 GiB for
+# 2^20 tokens a step of llama-134m; checked where that is over half the RAM).
+ram_kb=$(awk '/^MemTotal:/ {print $2}' /proc/meminfo)
+if [ "$ram_kb" -lt $((78 * 1024 * 1024)) ]; then
+    expect 1 "activation workspace for --max-num-batched-tokens 1048576" --load-format dummy \
+        --model llama-134m --dtype q4_0 --threads 1 --prompt-ids 1,2 -n 1 --max-num-batched-tokens 1048576
+fi
 # A negative --sampling-seed seeds the request as the API's seed does (it was ignored).
 seeded() { "$TD_BIN" generate --model "$M" --prompt-ids 1,306 -n 12 --temperature 1 --sampling-seed "$1" --print-ids --log-level warn 2>/dev/null | tail -1; }
 [ "$(seeded -5)" = "$(seeded -5)" ] || fail "--sampling-seed -5 does not reproduce"
