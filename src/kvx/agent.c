@@ -56,6 +56,10 @@ typedef struct conn {
     int fd;
     struct kvx_agent *agent;
     struct conn *next;
+    /* Under agent->mu: it has not proved itself yet (HELLO, and AUTH where a token is set);
+     * such connections have limits of their own (accept_main). peer: its address. */
+    bool preauth;
+    struct sockaddr_storage peer;
     bool pinned; /* holds a grant's pin (under agent->mu): kvx_agent_destroy waits for it */
     int rail;    /* the rail engine that accepted it, -1 for the handshake listener */
     struct listener *listener; /* that engine */
@@ -104,7 +108,9 @@ struct kvx_agent {
     lease **leases;
     int n_leases, cap_leases;
     conn *conns;
-    int n_conns;
+    int n_conns, n_preauth;
+    uint64_t warn_ns; /* warn_peer: when the last warning was logged, and those held back */
+    int warn_held;
     kvx_agent_stats stats;
     char last_error[320];
     char token[256]; /* auth_token ("" = no authentication), wiped at destroy */
@@ -634,6 +640,7 @@ static int serve_read(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m)
  * the consumer bounds its gets by the same limit, which UCX_GRANTED carries.
  */
 #define UCX_PIN_MS 30000u
+#define PIN_GRACE_NS (2ull * 1000000000ull) /* kvx_agent_destroy's wait for pinned ones */
 
 typedef struct ucx_pin {
     lease *l;
@@ -656,9 +663,19 @@ static int serve_ucx_grant(kvx_agent *a, conn *c, int fd, conn_bufs *b, const kv
                            ucx_pin *pin)
 {
     uint32_t tag = m->hdr.tag;
+    const kvx_region *r = &a->opts.region;
+    /* A pin is for a consumer that reads the pool itself: through the shared memfd (shm),
+     * CUDA IPC, or UCX once this producer serves it. A producer that serves none of them
+     * grants nothing (a pin there would only hold blocks, and its shutdown, for nobody). */
+    pthread_mutex_lock(&a->mu);
+    bool ucx_up = a->ucx != NULL || (c->rail >= 0 && c->listener && c->listener->ucx);
+    pthread_mutex_unlock(&a->mu);
+    if (!(r->shm && r->shm_fd >= 0) && !r->device && !ucx_up)
+        return send_error(fd, b, tag, TD_EUNSUPPORTED,
+                          "this producer serves no transport that reads its pool directly "
+                          "(shm, ucx or cuda_ipc): use READ");
     lease *l = lease_pin(a, m->u.read.transfer_id);
     if (!l) return send_error(fd, b, tag, TD_ENOTFOUND, "unknown or expired transfer id");
-    const kvx_region *r = &a->opts.region;
     /* GPU memory is never read here except through ucx's staging, whose staged bytes get
      * checksums; a cuda_ipc grant gets none (the consumer then expects none). */
     struct kvx__ucx_agent *su = c->ucx_stage;
@@ -822,11 +839,35 @@ static int serve_heartbeat(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m)
     return kvx__send_all(fd, b->out, n, td_now_ns() + SEND_TIMEOUT_NS, &e);
 }
 
-/* HELLO: check the consumer's expectations and layout; a refusal is logged on this side too. */
+/* A warning about a peer, at most one a second: a flood of bad connections must not fill
+ * the log (the counters in /metrics count every one). */
+static void warn_peer(kvx_agent *a, const char *msg)
+{
+    uint64_t now = td_now_ns();
+    pthread_mutex_lock(&a->mu);
+    bool say = a->warn_ns == 0 || now - a->warn_ns >= 1000000000ull;
+    int held = 0;
+    if (say) {
+        a->warn_ns = now;
+        held = a->warn_held;
+        a->warn_held = 0;
+    } else {
+        a->warn_held++;
+    }
+    pthread_mutex_unlock(&a->mu);
+    if (!say) return;
+    if (held)
+        TD_WARN("kvx agent %s:%u: %s (and %d more warnings about peers in the last second, "
+                "not shown)",
+                a->opts.host, a->port, msg, held);
+    else
+        TD_WARN("kvx agent %s:%u: %s", a->opts.host, a->port, msg);
+}
+
 /* A refused session: count it, keep the reason, tell the peer, log. */
 static int refuse(kvx_agent *a, int fd, conn_bufs *b, uint32_t tag, int code, const char *msg)
 {
-    TD_WARN("kvx agent %s:%u: %s", a->opts.host, a->port, msg);
+    warn_peer(a, msg);
     set_last_error(a, msg);
     pthread_mutex_lock(&a->mu);
     a->stats.handshakes_refused++;
@@ -1044,8 +1085,8 @@ static int serve_write(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m)
         if (td_now_ns() >= give_up) {
             code = TD_ENOTFOUND;
             snprintf(msg, sizeof(msg),
-                     "no prefill with this transfer id came to the producer within %u ms",
-                     m->u.write.timeout_ms);
+                     "no prefill with this transfer id came to the producer within %llu ms",
+                     (unsigned long long)(silence_ns / 1000000ull));
             a->stats.unknown_transfer++;
             break;
         }
@@ -1156,15 +1197,7 @@ static int serve_hello(kvx_agent *a, conn *c, conn_bufs *b, const kvx_msg *m,
         snprintf(msg, sizeof(msg), "producer refused the handshake: %s", e.msg);
         code = e.code;
     }
-    if (code) {
-        TD_WARN("kvx agent %s:%u: %s", a->opts.host, a->port, msg);
-        set_last_error(a, msg);
-        pthread_mutex_lock(&a->mu);
-        a->stats.handshakes_refused++;
-        pthread_mutex_unlock(&a->mu);
-        send_error(fd, b, m->hdr.tag, code, msg);
-        return code;
-    }
+    if (code) return refuse(a, fd, b, m->hdr.tag, code, msg);
     kvx_hello ack = a->hello;
     memcpy(ack.nonce, np, KVX_ID_BYTES);
     ack.features = a->token[0] ? KVX_ACK_FEAT_AUTH : 0;
@@ -1206,6 +1239,30 @@ static int serve_rail(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m)
     size_t n = kvx_wire_encode_rail_ack(b->out, b->out_cap, m->hdr.tag, L->addr, L->port,
                                         a->rails.name[rail]);
     return kvx__send_all(fd, b->out, n, td_now_ns() + SEND_TIMEOUT_NS, &e);
+}
+
+/* Whether two peers share an address (port aside). */
+static bool same_addr(const struct sockaddr_storage *x, const struct sockaddr_storage *y)
+{
+    if (x->ss_family != y->ss_family) return false;
+    if (x->ss_family == AF_INET)
+        return ((const struct sockaddr_in *)x)->sin_addr.s_addr ==
+               ((const struct sockaddr_in *)y)->sin_addr.s_addr;
+    if (x->ss_family == AF_INET6)
+        return !memcmp(&((const struct sockaddr_in6 *)x)->sin6_addr,
+                       &((const struct sockaddr_in6 *)y)->sin6_addr, sizeof(struct in6_addr));
+    return true; /* unknown: one bucket */
+}
+
+/* c has said HELLO (and AUTH where a token is set): out of the unproved connections. */
+static void conn_proved(kvx_agent *a, conn *c)
+{
+    pthread_mutex_lock(&a->mu);
+    if (c->preauth) {
+        c->preauth = false;
+        a->n_preauth--;
+    }
+    pthread_mutex_unlock(&a->mu);
 }
 
 static void *conn_main(void *arg)
@@ -1274,22 +1331,23 @@ static void *conn_main(void *arg)
         }
         switch (m.hdr.type) {
         case KVX_MSG_HELLO:
-            if (!greeted) {
-                memcpy(nc, m.u.hello.nonce, KVX_ID_BYTES);
-                memcpy(id_c, m.u.hello.engine_id, KVX_ID_BYTES);
-                if (kvx__random_id(np)) {
-                    send_error(c->fd, &b, m.hdr.tag, TD_EIO, "producer: getrandom failed");
-                    rc = -1;
-                    break;
-                }
+            if (greeted) { /* a protocol error like any other: answered, then hung up */
+                send_error(c->fd, &b, m.hdr.tag, TD_EPROTO, "second HELLO");
+                rc = -1;
+                break;
             }
-            rc = greeted ? send_error(c->fd, &b, m.hdr.tag, TD_EPROTO, "second HELLO")
-                         : serve_hello(a, c, &b, &m, np);
+            memcpy(nc, m.u.hello.nonce, KVX_ID_BYTES);
+            memcpy(id_c, m.u.hello.engine_id, KVX_ID_BYTES);
+            if (kvx__random_id(np)) {
+                send_error(c->fd, &b, m.hdr.tag, TD_EIO, "producer: getrandom failed");
+                rc = -1;
+                break;
+            }
+            rc = serve_hello(a, c, &b, &m, np) ? -1 : 0;
             if (!rc) {
                 greeted = true;
                 authed = !a->token[0]; /* without a token, AUTH is refused below */
-            } else {
-                rc = -1;
+                if (authed) conn_proved(a, c);
             }
             break;
         case KVX_MSG_AUTH:
@@ -1299,7 +1357,10 @@ static void *conn_main(void *arg)
                 break;
             }
             rc = serve_auth(a, c->fd, &b, &m, nc, np, id_c) ? -1 : 0;
-            if (!rc) authed = true;
+            if (!rc) {
+                authed = true;
+                conn_proved(a, c);
+            }
             break;
         case KVX_MSG_READ:
         case KVX_MSG_UCX_GRANT:
@@ -1395,6 +1456,7 @@ static void *conn_main(void *arg)
             break;
         }
     a->n_conns--;
+    if (c->preauth) a->n_preauth--;
     close(c->fd);
     pthread_cond_broadcast(&a->cv);
     pthread_mutex_unlock(&a->mu);
@@ -1425,16 +1487,38 @@ static void *accept_main(void *arg)
         }
         kvx__set_sock_opts(fd);
         conn *c = calloc(1, sizeof(*c));
+        socklen_t plen = sizeof(struct sockaddr_storage);
+        if (c && getpeername(fd, (struct sockaddr *)&c->peer, &plen))
+            memset(&c->peer, 0, sizeof(c->peer));
+        /* Connections that have not proved themselves yet (HELLO, and AUTH where a token is
+         * set; each has 10 s a frame) may take a quarter of the table, and those of one
+         * address an eighth: a flood of them cannot keep consumers that authenticate out. */
         pthread_mutex_lock(&a->mu);
-        bool full = !c || a->n_conns >= a->opts.max_connections;
+        const char *why = NULL;
+        if (!c) {
+            why = "out of memory";
+        } else if (a->n_conns >= a->opts.max_connections) {
+            why = "the producer's connection limit is reached";
+        } else if (a->n_preauth >= TD_MAX(a->opts.max_connections / 4, 4)) {
+            why = "too many connections are still authenticating";
+        } else {
+            int same = 0;
+            for (conn *o = a->conns; o; o = o->next)
+                same += o->preauth && same_addr(&o->peer, &c->peer);
+            if (same >= TD_MAX(a->opts.max_connections / 8, 2))
+                why = "too many connections from this address are still authenticating";
+        }
+        bool full = why != NULL;
         if (!full) {
             c->fd = fd;
             c->agent = a;
             c->rail = L->rail;
             c->listener = L;
+            c->preauth = true;
             c->next = a->conns;
             a->conns = c;
             a->n_conns++;
+            a->n_preauth++;
         }
         pthread_mutex_unlock(&a->mu);
         pthread_t t;
@@ -1450,10 +1534,19 @@ static void *accept_main(void *arg)
                         break;
                     }
                 a->n_conns--;
+                a->n_preauth--;
                 pthread_mutex_unlock(&a->mu);
+                why = "cannot start a connection thread";
             }
-            TD_WARN("kvx agent %s:%u: refusing a connection (limit %d)", a->opts.host, a->port,
-                    a->opts.max_connections);
+            char msg[200];
+            snprintf(msg, sizeof(msg), "refusing a connection: %s (limit %d)", why,
+                     a->opts.max_connections);
+            /* said to the peer too, so that a consumer reports why (it reads this instead of
+             * its HELLO's answer); never blocking: the socket is new and its buffer empty */
+            uint8_t frame[KVX_HDR_BYTES + 256];
+            size_t n = kvx_wire_encode_error(frame, sizeof(frame), 0, TD_ECONN, msg);
+            if (n) (void)send(fd, frame, n, MSG_NOSIGNAL | MSG_DONTWAIT);
+            warn_peer(a, msg);
             close(fd);
             free(c);
         }
@@ -1687,12 +1780,18 @@ void kvx_agent_destroy(kvx_agent *a)
     kvx__railpool_each(a->railpool, rail_stop_accepting, NULL); /* the rails' listeners too */
 
     /* Hang up on every consumer and wait for the connection threads to leave. A connection
-     * holding a pin is left to finish it (its UCX_DONE, its hang-up, or the pin's time
-     * limit), then leaves by itself: a shm consumer may still be copying those blocks out
-     * of the pool, and they go back to the engine below. */
+     * holding a pin is given PIN_GRACE_NS to finish it (its UCX_DONE or its hang-up: a shm
+     * consumer may still be copying those blocks out of the pool, which takes milliseconds,
+     * and they go back to the engine below), then hung up on too: the process is going,
+     * and a consumer that holds a pin and says nothing must not keep it 30 s. */
     pthread_mutex_lock(&a->mu);
     for (conn *c = a->conns; c; c = c->next)
         if (!c->pinned) shutdown(c->fd, SHUT_RDWR);
+    uint64_t grace = td_now_ns() + PIN_GRACE_NS;
+    while (a->n_conns > 0 && td_now_ns() < grace)
+        kvx__cond_wait_until(&a->cv, &a->mu, grace);
+    for (conn *c = a->conns; c; c = c->next)
+        shutdown(c->fd, SHUT_RDWR);
     while (a->n_conns > 0)
         pthread_cond_wait(&a->cv, &a->mu);
     pthread_mutex_unlock(&a->mu);

@@ -394,8 +394,90 @@ static void test_bad_handshake_frames(void **state)
     char last[320];
     kvx_agent_last_error(a, last, sizeof(last));
     assert_non_null(strstr(last, "hung up before authenticating"));
+
+    /* A second HELLO is answered and hung up on, authenticated or not. */
+    fd = raw_hello(a, &p, id_c, nc, &ack);
+    uint8_t engine[KVX_ID_BYTES];
+    assert_int_equal(kvx_id_from_hex(kvx_agent_engine_id(a), engine), 0);
+    kvx__auth_mac("secret", false, nc, ack.nonce, id_c, engine, mac);
+    raw_send(fd, raw_buf, kvx_wire_encode_auth(raw_buf, sizeof(raw_buf), 2, mac));
+    kvx_msg m;
+    assert_int_equal(
+        kvx__recv_frame(fd, raw_buf, sizeof(raw_buf), &m, td_now_ns() + RAW_DEADLINE_NS, &err), 0);
+    assert_int_equal(m.hdr.type, KVX_MSG_AUTH);
+    kvx_hello h;
+    kvx_layout l = layout();
+    kvx__hello_fill(&h, id_c, &l, &p.region);
+    raw_send(fd, raw_buf, kvx_wire_encode_hello(raw_buf, sizeof(raw_buf), KVX_MSG_HELLO, 3, &h));
+    raw_expect_refusal(fd, "second HELLO");
+    close(fd);
+
+    /* A producer that serves no transport reading its pool directly (no shm, no UCX) pins
+     * nothing for a grant. */
+    fd = raw_hello(a, &p, id_c, nc, &ack);
+    kvx__auth_mac("secret", false, nc, ack.nonce, id_c, engine, mac);
+    raw_send(fd, raw_buf, kvx_wire_encode_auth(raw_buf, sizeof(raw_buf), 2, mac));
+    assert_int_equal(
+        kvx__recv_frame(fd, raw_buf, sizeof(raw_buf), &m, td_now_ns() + RAW_DEADLINE_NS, &err), 0);
+    kvx_wire_desc d = {0, 3, 1};
+    n = kvx_wire_encode_read(raw_buf, sizeof(raw_buf), 4, tid, KVX_READ_CHECKSUMS, &d, 1);
+    raw_buf[6] = KVX_MSG_UCX_GRANT; /* a READ's payload under the grant's type */
+    raw_send(fd, raw_buf, n);
+    assert_int_equal(
+        kvx__recv_frame(fd, raw_buf, sizeof(raw_buf), &m, td_now_ns() + RAW_DEADLINE_NS, &err), 0);
+    assert_int_equal(m.hdr.type, KVX_MSG_ERROR);
+    assert_non_null(strstr(m.u.error.msg, "use READ"));
+    close(fd);
     kvx_agent_destroy(a);
     free(p.mem);
+}
+
+/* Connections that have not proved themselves are limited (a quarter of the table, an
+ * eighth from one address): a flood of them is turned away with an ERROR saying why, and
+ * one that authenticates still gets in once the flood's connections time out. */
+static void test_unauthenticated_flood_is_bounded(void **state)
+{
+    (void)state;
+    side p;
+    side_init(&p, 1);
+    kvx_agent_opts o;
+    kvx_agent_opts_default(&o);
+    o.layout = layout();
+    o.region = p.region;
+    o.release_cb = on_release;
+    o.auth_token = "secret";
+    o.max_connections = 32; /* 8 unproved at most, 4 from one address */
+    kvx_agent *a;
+    td_err err;
+    assert_int_equal(kvx_agent_create(&a, &o, &err), 0);
+    int fds[4];
+    for (int i = 0; i < 4; i++) /* connected, silent */
+        assert_int_equal(kvx__connect("127.0.0.1", kvx_agent_port(a), td_now_ns() + RAW_DEADLINE_NS,
+                                      &fds[i], &err),
+                         0);
+    usleep(100000); /* accepted */
+    int fd;
+    assert_int_equal(
+        kvx__connect("127.0.0.1", kvx_agent_port(a), td_now_ns() + RAW_DEADLINE_NS, &fd, &err), 0);
+    raw_expect_refusal(fd, "too many connections from this address are still authenticating");
+    close(fd);
+    /* a consumer that knows the token gets in once a slot frees */
+    close(fds[0]);
+    side c;
+    side_init(&c, 2);
+    kvx_client *cl = client(&c, "secret");
+    int ok = -1;
+    for (int i = 0; i < 100 && ok; i++) {
+        ok = kvx_session_check(cl, "127.0.0.1", kvx_agent_port(a), kvx_agent_engine_id(a), &err);
+        if (ok) usleep(20000);
+    }
+    assert_int_equal(ok, 0);
+    for (int i = 1; i < 4; i++)
+        close(fds[i]);
+    kvx_client_destroy(cl);
+    kvx_agent_destroy(a);
+    free(p.mem);
+    free(c.mem);
 }
 
 /* The MAC covers the role, both nonces and both engine ids, under the token. */
@@ -528,6 +610,7 @@ int main(void)
         cmocka_unit_test(test_skipping_auth_reads_nothing),
         cmocka_unit_test(test_replayed_proof_is_refused),
         cmocka_unit_test(test_bad_handshake_frames),
+        cmocka_unit_test(test_unauthenticated_flood_is_bounded),
         cmocka_unit_test(test_mac_binds_everything),
         cmocka_unit_test(test_impostor_producer_is_refused),
     };
