@@ -1491,21 +1491,22 @@ static void *accept_main(void *arg)
         if (c && getpeername(fd, (struct sockaddr *)&c->peer, &plen))
             memset(&c->peer, 0, sizeof(c->peer));
         /* Connections that have not proved themselves yet (HELLO, and AUTH where a token is
-         * set; each has 10 s a frame) may take a quarter of the table, and those of one
-         * address an eighth: a flood of them cannot keep consumers that authenticate out. */
+         * set; each has 10 s a frame) may take half the table, and those of one address a
+         * quarter: a flood of them cannot keep consumers that authenticate out (and a host
+         * whose engines open many connections at once, a push each, stays well inside). */
         pthread_mutex_lock(&a->mu);
         const char *why = NULL;
         if (!c) {
             why = "out of memory";
         } else if (a->n_conns >= a->opts.max_connections) {
             why = "the producer's connection limit is reached";
-        } else if (a->n_preauth >= TD_MAX(a->opts.max_connections / 4, 4)) {
+        } else if (a->n_preauth >= TD_MAX(a->opts.max_connections / 2, 4)) {
             why = "too many connections are still authenticating";
         } else {
             int same = 0;
             for (conn *o = a->conns; o; o = o->next)
                 same += o->preauth && same_addr(&o->peer, &c->peer);
-            if (same >= TD_MAX(a->opts.max_connections / 8, 2))
+            if (same >= TD_MAX(a->opts.max_connections / 4, 2))
                 why = "too many connections from this address are still authenticating";
         }
         bool full = why != NULL;
