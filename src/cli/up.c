@@ -239,7 +239,17 @@ static int status(const char *workdir)
     snprintf(path, sizeof(path), "%s/cluster.json", workdir);
     FILE *f = fopen(path, "r");
     if (!f) {
-        fprintf(stderr, "no cluster is running from %s (no %s)\n", workdir, path);
+        /* cluster.json comes once the cluster is up; before that, its `up` holds the lock */
+        char lock_path[600];
+        snprintf(lock_path, sizeof(lock_path), "%s/lock", workdir);
+        int fd = open(lock_path, O_RDONLY | O_CLOEXEC);
+        bool held = fd >= 0 && flock(fd, LOCK_SH | LOCK_NB) != 0 && errno == EWOULDBLOCK;
+        if (fd >= 0) close(fd);
+        if (held)
+            fprintf(stderr, "a cluster is starting from %s (its tandem up holds %s)\n", workdir,
+                    lock_path);
+        else
+            fprintf(stderr, "no cluster is running from %s (no %s)\n", workdir, path);
         return 1;
     }
     char buf[65536];
@@ -280,8 +290,9 @@ static int status(const char *workdir)
 }
 
 /* SIGTERM to v[i0 .. i1) and wait for them: each drains (finishes what it has, up to its
- * --shutdown-timeout of 30 s). A second signal to `tandem up` passes a second SIGTERM on,
- * which makes them exit at once; past the drain and a grace, SIGKILL. */
+ * --shutdown-timeout of 30 s). A second signal to `tandem up`, before this or during it,
+ * passes a second signal on (SIGINT: two SIGTERMs sent back to back could merge into one
+ * pending signal), which makes them exit at once; past the drain and a grace, SIGKILL. */
 static void stop_range(inst *v, int i0, int i1)
 {
     /* SIGCONT after each: a stopped instance (SIGSTOP) would keep the SIGTERM pending until
@@ -291,7 +302,7 @@ static void stop_range(inst *v, int i0, int i1)
             kill(v[i].pid, SIGTERM);
             kill(v[i].pid, SIGCONT);
         }
-    bool hurried = stop_requested > 1;
+    bool hurried = false; /* the second signal passed on */
     double end = td_now_s() + 35;
     for (int i = i0; i < i1; i++) {
         while (v[i].pid > 0) {
@@ -299,7 +310,7 @@ static void stop_range(inst *v, int i0, int i1)
             if (!hurried && stop_requested > 1) {
                 hurried = true;
                 for (int k = i; k < i1; k++)
-                    if (v[k].pid > 0) kill(v[k].pid, SIGTERM);
+                    if (v[k].pid > 0) kill(v[k].pid, SIGINT);
             }
             if (td_now_s() > end) {
                 kill(v[i].pid, SIGKILL);
@@ -685,14 +696,22 @@ int cli_up(int argc, char **argv)
     char lock_path[600];
     snprintf(lock_path, sizeof(lock_path), "%s/lock", workdir);
     int lock_fd = open(lock_path, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-    if (lock_fd < 0 || flock(lock_fd, LOCK_EX | LOCK_NB)) {
+    if (lock_fd < 0) { /* not a directory we may write in: say so, not "another up" */
+        fprintf(stderr, "error: cannot create %s: %s\n", lock_path, strerror(errno));
+        return 1;
+    }
+    if (flock(lock_fd, LOCK_EX | LOCK_NB)) {
         fprintf(stderr,
                 "error: another `tandem up` runs from %s (its lock %s is held); give "
                 "this one its own --workdir\n",
                 workdir, lock_path);
-        if (lock_fd >= 0) close(lock_fd);
+        close(lock_fd);
         return 1;
     }
+    /* a state file left by a cluster that was killed describes nothing now (--status) */
+    char state_path[600];
+    snprintf(state_path, sizeof(state_path), "%s/cluster.json", workdir);
+    unlink(state_path);
     /* A port asked for must be free now: a second cluster on it would wait for health
      * from the first cluster's router, and register its engines there. */
     if (port && plan.router_here && !port_free((int)port)) {

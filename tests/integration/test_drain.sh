@@ -146,6 +146,20 @@ wait "$UP" || fail "tandem up exit status: $(tail -n 5 "$tmp/up.err")"
     fail "the stream through tandem up did not end whole: $(tail -c 300 "$tmp/u.out")"
 for p in $pids; do kill -0 "$p" 2>/dev/null && fail "process $p outlived tandem up"; done
 
+# --- two signals at once (Ctrl-C, then a supervisor's SIGTERM, before `up` began to stop):
+# the second is passed on too, so the cluster stops at once rather than after a drain
+W="$tmp/up2"
+start_up "$W" -- --enable-debug-endpoints --debug-step-delay-ms 50
+pids=$(jq '.instances[].pid' "$W/cluster.json")
+stream "$UP_URL" 120 "$tmp/u2.out" # 6 s at 50 ms a token
+sleep 0.5
+kill -INT "$UP"
+kill -TERM "$UP"
+wait "$UP" || true
+wait "$stream_pid" || true
+[ "$(grep -c '"text"' "$tmp/u2.out")" -lt 120 ] || fail "the stream ran to its end after two signals (a drain)"
+for p in $pids; do kill -0 "$p" 2>/dev/null && fail "process $p outlived tandem up"; done
+
 # --- prompt KV held for a consumer keeps a producer up until it is released
 start_server P --kv-transfer-config '{"kv_role":"kv_producer"}'
 curl -s "$P_URL/v1/completions" -H 'Content-Type: application/json' -d \

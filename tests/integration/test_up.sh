@@ -67,6 +67,18 @@ rc=0
 ! grep -q '^ready:' "$tmp/o2" || fail "a cluster on a taken port said ready"
 
 "$TD_BIN" up --status --workdir "$W" >"$tmp/status" || fail "status: $(cat "$tmp/status")"
+# A workdir it cannot write is said so (not "another tandem up runs"); a workdir whose lock
+# is held before the state file exists is a cluster starting.
+touch "$tmp/a-file"
+rc=0
+"$TD_BIN" up --model "$MODEL" --port 0 --workdir "$tmp/a-file" >"$tmp/o2" 2>"$tmp/e2" || rc=$?
+[ "$rc" -eq 1 ] && grep -q "cannot create $tmp/a-file/lock: Not a directory" "$tmp/e2" || fail "workdir a file: $rc $(cat "$tmp/e2")"
+mkdir -p "$tmp/w-starting"
+(flock -x 9 && sleep 3) 9>"$tmp/w-starting/lock" &
+sleep 0.3
+rc=0
+"$TD_BIN" up --status --workdir "$tmp/w-starting" >"$tmp/o2" 2>"$tmp/e2" || rc=$?
+[ "$rc" -eq 1 ] && grep -q "a cluster is starting" "$tmp/e2" || fail "status while starting: $rc $(cat "$tmp/e2")"
 [ "$(grep -c healthy "$tmp/status")" -eq 3 ] || fail "status: $(cat "$tmp/status")"
 
 # Kill an engine (the decode, then the prefill): tandem up restarts it, it registers
