@@ -125,7 +125,8 @@ static void add_summary(cJSON *o, const char *metric, const bench_summary *s,
     snprintf(name, sizeof(name), "std_%s_ms", metric);
     add_num(o, name, s->std);
     for (int i = 0; i < info->num_percentiles; i++) {
-        snprintf(name, sizeof(name), "p%g_%s_ms", info->percentiles[i], metric);
+        /* every digit the percentile has: 99.9999999 is not p100 */
+        snprintf(name, sizeof(name), "p%.15g_%s_ms", info->percentiles[i], metric);
         add_num(o, name, s->pct[i]);
     }
 }
@@ -338,9 +339,32 @@ static void print_compare_table(FILE *out, const compare_file *files, int n)
 }
 
 /* Writes s with the five XML special characters escaped. */
+/* Bytes of a whole UTF-8 character at s (1 to 4), 0 where none starts. */
+static int utf8_char_len(const unsigned char *s)
+{
+    int n = s[0] < 0x80             ? 1
+            : (s[0] & 0xE0) == 0xC0 ? 2
+            : (s[0] & 0xF0) == 0xE0 ? 3
+            : (s[0] & 0xF8) == 0xF0 ? 4
+                                    : 0;
+    for (int i = 1; i < n; i++)
+        if ((s[i] & 0xC0) != 0x80) return 0;
+    return n;
+}
+
+/* Text XML may hold: escaped, whole UTF-8 characters only, no control characters but tab
+ * and newlines (a label is any string a result file carries). */
 static void svg_text(FILE *f, const char *s)
 {
     for (; *s; s++) {
+        unsigned char c = (unsigned char)*s;
+        if (c >= 0x80) {
+            int n = utf8_char_len((const unsigned char *)s);
+            if (n) fwrite(s, 1, (size_t)n, f);
+            s += n ? n - 1 : 0;
+            continue;
+        }
+        if (c < 0x20 && c != '\t' && c != '\n' && c != '\r') continue;
         switch (*s) {
         case '<':
             fputs("&lt;", f);
@@ -389,6 +413,14 @@ static int cmp_file_concurrency(const void *a, const void *b)
     return x->concurrency < y->concurrency ? -1 : x->concurrency > y->concurrency;
 }
 
+/* key's value for the plot: NAN (left out, as a missing one) past 1e12 ms, 31 years,
+ * which no run measures and whose axis would not fit a double. */
+static double plot_num(const cJSON *o, const char *key)
+{
+    double v = json_num(o, key);
+    return isfinite(v) && fabs(v) <= 1e12 ? v : NAN;
+}
+
 /* One panel at x offset ox: key's value against concurrency, one line per label. */
 static void svg_panel(FILE *f, int ox, const char *title, const char *key, compare_file *files,
                       int n, const int *group, int num_groups, bool log_x, double x_min,
@@ -396,7 +428,7 @@ static void svg_panel(FILE *f, int ox, const char *title, const char *key, compa
 {
     double y_max = 0;
     for (int i = 0; i < n; i++) {
-        double v = json_num(files[i].json, key);
+        double v = plot_num(files[i].json, key);
         if (isfinite(v)) y_max = TD_MAX(y_max, v);
     }
     double step = nice_step(y_max);
@@ -414,7 +446,9 @@ static void svg_panel(FILE *f, int ox, const char *title, const char *key, compa
     fprintf(f,
             "<rect x=\"%d\" y=\"%d\" width=\"%d\" height=\"%d\" fill=\"none\" stroke=\"#444\"/>\n",
             x0, MARGIN_T, plot_w, plot_h);
-    for (double v = 0; v <= y_top + step / 2; v += step) {
+    for (int t = 0; t <= 100; t++) { /* about 5 ticks; bounded whatever the values */
+        double v = t * step;
+        if (v > y_top + step / 2) break;
         double y = SY(v);
         fprintf(f,
                 "<line x1=\"%d\" y1=\"%.1f\" x2=\"%d\" y2=\"%.1f\" stroke=\"#ddd\"/>\n"
@@ -446,19 +480,19 @@ static void svg_panel(FILE *f, int ox, const char *title, const char *key, compa
     for (int g = 0; g < num_groups; g++) {
         int k = 0;
         for (int i = 0; i < n; i++)
-            if (group[i] == g && isfinite(json_num(files[i].json, key))) pts[k++] = &files[i];
+            if (group[i] == g && isfinite(plot_num(files[i].json, key))) pts[k++] = &files[i];
         qsort(pts, (size_t)k, sizeof(*pts), cmp_file_concurrency);
         const char *color = palette[g % TD_ARRAY_LEN(palette)];
         if (k > 1) {
             fprintf(f, "<polyline fill=\"none\" stroke=\"%s\" stroke-width=\"2\" points=\"", color);
             for (int i = 0; i < k; i++)
                 fprintf(f, "%s%.1f,%.1f", i ? " " : "", SX(pts[i]->concurrency),
-                        SY(json_num(pts[i]->json, key)));
+                        SY(plot_num(pts[i]->json, key)));
             fputs("\"/>\n", f);
         }
         for (int i = 0; i < k; i++)
             fprintf(f, "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"3.5\" fill=\"%s\"/>\n",
-                    SX(pts[i]->concurrency), SY(json_num(pts[i]->json, key)), color);
+                    SX(pts[i]->concurrency), SY(plot_num(pts[i]->json, key)), color);
     }
     free(pts);
 #undef SX
@@ -559,9 +593,17 @@ int bench_compare(const char *const *paths, int num_paths, const char *svg_path,
             const char *base = strrchr(paths[n], '/');
             snprintf(cf->label, sizeof(cf->label), "%s", base ? base + 1 : paths[n]);
         }
+        /* a long label is cut between characters, not inside one */
+        size_t len = strlen(cf->label), at = 0;
+        while (at < len) {
+            int k = utf8_char_len((const unsigned char *)cf->label + at);
+            if (!k || at + (size_t)k > len) break;
+            at += (size_t)k;
+        }
+        if (at < len && len == sizeof(cf->label) - 1) cf->label[at] = 0;
         double c = json_num(cf->json, "max_concurrency");
         if (!(c > 0)) c = json_num(cf->json, "num_prompts");
-        cf->concurrency = c > 0 ? c : 1;
+        cf->concurrency = c > 0 && c <= 1e12 ? c : 1;
     }
     print_compare_table(out, files, n);
     rc = write_svg(svg_path, files, n, err);

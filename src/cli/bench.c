@@ -302,6 +302,7 @@ typedef struct bench_call {
     bench_sse sse; /* the stream's reader, filling r */
     char error_body[ERROR_BODY_CAP + 1];
     size_t error_len;
+    double t_heard; /* when it was sent, or when the server last sent a byte of it */
 } bench_call;
 
 typedef struct bench_run {
@@ -322,6 +323,7 @@ static size_t on_data(char *p, size_t size, size_t n, void *arg)
 {
     bench_call *c = arg;
     size_t len = size * n;
+    c->t_heard = td_now_s();
     if (c->error_len < ERROR_BODY_CAP) {
         size_t k = TD_MIN(len, ERROR_BODY_CAP - c->error_len);
         memcpy(c->error_body + c->error_len, p, k);
@@ -373,12 +375,10 @@ static int call_start(bench_run *run, bench_call *c)
     curl_easy_setopt(e, CURLOPT_NOSIGNAL, 1L);
     curl_easy_setopt(e, CURLOPT_CONNECTTIMEOUT, 30L);
     /* A server that goes silent (no answer, or a stream that stops) fails the request
-     * after --idle-timeout seconds instead of holding the run forever. */
-    if (run->o->idle_timeout > 0) {
-        curl_easy_setopt(e, CURLOPT_LOW_SPEED_LIMIT, 1L);
-        curl_easy_setopt(e, CURLOPT_LOW_SPEED_TIME, (long)ceil(run->o->idle_timeout));
-    }
-    c->r->t_send = td_now_s();
+     * after --idle-timeout seconds instead of holding the run forever: run_requests
+     * watches t_heard (libcurl's low-speed limit averages over seconds, the upload
+     * included, and fired 5 s late). */
+    c->r->t_send = c->t_heard = td_now_s();
     if (curl_multi_add_handle(run->multi, e) != CURLM_OK) return TD_EIO;
     run->in_flight++;
     return 0;
@@ -474,7 +474,7 @@ static double run_requests(bench_run *run, const double *offset)
     const bench_opts *o = run->o;
     long n = (long)o->num_prompts, next = 0;
     bool show_progress = isatty(STDERR_FILENO);
-    double t0 = td_now_s(), t_progress = 0;
+    double t0 = td_now_s(), t_progress = 0, t_idle_check = 0;
     while (run->finished < n) {
         double now = td_now_s();
         while (next < n && t0 + offset[next] <= now &&
@@ -500,6 +500,15 @@ static double run_requests(bench_run *run, const double *offset)
             call_finish(run, c, msg->data.result);
         }
         if (run->finished >= n) break;
+        if (o->idle_timeout > 0 && td_now_s() - t_idle_check >= 0.05) {
+            t_idle_check = td_now_s();
+            for (long i = 0; i < next; i++) {
+                bench_call *c = &run->calls[i];
+                if (c->easy && t_idle_check - c->t_heard > o->idle_timeout)
+                    call_finish(run, c, CURLE_OPERATION_TIMEDOUT);
+            }
+            if (run->finished >= n) break;
+        }
         /* Sleep until data arrives, the next request is due, or 100 ms pass (the progress
          * bar's tick). A request whose slot is free but is not yet due bounds the wait. */
         now = td_now_s();
@@ -603,6 +612,8 @@ static int parse_percentiles(const char *text, bench_opts *o)
         if (end == p || !(v > 0 && v <= 100) || (*end && *end != ',') ||
             o->num_percentiles == BENCH_MAX_PERCENTILES)
             return TD_EINVAL;
+        for (int i = 0; i < o->num_percentiles; i++) /* a key twice in the result */
+            if (o->percentiles[i] == v) return TD_EINVAL;
         o->percentiles[o->num_percentiles++] = v;
         p = *end ? end + 1 : end;
     }

@@ -93,6 +93,15 @@ grep -q "<svg" "$tmp/c.svg" || fail "no SVG written"
 grep -q "</svg>" "$tmp/c.svg" || fail "SVG not finished"
 grep -q "median TTFT" "$tmp/cmp.out" || fail "no compare table: $(cat "$tmp/cmp.out")"
 head -n 1 "$tmp/cmp.out" | grep -q "chat" || fail "labels missing from the header"
+# A value past any scale (the plot leaves it out, and ends) and a long non-ASCII label (cut
+# between characters): still a well-formed SVG. The percentile key keeps every digit.
+jq '.median_ttft_ms = 1.7e308 | .label = ("é" * 40) + "\u0001"' "$tmp/r.json" >"$tmp/odd.json"
+timeout 20 "$TD_BIN" bench --compare "$tmp/odd.json" "$tmp/r2.json" --plot "$tmp/odd.svg" >"$tmp/odd.out" \
+    2>"$tmp/odd.err" || fail "compare of odd values: $(cat "$tmp/odd.err")"
+[ "$(stat -c %s "$tmp/odd.svg")" -lt 100000 ] || fail "the SVG of odd values is $(stat -c %s "$tmp/odd.svg") bytes"
+python3 -c 'import sys, xml.dom.minidom; xml.dom.minidom.parse(sys.argv[1])' "$tmp/odd.svg" ||
+    fail "the SVG of odd values is not well-formed XML"
+python3 -c 'import sys; open(sys.argv[1], encoding="utf-8").read()' "$tmp/odd.out" || fail "the table cut a character"
 
 # Behind a router that wants an API key: OPENAI_API_KEY goes with the requests and with
 # the model lookup (no --model given).
@@ -153,6 +162,7 @@ expect_usage_error --base-url "$s_URL" --goodput nonsense
 expect_usage_error --base-url "$s_URL" --goodput ttft:abc
 expect_usage_error --base-url "$s_URL" --request-rate -3
 expect_usage_error --base-url "$s_URL" --percentiles 50,abc
+expect_usage_error --base-url "$s_URL" --percentiles 99,99
 expect_usage_error --base-url "$s_URL" --dataset sharegpt
 expect_usage_error --num-prompts 3
 expect_usage_error --base-url "$s_URL" --idle-timeout -1
