@@ -297,6 +297,8 @@ test('bad requests get the engines\' error shapes; a wrong API key gets 401', as
     if (param) assert.equal(viaRouter.json.error.param, param);
   }
   const rk = await router(['--worker', AGG.url, '--api-key', 'sekrit']);
+  // (its worker counts once it has answered the router: until then requests get a 503)
+  await until(async () => (await fetch(rk.url + '/health')).status === 200, 'the keyed router healthy');
   let r = await post(rk.url, '/v1/completions', { prompt: 'x', max_tokens: 2 });
   assert.equal(r.status, 401);
   assert.equal(r.json.error.code, 'invalid_api_key');
