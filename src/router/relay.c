@@ -87,6 +87,7 @@ struct rt_req {
 
 static void leg_start(rt_req *q, rt_leg *leg);
 static void req_maybe_free(rt_req *q);
+static void pair_with(rt_req *q, const rt_worker *p);
 
 /* ---------------------------------------------------------------- client side */
 
@@ -423,8 +424,10 @@ static void on_leg_done(struct evhttp_request *req, void *arg)
     if (w) rt_worker_result(q->r, w, ok, ok ? secs : -1);
     leg->failed_on = ok ? NULL : w;
     leg->status = status;
-    if (ok && status == 200 && w && leg == &q->pre && !q->write_mode)
+    if (ok && status == 200 && w && leg == &q->pre && !q->write_mode) {
         snprintf(q->held_url, sizeof(q->held_url), "%s", w->url); /* its transfer_id: prefill_done */
+        pair_with(q, w); /* a retry may have moved the prefill to another instance */
+    }
     if (ok && status == 200 && leg == &q->dec) q->dec_ok = true;
     leg_release(q, leg);
     if (q->finished) {
@@ -800,6 +803,21 @@ static void req_maybe_free(rt_req *q)
     req_free(q);
 }
 
+/* idx2idx: the i-th prefill pairs with the i-th decode (in the order given or registered);
+ * set from the prefill that holds the request's KV (the first pick, and again if a retry
+ * moved the prefill elsewhere). */
+static void pair_with(rt_req *q, const rt_worker *p)
+{
+    rt_router *r = q->r;
+    if (strcmp(r->cfg.rank_mapping, "idx2idx") || !p) return;
+    q->paired_decode = 0;
+    int i = 0, k = 0;
+    for (rt_worker *x = r->workers; x && x != p; x = x->next)
+        i += x->role == RT_ROLE_PREFILL;
+    for (rt_worker *x = r->workers; x && !q->paired_decode; x = x->next)
+        if (x->role == RT_ROLE_DECODE && k++ == i) q->paired_decode = x->id;
+}
+
 static void begin(rt_req *q)
 {
     rt_router *r = q->r;
@@ -833,6 +851,7 @@ static void begin(rt_req *q)
         reply_error(q, 503, "service_unavailable", "no healthy prefill instance is available");
         return;
     }
+    pair_with(q, p);
     if (p->write_mode) {
         /* Push: both legs at once, with a transfer id drawn here. The decode is told the
          * prefill instance's transfer agent; a retried prefill would need another decode
@@ -858,14 +877,6 @@ static void begin(rt_req *q)
          * it fails, the decode recomputes (leg_failed sees no retries left). */
         leg_start_on(q, &q->pre, p);
         return;
-    }
-    if (!strcmp(r->cfg.rank_mapping, "idx2idx")) {
-        /* the i-th prefill pairs with the i-th decode (in the order given or registered) */
-        int i = 0, k = 0;
-        for (rt_worker *x = r->workers; x && x != p; x = x->next)
-            i += x->role == RT_ROLE_PREFILL;
-        for (rt_worker *x = r->workers; x && !q->paired_decode; x = x->next)
-            if (x->role == RT_ROLE_DECODE && k++ == i) q->paired_decode = x->id;
     }
     char *payload = prefill_body(q, NULL);
     leg_init(q, &q->pre, RT_ROLE_PREFILL, false, payload);
@@ -1009,8 +1020,13 @@ void rt_relay_start(rt_router *r, struct evhttp_request *req, int endpoint)
     q->body = cJSON_Parse(text);
     free(text);
     q->t_start = td_now_s();
+    /* The client's id where the engines take it too (at most 64 of [A-Za-z0-9._-], as
+     * server/completion.c checks): an id one side takes and the other replaces would give
+     * one stream two ids. Another gets one drawn here. */
     const char *rid = evhttp_find_header(evhttp_request_get_input_headers(req), "X-Request-Id");
-    if (rid && rid[0] && strlen(rid) < sizeof(q->rid) && !strpbrk(rid, "\r\n"))
+    size_t rid_len = rid ? strlen(rid) : 0;
+    if (rid_len >= 1 && rid_len <= 64 &&
+        strspn(rid, "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-") == rid_len)
         snprintf(q->rid, sizeof(q->rid), "%s", rid);
     else
         snprintf(q->rid, sizeof(q->rid), "rt-%llx-%llu", (unsigned long long)td_rng_next(&r->rng),

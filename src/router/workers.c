@@ -260,11 +260,27 @@ rt_worker *rt_pick(rt_router *r, rt_role role, const char *text, size_t len,
     rt_candidate cs[RT_MAX_WORKERS];
     int n = rt_eligible(r, role, ws, RT_MAX_WORKERS, exclude);
     if (n == 0) return NULL;
-    for (int i = 0; i < n; i++)
+    rt_policy_kind kinds[RT_N_ROLES] = {r->cfg.worker_policy, r->cfg.prefill_policy,
+                                        r->cfg.decode_policy};
+    /* A retry (exclude: the worker that failed) does not take round_robin's next turn: the
+     * turns are the requests', and with one of two workers dead every request's first try
+     * would land on the dead one. */
+    if (exclude && kinds[role] == RT_POLICY_ROUND_ROBIN)
+        return ws[td_rng_next(&r->rng) % (uint64_t)n];
+    /* The ranks of a --dp-aware engine share its URL: each is named url@rank, so that the
+     * policies that hash by name (prefix_hash's ring) tell them apart. */
+    char names[RT_MAX_WORKERS][sizeof(ws[0]->url) + 16];
+    for (int i = 0; i < n; i++) {
+        const char *name = ws[i]->url;
+        if (ws[i]->dp_rank >= 0) {
+            snprintf(names[i], sizeof(names[i]), "%s@%d", ws[i]->url, ws[i]->dp_rank);
+            name = names[i];
+        }
         cs[i] = (rt_candidate){.worker_id = ws[i]->id,
-                               .url = ws[i]->url,
+                               .url = name,
                                .in_flight = ws[i]->in_flight,
                                .reported_load = ws[i]->external_load};
+    }
     int k = rt_policy_pick(r->policy[role], cs, n, text, len);
     return ws[k >= 0 && k < n ? k : 0];
 }
@@ -417,7 +433,13 @@ bool rt_worker_health_apply(rt_worker *w, const cJSON *j)
         snprintf(w->instance, sizeof(w->instance), "%s", inst->valuestring);
     }
     int load;
-    if (json_int(cJSON_GetObjectItemCaseSensitive(j, "load"), 0, INT_MAX, &load)) {
+    /* A data-parallel rank's own load where the engine reports it per rank: its total
+     * would make every rank look as busy as the busiest. */
+    const cJSON *ranks = cJSON_GetObjectItemCaseSensitive(j, "rank_loads");
+    const cJSON *mine = w->dp_rank >= 0 && cJSON_IsArray(ranks)
+                            ? cJSON_GetArrayItem(ranks, w->dp_rank)
+                            : cJSON_GetObjectItemCaseSensitive(j, "load");
+    if (json_int(mine, 0, INT_MAX, &load)) {
         /* The report counts this router's own requests too; the policies add in_flight
          * themselves, so keep only what others put there. */
         w->reported_load = load;

@@ -168,18 +168,40 @@ test('idx2idx pairs the i-th prefill with the i-th decode', async () => {
   assert.equal(n(P2.url), n(D2.url));
   assert.equal(n(P1.url) + n(P2.url), 6);
   r.proc.kill('SIGTERM');
+  // A prefill that fails (dead, but not yet known so: no health check in this run) is
+  // retried on the other one, and the decode is the twin of the prefill that answered (which
+  // holds the KV), not of the first pick.
+  const dead = await serve({ kv_role: 'kv_producer' });
+  const r2 = await router(['--pd-disaggregation', '--prefill', dead.url, '--prefill', P2.url, '--decode', D1.url,
+    '--decode', D2.url, '--prefill-policy', 'round_robin', '--atom-pd-rank-mapping-policy', 'idx2idx',
+    '--health-check-interval-secs', '600', '--cb-failure-threshold', '100']);
+  await until(async () => (await fetch(r2.url + '/health')).status === 200, 'router healthy');
+  const gone = new Promise((ok) => dead.proc.on('exit', ok));
+  dead.proc.kill('SIGKILL');
+  await gone;
+  for (const p of prompts(4)) {
+    const res = await post(r2.url, '/v1/completions', { prompt: p, ...GEN });
+    assert.equal(res.status, 200, res.text);
+    assert.equal(res.json.choices[0].text, await expected(p));
+  }
+  const ws2 = await workers(r2.url);
+  const n2 = (url) => ws2.find((w) => w.url === url).requests;
+  assert.equal(n2(D2.url), 4, JSON.stringify(ws2.map((w) => [w.url, w.requests])));
+  assert.equal(n2(D1.url), 0);
+  r2.proc.kill('SIGTERM');
 });
 
 test('--dp-aware: an engine with two data-parallel ranks is two workers, each request names its rank', async () => {
   // tandem engines run one rank each (dp_size 1), so a backend with dp_size 2 is played by
   // a small stand-in that answers with the data_parallel_rank each request named.
   const seen = [];
+  let health = '{"status":"ok","load":0}';
   const stub = http.createServer((req, res) => {
     let body = '';
     req.on('data', (d) => { body += d; });
     req.on('end', () => {
       res.setHeader('content-type', 'application/json');
-      if (req.url === '/health') return res.end('{"status":"ok","load":0}');
+      if (req.url === '/health') return res.end(health);
       if (req.url === '/kv_transfer_info') return res.end('{"kv_role":"none","model":"dp-stub","dp_size":2}');
       const rank = JSON.parse(body).data_parallel_rank;
       seen.push(rank);
@@ -201,6 +223,23 @@ test('--dp-aware: an engine with two data-parallel ranks is two workers, each re
   assert.equal(new Set(samples).size, samples.length, 'duplicate series');
   assert.ok(samples.some((l) => l.includes('dp_rank="1"')), 'a dp_rank label');
   r.proc.kill('SIGTERM');
+  // prefix_hash tells the ranks apart (they share a URL; the ring hashes url@rank) ...
+  const ph = await router(['--worker', url, '--dp-aware', '--policy', 'prefix_hash']);
+  await until(async () => (await workers(ph.url)).length === 2, 'one worker per rank');
+  const from = seen.length;
+  for (let i = 0; i < 16; i++)
+    assert.equal((await post(ph.url, '/v1/completions', { prompt: `${i}: a story about a cat`, max_tokens: 1 })).status, 200);
+  assert.deepEqual([...new Set(seen.slice(from))].sort(), [0, 1], 'both ranks take prompts');
+  ph.proc.kill('SIGTERM');
+  // ... and power_of_two weighs each rank by its own load (rank_loads), not the engine's.
+  health = '{"status":"ok","load":8,"rank_loads":[0,8]}';
+  const p2 = await router(['--worker', url, '--dp-aware', '--policy', 'power_of_two']);
+  await until(async () => (await workers(p2.url)).filter((w) => w.load === 8).length === 1, 'the ranks\' loads read');
+  const from2 = seen.length;
+  for (let i = 0; i < 6; i++) assert.equal((await post(p2.url, '/v1/completions', { prompt: 'x', max_tokens: 1 })).status, 200);
+  assert.deepEqual(seen.slice(from2), [0, 0, 0, 0, 0, 0], 'the idle rank takes them');
+  p2.proc.kill('SIGTERM');
+  health = '{"status":"ok","load":0}';
   // Without --dp-aware the engine is one worker and requests name no rank.
   const plain = await router(['--worker', url]);
   await until(async () => (await fetch(plain.url + '/health')).status === 200, 'router healthy');
@@ -209,6 +248,18 @@ test('--dp-aware: an engine with two data-parallel ranks is two workers, each re
   assert.equal((await workers(plain.url)).length, 1);
   plain.proc.kill('SIGTERM');
   stub.close();
+});
+
+test('X-Request-Id: one id for every event of a PD stream, whatever the client sent', async () => {
+  for (const [rid, want] of [['req-42', 'cmpl-req-42'], ['req:42', null], ['a'.repeat(70), null], [null, null]]) {
+    const res = await fetch(R1.url + '/v1/completions', {
+      method: 'POST', headers: { 'content-type': 'application/json', ...(rid ? { 'x-request-id': rid } : {}) },
+      body: JSON.stringify({ prompt: prompts()[3], ...GEN, stream: true }),
+    });
+    const ids = new Set((await sse(res)).map((e) => e.id));
+    assert.equal(ids.size, 1, `${rid}: ${[...ids]}`);
+    if (want) assert.equal([...ids][0], want);
+  }
 });
 
 test('the openai client streams chat and completions through the router', async () => {
