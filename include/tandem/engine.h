@@ -198,6 +198,10 @@ int td_engine_add_request_kv(td_engine *e, uint64_t *out_id, const int32_t *prom
 int td_engine_kv_loaded(td_engine *e, uint64_t id, int status, bool recompute, const char *msg,
                         int32_t first_token);
 
+/** The caller's loop will not step this engine again (it stopped): give back the CPUs it
+ *  borrowed and mark its own idle on the CPU board (--cpu-board), so that the other
+ *  engines of the host use them and do not wait for them. */
+void td_engine_idle(td_engine *e);
 /** Give back the blocks that a held request kept. TD_ENOTFOUND if it holds none. */
 int td_engine_kv_release(td_engine *e, uint64_t id);
 

@@ -43,17 +43,22 @@ static int create_ranks(td_engine **engines, cpu_set_t *cpus, int n, const td_en
     static char board[64], lists[SRV_MAX_DP][1000];
     lend = lend && pin && !ep && base->pin_threads && ncpu >= n &&
            (base->n_threads == 0 || base->n_threads / n == ncpu / n || base->n_threads == ncpu);
+    int board_fd = -1;
     if (lend) {
         snprintf(board, sizeof(board), "/dev/shm/tandem-cpu-board-XXXXXX");
-        int fd = mkstemp(board);
-        if (fd < 0) {
+        board_fd = mkstemp(board);
+        if (board_fd < 0) {
             snprintf(board, sizeof(board), "/tmp/tandem-cpu-board-XXXXXX");
-            fd = mkstemp(board);
+            board_fd = mkstemp(board);
         }
-        if (fd < 0)
+        /* Unlinked at once, and reached through this descriptor: a server stopped or
+         * killed while its ranks load leaves no file behind. */
+        if (board_fd < 0) {
             lend = false;
-        else
-            close(fd);
+        } else {
+            unlink(board);
+            snprintf(board, sizeof(board), "/proc/self/fd/%d", board_fd);
+        }
     }
     int rc = 0;
     for (int r = 0; r < n && !rc; r++) {
@@ -91,7 +96,7 @@ static int create_ranks(td_engine **engines, cpu_set_t *cpus, int n, const td_en
         }
     }
     if (pin) sched_setaffinity(0, sizeof(all), &all);
-    if (lend) unlink(board); /* the ranks have it mapped */
+    if (board_fd >= 0) close(board_fd); /* the ranks have it open and mapped */
     if (rc)
         for (int r = 0; r < n; r++) td_engine_free(engines[r]);
     return rc;

@@ -464,6 +464,11 @@ void td_engine_set_layer_fn(td_engine *e, td_layer_fn fn, void *user)
     e->layer_user = user;
 }
 
+void td_engine_idle(td_engine *e)
+{
+    lend__end(e, true);
+}
+
 int td_engine_kv_release(td_engine *e, uint64_t id)
 {
     return sched__kv_release(e, id);

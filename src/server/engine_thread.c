@@ -536,6 +536,7 @@ static void *engine_main(void *arg)
             drain_outputs(x, &b);
             publish(x, &b);
             stop_drain_loads(x, &b);
+            td_engine_idle(x->engine); /* its CPUs (and borrowed ones) back to the host */
             break;
         }
         int did = step(x);

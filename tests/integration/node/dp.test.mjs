@@ -212,6 +212,12 @@ test('one rank stopped: /health is 503 naming it, requests for it are 503, the o
     assert.equal(r.status, 200, r.text);
     assert.equal(r.json.choices[0].text, await expected([1, 5]));
   }
+  // The stopped rank gave its CPU back to the board: rank 0 still borrows it.
+  if (os.availableParallelism() >= 2) {
+    const before = borrowed(await metrics(s.url));
+    assert.equal((await post(s.url, { prompt: [1, 5], max_tokens: 60, ignore_eos: true, data_parallel_rank: 0 })).status, 200);
+    assert.ok(borrowed(await metrics(s.url)) > before, 'rank 0 no longer borrows the stopped rank\'s CPU');
+  }
   s.proc.kill('SIGTERM');
 });
 
