@@ -198,9 +198,13 @@ test('push (write) mode through the router: the decode leg names the agent of th
 });
 
 test('one rank stopped: /health is 503 naming it, requests for it are 503, the other rank still serves', async () => {
-  const s = await serve(['--dp', '2', '--enable-debug-endpoints']);
+  const s = await serve(['--dp', '2', '--enable-debug-endpoints', '--debug-step-delay-ms', '5']);
   assert.equal((await post(s.url, { prompt: [1, 5], max_tokens: 2, data_parallel_rank: 1 })).status, 200);
+  // stopped in the middle of a request, its CPU marked busy on the board
+  const cut = post(s.url, { prompt: [1, 5], max_tokens: 100, ignore_eos: true, data_parallel_rank: 1 });
+  await new Promise((ok) => setTimeout(ok, 150));
   assert.equal((await fetch(s.url + '/debug/stop_engine?rank=1', { method: 'POST' })).status, 200);
+  await cut;
   await until(async () => (await fetch(s.url + '/health')).status === 503, '/health 503');
   const h = await (await fetch(s.url + '/health')).json();
   assert.match(h.reason, /data-parallel rank 1: the engine loop has stopped/);
