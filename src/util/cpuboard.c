@@ -87,6 +87,23 @@ int td_cpuboard_open(td_cpuboard **out, const char *path, const cpu_set_t *home,
             rc = td_err_set(err, TD_EFORMAT, "CPU board %s: not a tandem CPU board (bad header)",
                             path);
     }
+    /* A home CPU another live process owns on this board: the two would mark it idle and
+     * busy over each other, and lend it out while one still computes on it. (Checked under
+     * the lock, so two engines starting together cannot both take it.) */
+    for (int c = 0; rc == 0 && c < BOARD_SLOTS; c++) {
+        if (!CPU_ISSET(c, home)) continue;
+        uint32_t owner = atomic_load(&((board_slot *)((char *)map + sizeof(board_hdr)))[c].owner);
+        if (owner && owner != (uint32_t)getpid() && !pid_gone(owner))
+            rc = td_err_set(err, TD_EINVAL,
+                            "CPU board %s: CPU %d is already the home of pid %u (engines that "
+                            "share a board need CPU sets of their own: --cpus)",
+                            path, c, owner);
+    }
+    if (rc == 0) { /* claimed while the lock is held */
+        board_slot *slot = (board_slot *)((char *)map + sizeof(board_hdr));
+        for (int c = 0; c < BOARD_SLOTS; c++)
+            if (CPU_ISSET(c, home)) atomic_store(&slot[c].owner, (uint32_t)getpid());
+    }
     flock(fd, LOCK_UN);
     close(fd);
     if (rc) {

@@ -154,6 +154,40 @@ static void test_dead_borrower(void **state)
     td_cpuboard_close(b);
 }
 
+/* Two live processes may not both call a CPU home on one board; a dead owner's CPU may be
+ * taken again. */
+static void test_home_taken(void **state)
+{
+    (void)state;
+    int up[2], down[2];
+    assert_int_equal(pipe(up), 0);
+    assert_int_equal(pipe(down), 0);
+    pid_t pid = fork();
+    if (pid == 0) {
+        td_cpuboard *c;
+        td_err e;
+        cpu_set_t h = one_cpu(3);
+        if (td_cpuboard_open(&c, board_path, &h, &e)) _exit(1);
+        send_byte(up[1], 'o');
+        recv_byte(down[0]);
+        _exit(0); /* without closing: as a killed engine leaves it */
+    }
+    assert_int_equal(recv_byte(up[0]), 'o');
+    td_cpuboard *b;
+    td_err err;
+    cpu_set_t h = one_cpu(3);
+    assert_int_equal(td_cpuboard_open(&b, board_path, &h, &err), TD_EINVAL);
+    assert_non_null(strstr(err.msg, "CPU 3 is already the home of pid"));
+    cpu_set_t other = one_cpu(4);
+    assert_int_equal(td_cpuboard_open(&b, board_path, &other, &err), 0); /* another CPU: fine */
+    td_cpuboard_close(b);
+    send_byte(down[1], 'x');
+    int st;
+    assert_int_equal(waitpid(pid, &st, 0), pid);
+    assert_int_equal(td_cpuboard_open(&b, board_path, &h, &err), 0); /* its owner is gone */
+    td_cpuboard_close(b);
+}
+
 /* A borrower that never gives the CPU back (alive, but stuck): the owner runs anyway
  * after the bound. */
 static void test_wait_is_bounded(void **state)
@@ -195,6 +229,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_lend_and_reclaim, setup, teardown),
         cmocka_unit_test_setup_teardown(test_dead_borrower, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_home_taken, setup, teardown),
         cmocka_unit_test_setup_teardown(test_wait_is_bounded, setup, teardown),
         cmocka_unit_test_setup_teardown(test_not_a_board, setup, teardown),
     };
