@@ -389,9 +389,13 @@ static int session_dial(kvx__session *s, uint64_t deadline_ns, int *fd, td_err *
  * the caller has no retry: requests retry once on a fresh connection when a reused one
  * turns out dead (conn_drop_stale), which saves the check's system call on every request.
  */
-static int conn_get(kvx__session *s, uint64_t deadline_ns, bool check, int *fd, bool *fresh,
-                    td_err *err)
+static int conn_get(kvx__session *s, uint64_t deadline_ns, bool check, bool control, int *fd,
+                    bool *fresh, td_err *err)
 {
+    /* A control message (HEARTBEAT, RELEASE) may open one connection past the limit: with
+     * every connection inside a slow read, a heartbeat that waited for one would let the
+     * leases of the reads queued behind them lapse. */
+    int cap = s->max_open + (control ? 1 : 0);
     pthread_mutex_lock(&s->mu);
     for (;;) {
         if (s->n_idle > 0) {
@@ -408,7 +412,7 @@ static int conn_get(kvx__session *s, uint64_t deadline_ns, bool check, int *fd, 
             pthread_mutex_unlock(&s->mu);
             return 0;
         }
-        if (s->n_open < s->max_open) {
+        if (s->n_open < cap) {
             s->n_open++;
             pthread_mutex_unlock(&s->mu);
             int rc = session_dial(s, deadline_ns, fd, err);
@@ -671,7 +675,7 @@ static void tcp_run_group(kvx__session *s, kvx__piece **ps, int n, int *rcs, td_
     bool conn_ok = false;
     for (int attempt = 0;; attempt++) {
         bool fresh, before = true;
-        rc = conn_get(s, deadline, false, &fd, &fresh, &e);
+        rc = conn_get(s, deadline, false, false, &fd, &fresh, &e);
         if (rc) goto fail_rest;
         rc = kvx__send_all(fd, req, req_n, deadline, &e);
         /* the answer cannot be there yet: wait for it rather than try a read first */
@@ -718,7 +722,7 @@ static int tcp_control(kvx__session *s, uint8_t type, const uint8_t id[KVX_ID_BY
     int fd, rc;
     for (int attempt = 0;; attempt++) {
         bool fresh;
-        rc = conn_get(s, deadline_ns, false, &fd, &fresh, err);
+        rc = conn_get(s, deadline_ns, false, true, &fd, &fresh, err);
         if (rc) return rc;
         rc = kvx__send_all(fd, buf, n, deadline_ns, err);
         uint8_t in[512];
@@ -1887,7 +1891,7 @@ int kvx_session_check(kvx_client *c, const char *host, uint16_t port, const char
     int fd;
     bool fresh;
     uint64_t deadline = td_now_ns() + (uint64_t)c->opts.transfer_timeout_ms * 1000000ull;
-    rc = conn_get(s, deadline, true, &fd, &fresh, err);
+    rc = conn_get(s, deadline, true, false, &fd, &fresh, err);
     if (!rc) conn_put(s, fd, true);
     session_put(s);
     return rc;

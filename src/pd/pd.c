@@ -377,6 +377,7 @@ static void on_load_done(void *user, kvx_xfer *x, const td_err *result)
 {
     load_ctx *lc = user;
     pd_connector *pd = lc->pd;
+    pd_unwatch(pd, lc->req_id); /* its lease needs no more heartbeats */
     kvx_xfer_info xi;
     kvx_xfer_get_info(x, &xi);
     pd_load_info info = {xi.bytes, xi.n_descriptors, lc->n_blocks, xi.seconds, xi.tail_seconds,

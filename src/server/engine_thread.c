@@ -229,7 +229,9 @@ static int begin_load(srv__engine *x, srv__active *a, uint64_t id, const int32_t
     int rc = a->remote.push ? pd_load_push(x->pd, id, &a->remote, blocks, n_blocks, skip, err)
                             : pd_load(x->pd, id, &a->remote, blocks, n_blocks, skip, err);
     if (rc) return rc;
-    pd_unwatch(x->pd, id); /* the read itself renews the lease */
+    /* The heartbeats go on until the load ends (pd's on_load_done): a read renews the
+     * lease only once its first piece reaches the producer, and one queued behind others
+     * in the consumer's transfer engine would let it lapse meanwhile. */
     a->kv_blocks_cached = skip;
     a->load_started = true;
     return 0;

@@ -645,6 +645,27 @@ test('a request queued longer than the lease keeps it alive with heartbeats', as
   for (const s of [prod, cons]) { await noLeaks(s.url, 'heartbeats'); s.proc.kill('SIGKILL'); }
 });
 
+test('reads queued in the consumer\'s transfer engine keep their leases alive too', async () => {
+  // One worker and one connection, and a producer that takes 800 ms a read: the fourth
+  // read starts about 2.4 s after it was queued, past the 1.2 s lease, which only the
+  // consumer's heartbeats (every 400 ms, on a connection of their own) keep alive.
+  const prod = await serve(['--enable-debug-endpoints', '--debug-kv-send-delay-ms', '800',
+    '--kv-transfer-config', '{"kv_role":"kv_producer","lease_ms":1200}']);
+  const cons = await serve(['--kv-transfer-config',
+    '{"kv_role":"kv_consumer","num_worker_threads":1,"qp_per_transfer":1,"transfer_timeout_ms":20000}']);
+  const ps = prompts().slice(20, 24);
+  const kvs = [];
+  for (const p of ps) kvs.push(await prefill(prod.url, p));
+  const rs = await Promise.all(ps.map((p, i) => decode(cons.url, p, kvs[i])));
+  for (let i = 0; i < ps.length; i++) {
+    assert.equal(rs[i].status, 200, rs[i].text);
+    assert.equal(rs[i].json.kv_transfer_params.kv_load, 'transferred', JSON.stringify(rs[i].json.kv_transfer_params));
+    assert.equal(rs[i].json.choices[0].text, await expected(ps[i]));
+  }
+  assert.equal((await metrics(prod.url)).tandem_kv_leases_expired_total, 0);
+  for (const s of [prod, cons]) { await noLeaks(s.url, 'queued reads'); s.proc.kill('SIGKILL'); }
+});
+
 test('a restarted producer (same port, new engine id) gets a new session', async () => {
   const free = await freePort();
   const cfg = `{"kv_role":"kv_producer","handshake_port":${free}}`;
