@@ -695,6 +695,33 @@ static void gets_drop(gets *g)
 }
 
 /*
+ * A piece that gave up (its deadline) with gets in flight lets them finish before its
+ * endpoint closes, for at most DRAIN_NS: over UCX's tcp transport the producer's worker
+ * answers gets in software, and answering one for an endpoint force-closed under it
+ * aborts the producer's process (UCX 1.13, ucp_get_req_handler: "Endpoint timeout").
+ */
+#define DRAIN_NS (5ull * 1000000000ull)
+
+static void gets_drain(chan *ch, gets *g)
+{
+    uint64_t until = td_now_ns() + DRAIN_NS;
+    while (ch->ep_status == UCS_OK && td_now_ns() < until) {
+        bool busy = false;
+        for (uint32_t i = g->done; i < g->issued; i++) {
+            if (!g->c[i].req) continue;
+            if (ucp_request_check_status(g->c[i].req) == UCS_INPROGRESS) {
+                busy = true;
+                continue;
+            }
+            ucp_request_free(g->c[i].req);
+            g->c[i].req = NULL;
+        }
+        if (!busy) return;
+        if (!ucp_worker_progress(ch->worker)) worker_sleep(ch->worker, ch->efd, -1, 1000000);
+    }
+}
+
+/*
  * Run the gets until all are in and checked, or until until_ns. A checksum mismatch is
  * returned only after every get has finished (so the channel stays clean); an I/O error
  * or the deadline returns at once with gets still in flight (the caller closes).
@@ -877,7 +904,10 @@ static int ucx_run_piece(struct kvx__session *s, struct kvx__piece *p, td_err *e
     if (rc) goto out; /* closes the channel: nothing was read */
     rc = gets_run(s, ch, u, &g, r->block_bytes, want_crc ? m.u.ucx_granted.crc : NULL, crc, until,
                   err);
-    if (rc && g.done < g.n) goto out; /* closes the channel, stopping any get still running */
+    if (rc && g.done < g.n) { /* the channel closes, once the gets issued are over */
+        gets_drain(ch, &g);
+        goto out;
+    }
     if (!rc && u->staged) { /* checked in staging: now up to the blocks */
         kvx__piece_range *rg = malloc(pi.count * sizeof(*rg));
         if (!rg) rc = td_err_set(err, TD_ENOMEM, "kvx: out of memory");

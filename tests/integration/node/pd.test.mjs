@@ -666,6 +666,31 @@ test('reads queued in the consumer\'s transfer engine keep their leases alive to
   for (const s of [prod, cons]) { await noLeaks(s.url, 'queued reads'); s.proc.kill('SIGKILL'); }
 });
 
+test('a ucx read that runs out of time does not take its producer down (UCX_TLS=tcp)', async (t) => {
+  // 35 MB of KV (llama-134m shape, 961 tokens) against a 30 ms deadline: the consumer gives
+  // up with gets in flight. It lets them finish before it closes its endpoint; closing
+  // under them made UCX abort the producer's process as it answered them.
+  const big = ['--load-format', 'dummy', '--model', 'llama-134m', '--kv-cache-memory', '256M'];
+  const prod = await serve([...big, '--kv-transfer-config', '{"kv_role":"kv_producer","protocol":"ucx"}'],
+    { UCX_TLS: 'tcp' }).catch((e) => e);
+  if (prod instanceof Error && /not available in this build/.test(prod.message)) {
+    t.skip('this build has no ucx transport (libucx-dev missing)');
+    return;
+  }
+  assert.ok(!(prod instanceof Error), String(prod));
+  const cons = await serve([...big, '--kv-transfer-config',
+    '{"kv_role":"kv_consumer","protocol":"ucx","transfer_timeout_ms":30}'], { UCX_TLS: 'tcp' });
+  const prompt = Array.from({ length: 961 }, (_, i) => (i ? 3 + (i * 7) % 500 : 1));
+  for (let k = 0; k < 3; k++) {
+    const r = await post(cons.url, { prompt, max_tokens: 2, temperature: 0,
+      kv_transfer_params: await prefill(prod.url, prompt) });
+    assert.equal(r.status, 200, r.text); /* transferred, or recomputed after the deadline */
+    const h = await fetch(prod.url + '/health').catch((e) => e);
+    assert.ok(!(h instanceof Error) && h.status === 200, `the producer is gone: ${prod.stderr().slice(-400)}`);
+  }
+  for (const s of [prod, cons]) { await noLeaks(s.url, 'ucx deadline'); s.proc.kill('SIGKILL'); }
+});
+
 test('a restarted producer (same port, new engine id) gets a new session', async () => {
   const free = await freePort();
   const cfg = `{"kv_role":"kv_producer","handshake_port":${free}}`;
