@@ -557,7 +557,15 @@ static void check_end(check *c, struct evhttp_request *req, bool sent)
             const cJSON *st = cJSON_GetObjectItemCaseSensitive(j, "status");
             bool draining =
                 code == 503 && cJSON_IsString(st) && !strcmp(st->valuestring, "draining");
-            bool restarted = code == 200 && rt_worker_health_apply(w, j);
+            /* A --dp-aware rank is healthy while its own rank serves, though another rank
+             * of its engine has stopped (the engine's /health is then a 503 for all). */
+            bool ok = code == 200;
+            if (code == 503 && !draining && w->dp_rank >= 0) {
+                const cJSON *rs = cJSON_GetObjectItemCaseSensitive(j, "rank_status");
+                const cJSON *mine = cJSON_IsArray(rs) ? cJSON_GetArrayItem(rs, w->dp_rank) : NULL;
+                ok = cJSON_IsString(mine) && !strcmp(mine->valuestring, "ok");
+            }
+            bool restarted = ok && rt_worker_health_apply(w, j);
             cJSON_Delete(j);
             if (restarted) {
                 /* A new process: what the breaker and the checks learnt of the old one says
@@ -576,11 +584,10 @@ static void check_end(check *c, struct evhttp_request *req, bool sent)
                 w->health_fail = r->cfg.health_failure_threshold - 1;
                 snprintf(why, sizeof(why), "it is shutting down (draining)");
             }
-            health_mark(r, w, code == 200, why);
+            health_mark(r, w, ok, why);
             /* A worker that answers but whose identity is unknown (or may have changed
              * after a restart): read /kv_transfer_info again. */
-            if (code == 200 && (!w->info_ok || !w->model[0]) && !w->removed)
-                rt_worker_probe(r, w);
+            if (ok && (!w->info_ok || !w->model[0]) && !w->removed) rt_worker_probe(r, w);
         }
     }
 out:

@@ -168,21 +168,35 @@ static const char *rank_prefix(const srv_server *s, int r, char *buf, size_t cap
 /* 200 while every rank's engine loop is alive and making progress. */
 static void handle_health(srv_server *s, struct evhttp_request *req)
 {
-    char reason[160], pre[48], msg[320];
+    char reason[160], pre[48], msg[320] = "";
     cJSON *root = cJSON_CreateObject();
     cJSON_AddStringToObject(root, "instance_id", s->instance_id);
+    /* Each rank's state ("ok", "stopped", "stalled"), so that a router that sends requests
+     * to ranks (--dp-aware) keeps using those that still serve. */
+    cJSON *states = s->n_ranks > 1 ? cJSON_CreateArray() : NULL;
     for (int r = 0; r < s->n_ranks; r++) {
         const srv__rank *k = &s->ranks[r];
-        if (srv__engine_stopped(&s->ranks[r].eng, reason, sizeof(reason)))
-            snprintf(msg, sizeof(msg), "%sthe engine loop has stopped: %s", rank_prefix(s, r, pre, sizeof(pre)),
-                     reason);
-        else if (k->outstanding > 0 &&
-                 (double)(td_now_ns() - atomic_load(&k->eng.last_progress_ns)) / 1e9 > s->cfg.health_stall_s)
-            snprintf(msg, sizeof(msg), "%sthe engine loop is stalled: no step for %.1f s with %d requests in flight",
+        const char *state = "ok";
+        char m[320] = "";
+        if (srv__engine_stopped(&s->ranks[r].eng, reason, sizeof(reason))) {
+            snprintf(m, sizeof(m), "%sthe engine loop has stopped: %s",
+                     rank_prefix(s, r, pre, sizeof(pre)), reason);
+            state = "stopped";
+        } else if (k->outstanding > 0 &&
+                   (double)(td_now_ns() - atomic_load(&k->eng.last_progress_ns)) / 1e9 >
+                       s->cfg.health_stall_s) {
+            snprintf(m, sizeof(m),
+                     "%sthe engine loop is stalled: no step for %.1f s with %d requests in flight",
                      rank_prefix(s, r, pre, sizeof(pre)),
-                     (double)(td_now_ns() - atomic_load(&k->eng.last_progress_ns)) / 1e9, k->outstanding);
-        else
-            continue;
+                     (double)(td_now_ns() - atomic_load(&k->eng.last_progress_ns)) / 1e9,
+                     k->outstanding);
+            state = "stalled";
+        }
+        if (m[0] && !msg[0]) snprintf(msg, sizeof(msg), "%s", m); /* the first one */
+        if (states) cJSON_AddItemToArray(states, cJSON_CreateString(state));
+    }
+    if (states) cJSON_AddItemToObject(root, "rank_status", states);
+    if (msg[0]) {
         cJSON_AddStringToObject(root, "status", "error");
         cJSON_AddStringToObject(root, "reason", msg);
         send_cjson(s, req, 503, root);

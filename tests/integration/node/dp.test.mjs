@@ -222,6 +222,18 @@ test('one rank stopped: /health is 503 naming it, requests for it are 503, the o
     assert.equal((await post(s.url, { prompt: [1, 5], max_tokens: 60, ignore_eos: true, data_parallel_rank: 0 })).status, 200);
     assert.ok(borrowed(await metrics(s.url)) > before, 'rank 0 no longer borrows the stopped rank\'s CPU');
   }
+  // /health names each rank's state, and a --dp-aware router keeps rank 0 (its worker
+  // healthy) while rank 1's is not.
+  assert.deepEqual((await (await fetch(s.url + '/health')).json()).rank_status, ['ok', 'stopped']);
+  const r = await router(['--worker', s.url, '--dp-aware']);
+  const ranks = async () => Object.fromEntries((await (await fetch(r.url + '/workers')).json()).workers
+    .map((w) => [w.dp_rank, w.healthy]));
+  await until(async () => { const h = await ranks(); return h[0] === true && h[1] === false; },
+    'rank 0 healthy, rank 1 not');
+  const viaRouter = await post(r.url, { prompt: [1, 5], ...GEN });
+  assert.equal(viaRouter.status, 200, viaRouter.text);
+  assert.equal(viaRouter.json.choices[0].text, await expected([1, 5]));
+  r.proc.kill('SIGTERM');
   s.proc.kill('SIGTERM');
 });
 
