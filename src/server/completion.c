@@ -205,9 +205,8 @@ static size_t utf8_fix(const char *s, size_t n, char *out)
 {
     size_t w = 0;
     for (size_t i = 0; i < n;) {
-        unsigned char c = (unsigned char)s[i];
-        size_t clen = c < 0x80 ? 1 : c >= 0xF0 ? 4 : c >= 0xE0 ? 3 : 2;
-        if (c < 0x80 || (clen <= n - i && tok_utf8_valid_prefix(s + i, clen) >= clen)) {
+        size_t clen = srv__utf8_char(s + i, n - i);
+        if (clen) {
             memcpy(out + w, s + i, clen);
             w += clen;
             i += clen;

@@ -45,6 +45,14 @@ int srv_server_port(const srv_server *s)
     return s->port;
 }
 
+size_t srv__utf8_char(const char *s, size_t n)
+{
+    unsigned char c = (unsigned char)s[0];
+    if (c < 0x80) return 1;
+    size_t clen = c >= 0xF0 ? 4 : c >= 0xE0 ? 3 : 2;
+    return clen <= n && tok_utf8_valid_prefix(s, clen) >= clen ? clen : 0;
+}
+
 void srv__json_str(struct evbuffer *b, const char *s, size_t len)
 {
     static const char hex[] = "0123456789abcdef";
@@ -58,9 +66,8 @@ void srv__json_str(struct evbuffer *b, const char *s, size_t len)
         }
         unsigned char c = (unsigned char)s[i];
         if (c >= 0x80) {
-            size_t ok = tok_utf8_valid_prefix(s + i, TD_MIN(len - i, (size_t)4));
-            size_t clen = c >= 0xF0 ? 4 : c >= 0xE0 ? 3 : 2;
-            if (ok >= clen && clen <= len - i) {
+            size_t clen = srv__utf8_char(s + i, len - i);
+            if (clen) {
                 memcpy(tmp + w, s + i, clen);
                 w += clen;
                 i += clen;

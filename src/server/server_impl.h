@@ -218,5 +218,8 @@ int srv__live_count(const srv_server *s);
 void srv__free_all_requests(srv_server *s);
 /** JSON-escape bytes into an evbuffer (quotes included); invalid UTF-8 becomes U+FFFD. */
 void srv__json_str(struct evbuffer *b, const char *s, size_t len);
+/** Bytes of the whole UTF-8 character that starts s (n bytes left), 0 where none does:
+ *  srv__json_str writes U+FFFD for each such byte. */
+size_t srv__utf8_char(const char *s, size_t n);
 
 #endif
