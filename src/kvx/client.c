@@ -27,6 +27,12 @@
 
 #define MAX_PIECE_BYTES KVX__MAX_PIECE_BYTES
 #define BATCH_BYTES (256u << 10) /* bytes received between checksum passes */
+#define BOUNCE_KEEP 8            /* group receive buffers a client keeps for reuse */
+/* Pipelined groups (group_take): at most PIPE_MAX pieces of at most PIPE_PIECE_BYTES each,
+ * PIPE_BYTES in all. */
+#define PIPE_MAX 8
+#define PIPE_PIECE_BYTES (128u << 10)
+#define PIPE_BYTES (1u << 20)
 
 typedef struct kvx__session {
     struct kvx_client *client;
@@ -114,6 +120,7 @@ struct kvx_client {
     uint64_t watch_next;     /* when the watchdog plans to wake (UINT64_MAX: not planned) */
     kvx__piece *qhead, *qtail;
     int n_waiting; /* workers waiting for a piece (under mu) */
+    int n_wake_pending; /* of those, woken and not yet back from the wait (under mu) */
     int wake_debt; /* queued pieces held back for callers that will wait (under mu) */
     bool stopping;
     pthread_t watchdog;
@@ -129,6 +136,12 @@ struct kvx_client {
     bool rail_addr_given;     /* opts.rail_addrs: no device binding */
     void *rail_ucx[KVX_MAX_RAILS]; /* protocol ucx: each used rail's UCX context (its own
                                       registration of the region), else NULL */
+    /* Receive buffers of pipelined groups (bounce_get), kept for reuse; under mu. */
+    struct {
+        uint8_t *buf;
+        size_t cap;
+    } spare_bounce[BOUNCE_KEEP];
+    int n_spare_bounce;
 };
 
 static const kvx__transport tcp_transport;
@@ -609,6 +622,156 @@ out:
     return rc;
 }
 
+/*
+ * A pipelined group's answers come in through one receive buffer (bounce): each recv takes
+ * all that has arrived, however many frames that is, and each piece's blocks are then
+ * copied out of it with their checksums in one pass (td_crc32c_copy_blocks). For small
+ * pieces this costs a recv and a poll per arrival instead of three reads per answer (its
+ * header, payload, and data with the trailer), and the copy rides on the checksum pass
+ * that runs anyway. The buffer holds all of the group's answers, so it is never moved.
+ */
+typedef struct bounce {
+    uint8_t *buf;
+    size_t cap, lo, hi; /* buf[lo, hi): received, not yet taken */
+} bounce;
+
+/* The most bytes the answers to pieces ps[0..n) can take: DATA with its trailer, or ERROR. */
+static size_t bounce_need(const kvx_client *c, kvx__piece **ps, int n)
+{
+    size_t need = 0;
+    for (int i = 0; i < n; i++) {
+        size_t data =
+            12 + (c->opts.verify_checksums ? 4 * (size_t)ps[i]->blocks : 0) + (size_t)ps[i]->bytes;
+        need += KVX_HDR_BYTES + TD_MAX(data, (size_t)6 + KVX_MAX_ERRMSG);
+    }
+    return need;
+}
+
+static int bounce_get(kvx_client *c, size_t need, bounce *b)
+{
+    memset(b, 0, sizeof(*b));
+    pthread_mutex_lock(&c->mu);
+    for (int i = 0; i < c->n_spare_bounce; i++)
+        if (c->spare_bounce[i].cap >= need) {
+            b->buf = c->spare_bounce[i].buf;
+            b->cap = c->spare_bounce[i].cap;
+            c->spare_bounce[i] = c->spare_bounce[--c->n_spare_bounce];
+            break;
+        }
+    pthread_mutex_unlock(&c->mu);
+    if (b->buf) return 0;
+    size_t cap = TD_MAX(need, (size_t)PIPE_BYTES + PIPE_BYTES / 8);
+    b->buf = malloc(cap);
+    b->cap = cap;
+    return b->buf ? 0 : TD_ENOMEM;
+}
+
+static void bounce_put(kvx_client *c, bounce *b)
+{
+    if (!b->buf) return;
+    pthread_mutex_lock(&c->mu);
+    if (c->n_spare_bounce < BOUNCE_KEEP) {
+        c->spare_bounce[c->n_spare_bounce].buf = b->buf;
+        c->spare_bounce[c->n_spare_bounce++].cap = b->cap;
+        b->buf = NULL;
+    }
+    pthread_mutex_unlock(&c->mu);
+    free(b->buf);
+    b->buf = NULL;
+}
+
+/* Until b holds `need` bytes from lo. The first recv of a group waits first: its answer
+ * cannot have come yet. */
+static int bounce_fill(int fd, bounce *b, size_t need, uint64_t deadline_ns, td_err *err)
+{
+    if (need > b->cap - b->lo)
+        return td_err_set(err, TD_EPROTO, "kvx: the producer's answer is larger than asked for");
+    while (b->hi - b->lo < need) {
+        size_t got;
+        int rc =
+            kvx__recv_some(fd, b->buf + b->hi, b->cap - b->hi, b->hi == 0, deadline_ns, &got, err);
+        if (rc) return rc;
+        b->hi += got;
+    }
+    return 0;
+}
+
+/* tcp_recv_piece for a piece of a pipelined group, whose answer comes through b. */
+static int bounce_recv_piece(kvx__session *s, kvx__piece *p, int fd, bounce *b, bool *conn_ok,
+                             bool *before_answer, td_err *err)
+{
+    kvx_client *c = s->client;
+    struct kvx_xfer *x = p->x;
+    const kvx_region *r = &c->opts.region;
+    bool want_crc = c->opts.verify_checksums;
+    *conn_ok = false;
+    *before_answer = true;
+    int rc = bounce_fill(fd, b, KVX_HDR_BYTES, x->deadline_ns, err);
+    if (rc) return rc;
+    kvx_hdr h;
+    if ((rc = kvx_wire_decode_hdr(b->buf + b->lo, &h, err))) return rc;
+    /* A frame that has started must finish soon (as kvx__recv_frame). */
+    uint64_t frame_deadline = TD_MIN(x->deadline_ns, td_now_ns() + 30ull * 1000000000ull);
+    if ((rc = bounce_fill(fd, b, KVX_HDR_BYTES + (size_t)h.payload_len, frame_deadline, err)))
+        return rc;
+    kvx_msg m;
+    rc = kvx_wire_decode(&h, b->buf + b->lo + KVX_HDR_BYTES, h.payload_len, &m, err);
+    if (rc) return rc;
+    *before_answer = false;
+    size_t frame = KVX_HDR_BYTES + (size_t)h.payload_len;
+    if (m.hdr.type == KVX_MSG_ERROR) {
+        b->lo += frame;
+        *conn_ok = true;
+        return td_err_set(err, m.u.error.code, "kvx: producer %s:%u: %s", s->host, s->port,
+                          m.u.error.msg);
+    }
+    uint32_t want_n_crc = want_crc ? (uint32_t)p->blocks : 0;
+    if (m.hdr.type != KVX_MSG_DATA || m.hdr.tag != (uint32_t)(p - x->pieces) ||
+        m.u.data.data_len != p->bytes || m.u.data.n_crc != want_n_crc)
+        return td_err_set(err, TD_EPROTO,
+                          "kvx: producer %s:%u answered READ with %s of %llu bytes and %u "
+                          "checksums (expected DATA of %llu bytes and %u)",
+                          s->host, s->port, kvx_wire_type_name(m.hdr.type),
+                          (unsigned long long)m.u.data.data_len, m.u.data.n_crc,
+                          (unsigned long long)p->bytes, want_n_crc);
+    size_t whole = frame + (size_t)p->bytes + 4 * (size_t)want_n_crc;
+    if ((rc = bounce_fill(fd, b, whole, x->deadline_ns, err))) return rc;
+    uint8_t *src = b->buf + b->lo + frame;
+    const uint8_t *trailer = src + p->bytes;
+    b->lo += whole;
+    *conn_ok = true; /* the whole answer was read */
+    if (atomic_load(&kvx__test_corrupt_pieces) > 0 &&
+        atomic_fetch_sub(&kvx__test_corrupt_pieces, 1) > 0)
+        src[r->block_bytes / 2] ^= 0x40;
+    atomic_fetch_add(&kvx__test_answers_taken, 1);
+    uint32_t at = 0;
+    for (uint32_t k = 0; k < p->count; k++) {
+        const piece_desc *d = &x->pd[p->first + k];
+        uint8_t *to = (uint8_t *)r->base + kvx__offset(r, d->seg, d->dst);
+        if (!want_crc) {
+            memcpy(to, src, (size_t)d->n * r->block_bytes);
+            src += (size_t)d->n * r->block_bytes;
+            continue;
+        }
+        uint32_t crc[64];
+        for (uint32_t j = 0; j < d->n;) {
+            uint32_t cb = TD_MIN(d->n - j, 64u);
+            td_crc32c_copy_blocks(to, src, r->block_bytes, cb, crc);
+            for (uint32_t i = 0; i < cb && !rc; i++)
+                if (crc[i] != kvx_wire_trailer_get(trailer, at + i))
+                    rc = td_err_set(err, TD_EPROTO,
+                                    "kvx: checksum mismatch in segment %u, block %u (producer "
+                                    "block %u) from %s:%u",
+                                    d->seg, d->dst + j + i, d->src + j + i, s->host, s->port);
+            to += (size_t)cb * r->block_bytes;
+            src += (size_t)cb * r->block_bytes;
+            at += cb;
+            j += cb;
+        }
+    }
+    return rc;
+}
+
 static void piece_finish(kvx_client *c, kvx__piece *p, int rc, const td_err *e);
 
 /* Piece i of a group has its outcome: kept in rcs/errs, or the piece finished at once,
@@ -650,6 +813,8 @@ static void tcp_run_group(kvx__session *s, kvx__piece **ps, int n, int *rcs, td_
     kvx_wire_desc *wd = malloc(max_count * sizeof(*wd));
     int done = 0, rc = 0, last_rc = 0; /* pieces with an outcome; the last failure */
     td_err e, last_e;
+    bounce bb = {0};
+    bool bounced = false;
     td_err_clear(&e);
     if (!req || !wd) {
         rc = td_err_set(&e, TD_ENOMEM, "kvx: out of memory");
@@ -671,6 +836,11 @@ static void tcp_run_group(kvx__session *s, kvx__piece **ps, int n, int *rcs, td_
         req_n += w;
         deadline = TD_MIN(deadline, x->deadline_ns);
     }
+    /* Two or more pieces come in through a receive buffer (bounce_recv_piece); without
+     * one (out of memory), each is read straight into its blocks. */
+    bounced = n > 1 && !atomic_load(&kvx__test_no_bounce) &&
+              bounce_get(s->client, bounce_need(s->client, ps, n), &bb) == 0;
+    if (bounced) atomic_fetch_add(&kvx__test_groups_bounced, 1);
     int fd = -1;
     bool conn_ok = false;
     for (int attempt = 0;; attempt++) {
@@ -678,9 +848,14 @@ static void tcp_run_group(kvx__session *s, kvx__piece **ps, int n, int *rcs, td_
         rc = conn_get(s, deadline, false, false, &fd, &fresh, &e);
         if (rc) goto fail_rest;
         rc = kvx__send_all(fd, req, req_n, deadline, &e);
-        /* the answer cannot be there yet: wait for it rather than try a read first */
-        if (!rc) rc = kvx__wait_readable(fd, deadline, &e);
-        if (!rc) rc = tcp_recv_piece(s, ps[0], fd, &conn_ok, &before, &e);
+        bb.lo = bb.hi = 0;
+        if (bounced) {
+            if (!rc) rc = bounce_recv_piece(s, ps[0], fd, &bb, &conn_ok, &before, &e);
+        } else {
+            /* the answer cannot be there yet: wait for it rather than try a read first */
+            if (!rc) rc = kvx__wait_readable(fd, deadline, &e);
+            if (!rc) rc = tcp_recv_piece(s, ps[0], fd, &conn_ok, &before, &e);
+        }
         if (!rc || conn_ok || rc != TD_ECONN || !before || fresh || attempt > 0) break;
         conn_drop_stale(s, fd);
     }
@@ -689,17 +864,21 @@ static void tcp_run_group(kvx__session *s, kvx__piece **ps, int n, int *rcs, td_
         bool before;
         td_err pe;
         td_err_clear(&pe);
-        int prc = tcp_recv_piece(s, ps[done], fd, &conn_ok, &before, &pe);
+        int prc = bounced ? bounce_recv_piece(s, ps[done], fd, &bb, &conn_ok, &before, &pe)
+                          : tcp_recv_piece(s, ps[done], fd, &conn_ok, &before, &pe);
         if (prc) {
             rc = prc;
             e = pe;
         }
         group_outcome(s, ps, done++, n, prc, &pe, rcs, errs, &last_rc, &last_e);
     }
+    /* Bytes past the last answer: the producer is out of step, the connection is not reused. */
+    if (bounced && bb.hi != bb.lo) conn_ok = false;
     conn_put(s, fd, conn_ok);
 fail_rest: /* the connection broke under an earlier answer, or there was none */
     while (done < n)
         group_outcome(s, ps, done++, n, rc, &e, rcs, errs, &last_rc, &last_e);
+    bounce_put(s->client, &bb);
     free(req);
     free(wd);
     if (!rcs) piece_finish(s->client, ps[n - 1], last_rc, &last_e);
@@ -849,6 +1028,26 @@ static void xfer_complete(struct kvx_xfer *x)
     if (free_now) xfer_free_mem(x);
 }
 
+/*
+ * Under c->mu: wake workers for n new pieces (or groups of pieces: the caller counts a
+ * pipelined group as one), as many as are asleep and not already woken (n_wake_pending,
+ * which a woken worker counts down and group_take leaves pieces for). Two or more with one
+ * broadcast: a futex wake-up of a thread asleep on the other vCPU costs the caller ~28 us
+ * in this VM, and one call wakes them all for about the price of one. A piece queued with
+ * no worker asleep is taken by the next worker that finishes its own.
+ */
+static void wake_workers(kvx_client *c, int n)
+{
+    int k = TD_MIN(n, c->n_waiting - c->n_wake_pending);
+    if (k >= 2 && c->n_workers >= 2) {
+        pthread_cond_broadcast(&c->work_cv);
+        c->n_wake_pending = c->n_waiting;
+    } else if (k >= 1) {
+        pthread_cond_signal(&c->work_cv);
+        c->n_wake_pending++;
+    }
+}
+
 static void piece_finish(kvx_client *c, kvx__piece *p, int rc, const td_err *e)
 {
     struct kvx_xfer *x = p->x;
@@ -926,7 +1125,7 @@ static int stripe_run(kvx_client *c, struct kvx_xfer *x, kvx__piece *p, td_err *
         p->next = c->qhead;
         c->qhead = p;
         if (!c->qtail) c->qtail = p;
-        pthread_cond_signal(&c->work_cv);
+        wake_workers(c, 1);
         rc = TD_EAGAIN;
     }
     pthread_mutex_unlock(&c->mu);
@@ -940,9 +1139,6 @@ static int stripe_run(kvx_client *c, struct kvx_xfer *x, kvx__piece *p, td_err *
  * (tcp_run_group). Many concurrent small transfers then cost a wake-up per group on each
  * side instead of one per piece. Only the plain tcp transport, host memory, no striping.
  */
-#define PIPE_MAX 8
-#define PIPE_PIECE_BYTES (128u << 10)
-#define PIPE_BYTES (1u << 20)
 
 static bool pipelinable(const kvx_client *c, const kvx__piece *p)
 {
@@ -959,7 +1155,7 @@ static int group_take(kvx_client *c, kvx__piece *p, kvx__piece **group)
     int queued = 0;
     for (kvx__piece *q = c->qhead; q; q = q->next)
         queued++;
-    int spare = TD_MIN(queued - c->n_waiting, PIPE_MAX - 1);
+    int spare = TD_MIN(queued - c->n_wake_pending, PIPE_MAX - 1);
     uint64_t bytes = p->bytes;
     kvx__piece *prev = NULL;
     for (kvx__piece **pp = &c->qhead; *pp && spare > 0;) {
@@ -999,14 +1195,47 @@ static void piece_run(kvx_client *c, kvx__piece *p, int failed)
     piece_finish(c, p, rc, &e);
 }
 
+/* Run a group taken off the queue (group_take, wait_group_take): pieces whose transfer
+ * already failed (failed[i], its code when taken) or ran out of time end here; the rest go
+ * out together on one connection. */
+static void group_run(kvx_client *c, kvx__piece **group, const int *failed, int n)
+{
+    if (n == 1) {
+        piece_run(c, group[0], failed[0]);
+        return;
+    }
+    kvx__piece *run[PIPE_MAX];
+    int n_run = 0;
+    uint64_t now = td_now_ns();
+    for (int i = 0; i < n; i++) {
+        td_err e;
+        td_err_clear(&e);
+        if (failed[i])
+            piece_finish(c, group[i], failed[i], &e);
+        else if (now >= group[i]->x->deadline_ns)
+            piece_finish(
+                c, group[i],
+                td_err_set(&e, TD_ETIMEDOUT, "kvx: transfer deadline passed before it could run"),
+                &e);
+        else
+            run[n_run++] = group[i];
+    }
+    if (n_run > 1) atomic_fetch_add(&kvx__test_pieces_grouped, n_run);
+    if (n_run) tcp_run_group(run[0]->x->s, run, n_run, NULL, NULL);
+}
+
 static void *worker_main(void *arg)
 {
     kvx_client *c = arg;
     for (;;) {
         pthread_mutex_lock(&c->mu);
         c->n_waiting++;
-        while (!c->qhead && !c->stopping)
+        while (!c->qhead && !c->stopping) {
             pthread_cond_wait(&c->work_cv, &c->mu);
+            /* A wake-up with nothing left to take counts too; a spurious one may count
+             * another's, which only costs a wake-up more later. */
+            if (c->n_wake_pending > 0) c->n_wake_pending--;
+        }
         c->n_waiting--;
         kvx__piece *p = c->qhead;
         if (!p) {
@@ -1022,30 +1251,7 @@ static void *worker_main(void *arg)
             failed[i] = group[i]->x->code;
         pthread_mutex_unlock(&c->mu);
 
-        if (n > 1) {
-            /* Pieces whose transfer already failed or ran out of time end here; the rest go
-             * out together. */
-            kvx__piece *run[PIPE_MAX];
-            int n_run = 0;
-            uint64_t now = td_now_ns();
-            for (int i = 0; i < n; i++) {
-                td_err e;
-                td_err_clear(&e);
-                if (failed[i])
-                    piece_finish(c, group[i], failed[i], &e);
-                else if (now >= group[i]->x->deadline_ns)
-                    piece_finish(c, group[i],
-                                 td_err_set(&e, TD_ETIMEDOUT,
-                                            "kvx: transfer deadline passed before it could run"),
-                                 &e);
-                else
-                    run[n_run++] = group[i];
-            }
-            if (n_run > 1) atomic_fetch_add(&kvx__test_pieces_grouped, n_run);
-            if (n_run) tcp_run_group(run[0]->x->s, run, n_run, NULL, NULL);
-            continue;
-        }
-        piece_run(c, p, failed[0]);
+        group_run(c, group, failed, n);
     }
 }
 
@@ -1277,6 +1483,8 @@ void kvx_client_destroy(kvx_client *c)
         for (int i = 0; i < KVX_MAX_RAILS; i++) kvx__ucx_client_destroy(c->rail_ucx[i]);
     }
 #endif
+    for (int i = 0; i < c->n_spare_bounce; i++)
+        free(c->spare_bounce[i].buf);
     pthread_mutex_destroy(&c->mu);
     pthread_cond_destroy(&c->work_cv);
     pthread_cond_destroy(&c->done_cv);
@@ -1378,17 +1586,6 @@ static int stripe_sessions(kvx_client *c, struct kvx_xfer *x, td_err *err)
 }
 
 static bool wait_helps(const kvx_client *c);
-
-/* Under c->mu: wake n workers for n new pieces. Two or more with one broadcast: a futex
- * wake-up of a thread asleep on the other vCPU costs the caller ~28 us in this VM, and
- * one call wakes them all for about the price of one. */
-static void wake_workers(kvx_client *c, int n)
-{
-    if (n >= 2 && c->n_workers >= 2)
-        pthread_cond_broadcast(&c->work_cv);
-    else if (n >= 1)
-        pthread_cond_signal(&c->work_cv);
-}
 
 /*
  * Start a read of src[i] -> dst[i] (i < n) in segments [seg0, seg1) on session s, whose
@@ -1764,7 +1961,7 @@ static bool unhold(kvx_client *c, struct kvx_xfer *x)
  * worker is signalled for it after all. */
 static void release_held(kvx_client *c, struct kvx_xfer *x)
 {
-    if (unhold(c, x)) pthread_cond_signal(&c->work_cv);
+    if (unhold(c, x)) wake_workers(c, 1);
 }
 
 int kvx_xfer_poll(kvx_xfer *x, td_err *result)
@@ -1807,28 +2004,74 @@ static kvx__piece *take_own(kvx_client *c, struct kvx_xfer *x)
     return NULL;
 }
 
+/*
+ * Under c->mu, p (x's own piece) just taken by its waiting caller: also take the held
+ * pieces of other transfers on the same session (their callers will wait too, and no
+ * worker was signalled for them), up to PIPE_MAX pieces and PIPE_BYTES, so that the READs
+ * of transfers started together go out in one send and their answers come back on one
+ * connection with no hand-off to a worker.
+ */
+static int wait_group_take(kvx_client *c, kvx__piece *p, kvx__piece **group)
+{
+    int n = 1;
+    group[0] = p;
+    if (!pipelinable(c, p) || c->wake_debt == 0) return 1;
+    uint64_t bytes = p->bytes;
+    kvx__piece *prev = NULL;
+    for (kvx__piece **pp = &c->qhead; *pp && n < PIPE_MAX;) {
+        kvx__piece *q = *pp;
+        if (q->x->held && q->x->s == p->x->s && pipelinable(c, q) && !q->x->code &&
+            bytes + q->bytes <= PIPE_BYTES) {
+            *pp = q->next;
+            if (c->qtail == q) c->qtail = prev;
+            unhold(c, q->x);
+            group[n++] = q;
+            bytes += q->bytes;
+        } else {
+            prev = q;
+            pp = &q->next;
+        }
+    }
+    return n;
+}
+
 int kvx_xfer_wait(kvx_xfer *x, td_err *result)
 {
     kvx_client *c = x->c;
     bool help = wait_helps(c);
     pthread_mutex_lock(&c->mu);
     unhold(c, x); /* its piece is this thread's to run */
+    kvx__piece *group[PIPE_MAX];
+    int failed[PIPE_MAX], n = 0;
+    kvx__piece *own = help ? take_own(c, x) : NULL;
+    if (own) n = wait_group_take(c, own, group);
     /* Other transfers' held pieces get their workers now: a caller that starts several
      * and waits for each in turn keeps them running together. */
-    int n_released = 0;
+    int n_released = 0, n_piped = 0; /* pieces released: alone, and to be pipelined */
     for (kvx__piece *q = c->wake_debt > 0 ? c->qhead : NULL; q; q = q->next)
-        n_released += unhold(c, q->x);
-    wake_workers(c, n_released);
-    while (!x->done) {
-        kvx__piece *p = help ? take_own(c, x) : NULL;
-        if (!p) {
-            pthread_cond_wait(&c->done_cv, &c->mu);
-            continue;
+        if (unhold(c, q->x)) {
+            if (pipelinable(c, q))
+                n_piped++;
+            else
+                n_released++;
         }
-        int failed = x->code;
+    wake_workers(c, n_released + (n_piped + PIPE_MAX - 1) / PIPE_MAX);
+    while (n > 0 || !x->done) {
+        if (n == 0) {
+            kvx__piece *p = help ? take_own(c, x) : NULL;
+            if (!p) {
+                pthread_cond_wait(&c->done_cv, &c->mu);
+                continue;
+            }
+            group[0] = p;
+            n = 1;
+        }
+        for (int i = 0; i < n; i++)
+            failed[i] = group[i]->x->code;
         pthread_mutex_unlock(&c->mu);
-        atomic_fetch_add(&kvx__test_pieces_helped, 1);
-        piece_run(c, p, failed);
+        atomic_fetch_add(&kvx__test_pieces_helped, n);
+        group_run(c, group, failed, n);
+        n = 0;
         pthread_mutex_lock(&c->mu);
     }
     pthread_mutex_unlock(&c->mu);

@@ -28,6 +28,8 @@ _Atomic int kvx__test_send_bytes;
 _Atomic int kvx__test_pieces_grouped;
 _Atomic int kvx__test_pieces_helped;
 _Atomic int kvx__test_no_wait_help;
+_Atomic int kvx__test_no_bounce;
+_Atomic int kvx__test_groups_bounced;
 _Atomic int kvx__test_sends_delayed;
 _Atomic int kvx__test_rail_fail;
 _Atomic int kvx__test_slow_rail;
@@ -405,6 +407,22 @@ int kvx__readv_all(int fd, struct iovec *iov, int n_iov, uint64_t deadline_ns, t
             i++;
     }
     return 0;
+}
+
+int kvx__recv_some(int fd, uint8_t *buf, size_t cap, bool wait_first, uint64_t deadline_ns,
+                   size_t *got, td_err *err)
+{
+    for (bool wait = wait_first;; wait = true) {
+        if (wait) {
+            int rc = wait_fd(fd, POLLIN, deadline_ns, "receiving", err);
+            if (rc) return rc;
+        }
+        ssize_t r = recv(fd, buf, cap, 0);
+        if (r < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
+        if (r <= 0) return io_error(err, "receiving", r);
+        *got = (size_t)r;
+        return 0;
+    }
 }
 
 int kvx__recv_frame(int fd, uint8_t *buf, size_t cap, kvx_msg *m, uint64_t deadline_ns, td_err *err)

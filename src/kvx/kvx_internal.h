@@ -63,6 +63,10 @@ int kvx__writev_all(int fd, struct iovec *iov, int n_iov, uint64_t deadline_ns, 
 int kvx__readv_all(int fd, struct iovec *iov, int n_iov, uint64_t deadline_ns, td_err *err);
 /* Wait until fd is readable (or fails), at most until the deadline. */
 int kvx__wait_readable(int fd, uint64_t deadline_ns, td_err *err);
+/** One recv of whatever has arrived on fd (at most cap bytes, at least one: *got), waiting
+ * for it until the deadline (wait_first: poll before the first try, which would fail). */
+int kvx__recv_some(int fd, uint8_t *buf, size_t cap, bool wait_first, uint64_t deadline_ns,
+                   size_t *got, td_err *err);
 void kvx__set_sock_opts(int fd);
 /**
  * kvx__connect from a given local address, and where device is set, through that network
@@ -328,6 +332,10 @@ extern _Atomic int kvx__test_pieces_grouped;
  * paths, such as grouping). */
 extern _Atomic int kvx__test_pieces_helped;
 extern _Atomic int kvx__test_no_wait_help;
+/* Nonzero: pipelined groups are read straight into their blocks, as single pieces are,
+ * not through a receive buffer (bounce_recv_piece); groups that were read through one. */
+extern _Atomic int kvx__test_no_bounce;
+extern _Atomic int kvx__test_groups_bounced;
 /* When > 0, the shm consumer sleeps this many ms between a grant and its copy (shm.c),
  * counting each such sleep that begins in kvx__test_copies_delayed. */
 extern _Atomic int kvx__test_copy_delay_ms;

@@ -848,8 +848,9 @@ static void test_waiter_runs_its_pieces(void **state)
 
 /* A read started with will_wait leaves its one piece to the caller's wait: no worker takes
  * it meanwhile. Polling or freeing the handle hands the piece to a worker instead, and a
- * wait hands the other will_wait transfers' pieces to the workers, so that a caller that
- * waits for several in turn does not run them one after another. */
+ * wait runs the other will_wait transfers' small pieces with its own (up to a group) and
+ * hands the rest to the workers, so that a caller that waits for several in turn does not
+ * run them one after another (test_waiter_groups). */
 static kvx_xfer *start_will_wait(fixture *f, kvx_client *c, const char *tid, const int32_t *b,
                                  int n, done_count *dc)
 {
@@ -902,16 +903,18 @@ static void test_will_wait(void **state)
     kvx_xfer_free(x);
     assert_true(wait_done(&dc, 1));
     assert_int_equal(atomic_load(&dc.failed), 0);
-    /* 4: two will_wait reads; waiting for the first hands the second to the worker, which
-     * finishes it with nobody waiting for it */
+    /* 4: two small will_wait reads; waiting for the first runs the second with it, one
+     * group on one connection, and the worker is not woken */
     done_count dd = {0};
     helped0 = atomic_load(&kvx__test_pieces_helped);
+    int grouped0 = atomic_load(&kvx__test_pieces_grouped);
     kvx_xfer *x3 = start_will_wait(f, c, tid[3], b[3], 1, &dd);
     kvx_xfer *x4 = start_will_wait(f, c, tid[4], b[4], 1, &dd);
     assert_int_equal(kvx_xfer_wait(x3, &res), 0);
     assert_true(wait_done(&dd, 2));
     assert_int_equal(atomic_load(&dd.failed), 0);
-    assert_int_equal(atomic_load(&kvx__test_pieces_helped) - helped0, 1);
+    assert_int_equal(atomic_load(&kvx__test_pieces_helped) - helped0, 2);
+    assert_int_equal(atomic_load(&kvx__test_pieces_grouped) - grouped0, 2);
     expect_copied(f, b[3], b[3], 1);
     expect_copied(f, b[4], b[4], 1);
     kvx_xfer_free(x3);
@@ -919,14 +922,78 @@ static void test_will_wait(void **state)
     kvx_client_destroy(c);
 }
 
+/* Twelve small transfers started with will_wait, then a wait for the first: the waiter runs
+ * eight of them as one group (its own and seven held ones), and the one worker is woken
+ * once for the other four, which it takes as one group too. Every transfer arrives whole,
+ * through the receive buffer of pipelined groups or, with that off, straight into the
+ * blocks. */
+static void waiter_groups(fixture *f, bool bounce)
+{
+    kvx_client *c = one_worker_client(f, 2);
+    atomic_store(&kvx__test_no_bounce, bounce ? 0 : 1);
+    enum { N = 12 };
+    int32_t src[N][2], dst[N][2];
+    char tid[N][KVX_ID_HEX];
+    kvx_xfer *x[N];
+    td_err err, res;
+    for (int t = 0; t < N; t++) {
+        for (int i = 0; i < 2; i++) {
+            src[t][i] = 150 + (t * 7 + i * 13) % 90;
+            dst[t][i] = 60 + t * 2 + i;
+        }
+        assert_int_equal(kvx_agent_register(f->agent, src[t], 2, 0, NULL, tid[t], &err), 0);
+    }
+    usleep(100 * 1000); /* the worker has started and sleeps */
+    int helped0 = atomic_load(&kvx__test_pieces_helped);
+    int grouped0 = atomic_load(&kvx__test_pieces_grouped);
+    int bounced0 = atomic_load(&kvx__test_groups_bounced);
+    done_count dc = {0};
+    for (int t = 0; t < N; t++) {
+        kvx_read_req rq = req_for(f->agent, tid[t], src[t], dst[t], 2, 0);
+        rq.will_wait = true;
+        rq.done = on_done;
+        rq.user = &dc;
+        assert_int_equal(kvx_read_start(c, &rq, &x[t], &err), 0);
+    }
+    assert_int_equal(kvx_xfer_wait(x[0], &res), 0);
+    assert_true(wait_done(&dc, N));
+    assert_int_equal(atomic_load(&dc.failed), 0);
+    for (int t = 0; t < N; t++) {
+        assert_int_equal(kvx_xfer_wait(x[t], &res), 0);
+        expect_copied(f, src[t], dst[t], 2);
+        kvx_xfer_free(x[t]);
+    }
+    assert_int_equal(atomic_load(&kvx__test_pieces_helped) - helped0, 8);
+    assert_int_equal(atomic_load(&kvx__test_pieces_grouped) - grouped0, N);
+    assert_int_equal(atomic_load(&kvx__test_groups_bounced) - bounced0, bounce ? 2 : 0);
+    for (int t = 0; t < N; t++)
+        assert_int_equal(kvx_release(c, "127.0.0.1", kvx_agent_port(f->agent),
+                                     kvx_agent_engine_id(f->agent), tid[t], &err),
+                         0);
+    assert_int_equal(wait_released(f, N), N);
+    atomic_store(&kvx__test_no_bounce, 0);
+    kvx_client_destroy(c);
+}
+
+static void test_waiter_groups(void **state)
+{
+    waiter_groups(*state, true);
+}
+
+static void test_waiter_groups_direct(void **state)
+{
+    waiter_groups(*state, false);
+}
+
 /* Eleven transfers queue behind a slow one and go out in two pipelined groups. In the
  * first group one names a transfer id the producer never gave and one arrives corrupted:
  * those two fail alone, with their own errors, and every other transfer arrives whole. */
-static void test_pipelined_pieces(void **state)
+static void pipelined_pieces(fixture *f, bool bounce)
 {
-    fixture *f = *state;
     kvx_client *c = one_worker_client(f, 0);
     atomic_store(&kvx__test_no_wait_help, 1); /* the groups are the worker's */
+    atomic_store(&kvx__test_no_bounce, bounce ? 0 : 1);
+    int bounced0 = atomic_load(&kvx__test_groups_bounced);
     enum { N = 12, PER = 2, GUESSED = 5, CORRUPT = 1 };
     int32_t src[N][PER], dst[N][PER];
     char tid[N][KVX_ID_HEX];
@@ -983,8 +1050,22 @@ static void test_pipelined_pieces(void **state)
                                          kvx_agent_engine_id(f->agent), tid[t], &err),
                              0);
     assert_int_equal(wait_released(f, N - 1), N - 1);
+    assert_int_equal(atomic_load(&kvx__test_groups_bounced) - bounced0, bounce ? 2 : 0);
     atomic_store(&kvx__test_no_wait_help, 0);
+    atomic_store(&kvx__test_no_bounce, 0);
     kvx_client_destroy(c);
+}
+
+/* Through the receive buffer of pipelined groups (bounce_recv_piece), and straight into
+ * the blocks (tcp_recv_piece). */
+static void test_pipelined_pieces(void **state)
+{
+    pipelined_pieces(*state, true);
+}
+
+static void test_pipelined_pieces_direct(void **state)
+{
+    pipelined_pieces(*state, false);
 }
 
 /* The producer goes away while a pipelined group is in flight (its first answer has begun):
@@ -1058,7 +1139,10 @@ int main(void)
         T(test_expiry_waits_for_inflight_read),
         T(test_waiter_runs_its_pieces),
         T(test_will_wait),
+        T(test_waiter_groups),
+        T(test_waiter_groups_direct),
         T(test_pipelined_pieces),
+        T(test_pipelined_pieces_direct),
         T(test_pipelined_producer_closes),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
