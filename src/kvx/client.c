@@ -623,12 +623,13 @@ out:
 }
 
 /*
- * A pipelined group's answers come in through one receive buffer (bounce): each recv takes
- * all that has arrived, however many frames that is, and each piece's blocks are then
- * copied out of it with their checksums in one pass (td_crc32c_copy_blocks). For small
- * pieces this costs a recv and a poll per arrival instead of three reads per answer (its
- * header, payload, and data with the trailer), and the copy rides on the checksum pass
- * that runs anyway. The buffer holds all of the group's answers, so it is never moved.
+ * The answers to small pieces (a pipelined group's, or one piece of at most
+ * PIPE_PIECE_BYTES) come in through one receive buffer (bounce): each recv takes all that
+ * has arrived, however many frames that is, and each piece's blocks are then copied out of
+ * it with their checksums in one pass (td_crc32c_copy_blocks). This costs a recv and a
+ * poll per arrival instead of three or four reads per answer (its header, payload, and data
+ * with the trailer, and a read that finds nothing yet), and the copy rides on the checksum
+ * pass that runs anyway. The buffer holds all of the group's answers, so it is never moved.
  */
 typedef struct bounce {
     uint8_t *buf;
@@ -800,6 +801,7 @@ static void group_outcome(kvx__session *s, kvx__piece **ps, int i, int n, int rc
  * answer (the producer restarted, or an idle timeout) is replaced once by a fresh one,
  * whose handshake tells what really happened.
  */
+static bool pipelinable(const kvx_client *c, const kvx__piece *p);
 static void tcp_run_group(kvx__session *s, kvx__piece **ps, int n, int *rcs, td_err *errs)
 {
     bool want_crc = s->client->opts.verify_checksums;
@@ -836,11 +838,11 @@ static void tcp_run_group(kvx__session *s, kvx__piece **ps, int n, int *rcs, td_
         req_n += w;
         deadline = TD_MIN(deadline, x->deadline_ns);
     }
-    /* Two or more pieces come in through a receive buffer (bounce_recv_piece); without
-     * one (out of memory), each is read straight into its blocks. */
-    bounced = n > 1 && !atomic_load(&kvx__test_no_bounce) &&
+    /* Small pieces come in through a receive buffer (bounce_recv_piece); larger ones, or
+     * without a buffer (out of memory), each is read straight into its blocks. */
+    bounced = pipelinable(s->client, ps[0]) && !atomic_load(&kvx__test_no_bounce) &&
               bounce_get(s->client, bounce_need(s->client, ps, n), &bb) == 0;
-    if (bounced) atomic_fetch_add(&kvx__test_groups_bounced, 1);
+    if (bounced) atomic_fetch_add(&kvx__test_pieces_bounced, n);
     int fd = -1;
     bool conn_ok = false;
     for (int attempt = 0;; attempt++) {
@@ -904,8 +906,14 @@ static int tcp_control(kvx__session *s, uint8_t type, const uint8_t id[KVX_ID_BY
         rc = conn_get(s, deadline_ns, false, true, &fd, &fresh, err);
         if (rc) return rc;
         rc = kvx__send_all(fd, buf, n, deadline_ns, err);
+        /* The answer in one recv (after a poll: it cannot be there yet); anything after it
+         * would put the connection out of step. */
         uint8_t in[512];
-        if (!rc) rc = kvx__recv_frame(fd, in, sizeof(in), &m, deadline_ns, err);
+        kvx__rbuf rb = {.buf = in, .cap = sizeof(in)};
+        if (!rc) rc = kvx__rbuf_frame(fd, &rb, &m, deadline_ns, err);
+        if (!rc && rb.lo != rb.hi)
+            rc = td_err_set(err, TD_EPROTO, "kvx: producer %s:%u sent more than its answer",
+                            s->host, s->port);
         if (!rc) break;
         if (rc != TD_ECONN || fresh || attempt > 0) {
             conn_put(s, fd, false);

@@ -332,10 +332,10 @@ extern _Atomic int kvx__test_pieces_grouped;
  * paths, such as grouping). */
 extern _Atomic int kvx__test_pieces_helped;
 extern _Atomic int kvx__test_no_wait_help;
-/* Nonzero: pipelined groups are read straight into their blocks, as single pieces are,
- * not through a receive buffer (bounce_recv_piece); groups that were read through one. */
+/* Nonzero: small pieces are read straight into their blocks, as large ones are, not
+ * through a receive buffer (bounce_recv_piece); the pieces that were read through one. */
 extern _Atomic int kvx__test_no_bounce;
-extern _Atomic int kvx__test_groups_bounced;
+extern _Atomic int kvx__test_pieces_bounced;
 /* When > 0, the shm consumer sleeps this many ms between a grant and its copy (shm.c),
  * counting each such sleep that begins in kvx__test_copies_delayed. */
 extern _Atomic int kvx__test_copy_delay_ms;

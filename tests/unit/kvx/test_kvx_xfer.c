@@ -946,7 +946,7 @@ static void waiter_groups(fixture *f, bool bounce)
     usleep(100 * 1000); /* the worker has started and sleeps */
     int helped0 = atomic_load(&kvx__test_pieces_helped);
     int grouped0 = atomic_load(&kvx__test_pieces_grouped);
-    int bounced0 = atomic_load(&kvx__test_groups_bounced);
+    int bounced0 = atomic_load(&kvx__test_pieces_bounced);
     done_count dc = {0};
     for (int t = 0; t < N; t++) {
         kvx_read_req rq = req_for(f->agent, tid[t], src[t], dst[t], 2, 0);
@@ -965,7 +965,7 @@ static void waiter_groups(fixture *f, bool bounce)
     }
     assert_int_equal(atomic_load(&kvx__test_pieces_helped) - helped0, 8);
     assert_int_equal(atomic_load(&kvx__test_pieces_grouped) - grouped0, N);
-    assert_int_equal(atomic_load(&kvx__test_groups_bounced) - bounced0, bounce ? 2 : 0);
+    assert_int_equal(atomic_load(&kvx__test_pieces_bounced) - bounced0, bounce ? N : 0);
     for (int t = 0; t < N; t++)
         assert_int_equal(kvx_release(c, "127.0.0.1", kvx_agent_port(f->agent),
                                      kvx_agent_engine_id(f->agent), tid[t], &err),
@@ -993,7 +993,7 @@ static void pipelined_pieces(fixture *f, bool bounce)
     kvx_client *c = one_worker_client(f, 0);
     atomic_store(&kvx__test_no_wait_help, 1); /* the groups are the worker's */
     atomic_store(&kvx__test_no_bounce, bounce ? 0 : 1);
-    int bounced0 = atomic_load(&kvx__test_groups_bounced);
+    int bounced0 = atomic_load(&kvx__test_pieces_bounced);
     enum { N = 12, PER = 2, GUESSED = 5, CORRUPT = 1 };
     int32_t src[N][PER], dst[N][PER];
     char tid[N][KVX_ID_HEX];
@@ -1050,7 +1050,7 @@ static void pipelined_pieces(fixture *f, bool bounce)
                                          kvx_agent_engine_id(f->agent), tid[t], &err),
                              0);
     assert_int_equal(wait_released(f, N - 1), N - 1);
-    assert_int_equal(atomic_load(&kvx__test_groups_bounced) - bounced0, bounce ? 2 : 0);
+    assert_int_equal(atomic_load(&kvx__test_pieces_bounced) - bounced0, bounce ? N + 1 : 0);
     atomic_store(&kvx__test_no_wait_help, 0);
     atomic_store(&kvx__test_no_bounce, 0);
     kvx_client_destroy(c);
