@@ -20,7 +20,8 @@
  *    other call on the same object;
  *  - callbacks (kvx_release_fn, kvx_done_fn) run on a kvx thread (or in the caller of
  *    kvx_agent_cancel / kvx_agent_destroy / kvx_client_destroy, or of kvx_xfer_wait,
- *    which runs the transfer's not yet started pieces itself), with no kvx lock held;
+ *    which runs the transfer's not yet started pieces itself, and the small held pieces
+ *    of other will_wait transfers with them), with no kvx lock held;
  *    they must be short and must not call *_destroy of the object that invoked them.
  *    They may call kvx_agent_register / kvx_read_start etc.
  *  - the consumer's region memory of a transfer is written by kvx threads until the
@@ -330,8 +331,10 @@ typedef struct kvx_read_req {
     void *user;
     /* The caller will call kvx_xfer_wait on this transfer (host regions over tcp or shm):
      * one piece is left for the waiting thread to run and no worker is woken for it, so a
-     * one-piece read costs no thread hand-off. Polling or freeing the handle instead hands
-     * the piece to a worker; a piece left unclaimed still ends by the deadline. */
+     * one-piece read costs no thread hand-off. A wait for another will_wait transfer may
+     * run this one's small piece with its own (one pipelined group over tcp), and then this
+     * transfer's done callback runs on that thread. Polling or freeing the handle instead
+     * hands the piece to a worker; a piece left unclaimed still ends by the deadline. */
     bool will_wait;
 } kvx_read_req;
 
