@@ -2056,14 +2056,18 @@ int kvx_xfer_wait(kvx_xfer *x, td_err *result)
     /* Other transfers' held pieces get their workers now: a caller that starts several
      * and waits for each in turn keeps them running together. */
     int n_released = 0, n_piped = 0; /* pieces released: alone, and to be pipelined */
+    kvx__session *piped_s = NULL;    /* the session of those, NULL if several */
     for (kvx__piece *q = c->wake_debt > 0 ? c->qhead : NULL; q; q = q->next)
         if (unhold(c, q->x)) {
-            if (pipelinable(c, q))
-                n_piped++;
-            else
+            if (pipelinable(c, q)) {
+                piped_s = n_piped++ == 0 || piped_s == q->x->s ? q->x->s : NULL;
+            } else {
                 n_released++;
+            }
         }
-    wake_workers(c, n_released + (n_piped + PIPE_MAX - 1) / PIPE_MAX);
+    /* Pieces of one session go out in groups of PIPE_MAX, a worker each; of several
+     * sessions, a worker per piece as before. */
+    wake_workers(c, n_released + (piped_s ? (n_piped + PIPE_MAX - 1) / PIPE_MAX : n_piped));
     while (n > 0 || !x->done) {
         if (n == 0) {
             kvx__piece *p = help ? take_own(c, x) : NULL;
