@@ -67,6 +67,7 @@ typedef struct piece_desc {
 
 typedef struct kvx__piece {
     struct kvx_xfer *x;
+    uint32_t tag;          /* tcp: its READ's tag, unique in the client (next_tag) */
     uint32_t first, count; /* descriptors x->pd[first .. first + count) */
     uint64_t bytes, blocks;
     struct kvx__piece *next;
@@ -119,6 +120,7 @@ struct kvx_client {
     pthread_cond_t watch_cv; /* CLOCK_MONOTONIC; wakes the watchdog */
     uint64_t watch_next;     /* when the watchdog plans to wake (UINT64_MAX: not planned) */
     kvx__piece *qhead, *qtail;
+    _Atomic uint32_t next_tag; /* tcp: the tag of the next request (never 0) */
     int n_waiting; /* workers waiting for a piece (under mu) */
     int n_wake_pending; /* of those, woken and not yet back from the wait (under mu) */
     int wake_debt; /* queued pieces held back for callers that will wait (under mu) */
@@ -485,6 +487,53 @@ static void conn_put(kvx__session *s, int fd, bool ok)
 
 /* ---------------------------------------------------------------- the tcp transport */
 
+/* A tag for the next request on one of c's connections: unique among those in flight, and
+ * never 0, which a producer gives the ERROR it sends before hanging up. */
+static uint32_t next_tag(kvx_client *c)
+{
+    uint32_t t;
+    while ((t = atomic_fetch_add(&c->next_tag, 1)) == 0) {
+    }
+    return t;
+}
+
+/*
+ * Check the first frame of piece p's answer (decoded into m): 0 for DATA of the size asked
+ * for, else the error that ends the piece. A frame with another tag is no answer to p's
+ * READ (one left over on a reused connection, or a producer's ERROR before it hangs up):
+ * *before_answer stays true, so that a reused connection is replaced once. An ERROR for p
+ * leaves the connection in step (*conn_ok).
+ */
+static int answer_check(kvx__session *s, const kvx__piece *p, const kvx_msg *m, bool *conn_ok,
+                        bool *before_answer, td_err *err)
+{
+    if (m->hdr.tag != p->tag) {
+        if (m->hdr.type == KVX_MSG_ERROR)
+            return td_err_set(err, m->u.error.code, "kvx: producer %s:%u: %s", s->host, s->port,
+                              m->u.error.msg);
+        return td_err_set(err, TD_EPROTO,
+                          "kvx: producer %s:%u answered READ %u with %s for request %u", s->host,
+                          s->port, p->tag, kvx_wire_type_name(m->hdr.type), m->hdr.tag);
+    }
+    *before_answer = false;
+    if (m->hdr.type == KVX_MSG_ERROR) {
+        *conn_ok = true;
+        return td_err_set(err, m->u.error.code, "kvx: producer %s:%u: %s", s->host, s->port,
+                          m->u.error.msg);
+    }
+    if (m->hdr.type != KVX_MSG_DATA)
+        return td_err_set(err, TD_EPROTO, "kvx: producer %s:%u answered READ with %s", s->host,
+                          s->port, kvx_wire_type_name(m->hdr.type));
+    uint32_t want_n_crc = s->client->opts.verify_checksums ? (uint32_t)p->blocks : 0;
+    if (m->u.data.data_len != p->bytes || m->u.data.n_crc != want_n_crc)
+        return td_err_set(err, TD_EPROTO,
+                          "kvx: producer %s:%u answered READ with DATA of %llu bytes and %u "
+                          "checksums (expected %llu bytes and %u)",
+                          s->host, s->port, (unsigned long long)m->u.data.data_len, m->u.data.n_crc,
+                          (unsigned long long)p->bytes, want_n_crc);
+    return 0;
+}
+
 /*
  * Piece p's answer on fd, whose READ was sent: the DATA frame into p's blocks, in batches
  * of about BATCH_BYTES, each checksummed while it is in cache. *conn_ok says whether fd may
@@ -518,24 +567,8 @@ static int tcp_recv_piece(kvx__session *s, kvx__piece *p, int fd, bool *conn_ok,
      * piece but cost 16-64 MiB transfers 12-37% at 16 at once (BENCHMARKS.md, kvx). */
     rc = kvx__recv_frame(fd, in, in_cap, &m, x->deadline_ns, err);
     if (rc) goto out;
-    *before_answer = false;
-    if (m.hdr.type == KVX_MSG_ERROR) {
-        *conn_ok = true;
-        rc = td_err_set(err, m.u.error.code, "kvx: producer %s:%u: %s", s->host, s->port,
-                        m.u.error.msg);
-        goto out;
-    }
+    if ((rc = answer_check(s, p, &m, conn_ok, before_answer, err))) goto out;
     uint32_t want_n_crc = want_crc ? (uint32_t)p->blocks : 0;
-    if (m.hdr.type != KVX_MSG_DATA || m.hdr.tag != (uint32_t)(p - x->pieces) ||
-        m.u.data.data_len != p->bytes || m.u.data.n_crc != want_n_crc) {
-        rc = td_err_set(err, TD_EPROTO,
-                        "kvx: producer %s:%u answered READ with %s of %llu bytes and %u "
-                        "checksums (expected DATA of %llu bytes and %u)",
-                        s->host, s->port, kvx_wire_type_name(m.hdr.type),
-                        (unsigned long long)m.u.data.data_len, m.u.data.n_crc,
-                        (unsigned long long)p->bytes, want_n_crc);
-        goto out;
-    }
     bool corrupt = atomic_load(&kvx__test_corrupt_pieces) > 0 &&
                    atomic_fetch_sub(&kvx__test_corrupt_pieces, 1) > 0;
     atomic_fetch_add(&kvx__test_answers_taken, 1);
@@ -711,6 +744,13 @@ static int bounce_recv_piece(kvx__session *s, kvx__piece *p, int fd, bounce *b, 
     if (rc) return rc;
     kvx_hdr h;
     if ((rc = kvx_wire_decode_hdr(b->buf + b->lo, &h, err))) return rc;
+    /* A READ is answered by DATA (a 12-byte payload) or ERROR: anything else fails here,
+     * before its payload is waited for. */
+    if (!(h.type == KVX_MSG_DATA && h.payload_len == 12) &&
+        !(h.type == KVX_MSG_ERROR && h.payload_len <= 6 + KVX_MAX_ERRMSG))
+        return td_err_set(err, TD_EFORMAT,
+                          "kvx: producer %s:%u answered READ with %s of a %u-byte payload", s->host,
+                          s->port, kvx_wire_type_name(h.type), h.payload_len);
     /* A frame that has started must finish soon (as kvx__recv_frame). */
     uint64_t frame_deadline = TD_MIN(x->deadline_ns, td_now_ns() + 30ull * 1000000000ull);
     if ((rc = bounce_fill(fd, b, KVX_HDR_BYTES + (size_t)h.payload_len, frame_deadline, err)))
@@ -718,33 +758,22 @@ static int bounce_recv_piece(kvx__session *s, kvx__piece *p, int fd, bounce *b, 
     kvx_msg m;
     rc = kvx_wire_decode(&h, b->buf + b->lo + KVX_HDR_BYTES, h.payload_len, &m, err);
     if (rc) return rc;
-    *before_answer = false;
     size_t frame = KVX_HDR_BYTES + (size_t)h.payload_len;
-    if (m.hdr.type == KVX_MSG_ERROR) {
-        b->lo += frame;
-        *conn_ok = true;
-        return td_err_set(err, m.u.error.code, "kvx: producer %s:%u: %s", s->host, s->port,
-                          m.u.error.msg);
+    if ((rc = answer_check(s, p, &m, conn_ok, before_answer, err))) {
+        if (*conn_ok) b->lo += frame; /* p's ERROR: the next answer follows */
+        return rc;
     }
     uint32_t want_n_crc = want_crc ? (uint32_t)p->blocks : 0;
-    if (m.hdr.type != KVX_MSG_DATA || m.hdr.tag != (uint32_t)(p - x->pieces) ||
-        m.u.data.data_len != p->bytes || m.u.data.n_crc != want_n_crc)
-        return td_err_set(err, TD_EPROTO,
-                          "kvx: producer %s:%u answered READ with %s of %llu bytes and %u "
-                          "checksums (expected DATA of %llu bytes and %u)",
-                          s->host, s->port, kvx_wire_type_name(m.hdr.type),
-                          (unsigned long long)m.u.data.data_len, m.u.data.n_crc,
-                          (unsigned long long)p->bytes, want_n_crc);
+    bool corrupt = atomic_load(&kvx__test_corrupt_pieces) > 0 &&
+                   atomic_fetch_sub(&kvx__test_corrupt_pieces, 1) > 0;
+    atomic_fetch_add(&kvx__test_answers_taken, 1);
     size_t whole = frame + (size_t)p->bytes + 4 * (size_t)want_n_crc;
     if ((rc = bounce_fill(fd, b, whole, x->deadline_ns, err))) return rc;
     uint8_t *src = b->buf + b->lo + frame;
     const uint8_t *trailer = src + p->bytes;
     b->lo += whole;
     *conn_ok = true; /* the whole answer was read */
-    if (atomic_load(&kvx__test_corrupt_pieces) > 0 &&
-        atomic_fetch_sub(&kvx__test_corrupt_pieces, 1) > 0)
-        src[r->block_bytes / 2] ^= 0x40;
-    atomic_fetch_add(&kvx__test_answers_taken, 1);
+    if (corrupt) src[r->block_bytes / 2] ^= 0x40;
     uint32_t at = 0;
     for (uint32_t k = 0; k < p->count; k++) {
         const piece_desc *d = &x->pd[p->first + k];
@@ -802,9 +831,11 @@ static void group_outcome(kvx__session *s, kvx__piece **ps, int i, int n, int rc
  * whose handshake tells what really happened.
  */
 static bool pipelinable(const kvx_client *c, const kvx__piece *p);
+static void pieces_requeue(kvx_client *c, kvx__piece **ps, int n);
 static void tcp_run_group(kvx__session *s, kvx__piece **ps, int n, int *rcs, td_err *errs)
 {
-    bool want_crc = s->client->opts.verify_checksums;
+    kvx_client *c = s->client; /* s may be gone once the last piece is finished */
+    bool want_crc = c->opts.verify_checksums;
     size_t req_cap = 0;
     uint32_t max_count = 0;
     for (int i = 0; i < n; i++) {
@@ -831,9 +862,9 @@ static void tcp_run_group(kvx__session *s, kvx__piece **ps, int n, int *rcs, td_
             const piece_desc *d = &x->pd[p->first + k];
             wd[k] = (kvx_wire_desc){d->seg, d->src, d->n};
         }
-        size_t w = kvx_wire_encode_read(req + req_n, req_cap - req_n, (uint32_t)(p - x->pieces),
-                                        x->transfer_id, want_crc ? KVX_READ_CHECKSUMS : 0, wd,
-                                        p->count);
+        p->tag = next_tag(s->client);
+        size_t w = kvx_wire_encode_read(req + req_n, req_cap - req_n, p->tag, x->transfer_id,
+                                        want_crc ? KVX_READ_CHECKSUMS : 0, wd, p->count);
         TD_ASSERT(w > 0);
         req_n += w;
         deadline = TD_MIN(deadline, x->deadline_ns);
@@ -858,7 +889,11 @@ static void tcp_run_group(kvx__session *s, kvx__piece **ps, int n, int *rcs, td_
             if (!rc) rc = kvx__wait_readable(fd, deadline, &e);
             if (!rc) rc = tcp_recv_piece(s, ps[0], fd, &conn_ok, &before, &e);
         }
-        if (!rc || conn_ok || rc != TD_ECONN || !before || fresh || attempt > 0) break;
+        /* A reused connection that broke, or brought something other than this answer
+         * (left over from an earlier exchange), before the answer began: once more on a
+         * fresh one. */
+        bool stale = rc == TD_ECONN || rc == TD_EPROTO || rc == TD_EFORMAT;
+        if (!rc || conn_ok || !stale || !before || fresh || attempt > 0) break;
         conn_drop_stale(s, fd);
     }
     group_outcome(s, ps, done++, n, rc, &e, rcs, errs, &last_rc, &last_e);
@@ -878,12 +913,26 @@ static void tcp_run_group(kvx__session *s, kvx__piece **ps, int n, int *rcs, td_
     if (bounced && bb.hi != bb.lo) conn_ok = false;
     conn_put(s, fd, conn_ok);
 fail_rest: /* the connection broke under an earlier answer, or there was none */
-    while (done < n)
+    /* Pieces come in deadline order (group_run), so a piece that ran out of time fails the
+     * pieces behind it only by its own deadline, which is not theirs: those with time left
+     * go back to the queue, to run again on another connection. */
+    kvx__piece *again[PIPE_MAX];
+    int n_again = 0;
+    bool last_again = false;
+    while (done < n) {
+        if (!rcs && rc == TD_ETIMEDOUT && n_again < PIPE_MAX &&
+            td_now_ns() < ps[done]->x->deadline_ns) {
+            last_again = done == n - 1;
+            again[n_again++] = ps[done++];
+            continue;
+        }
         group_outcome(s, ps, done++, n, rc, &e, rcs, errs, &last_rc, &last_e);
-    bounce_put(s->client, &bb);
+    }
+    bounce_put(c, &bb);
     free(req);
     free(wd);
-    if (!rcs) piece_finish(s->client, ps[n - 1], last_rc, &last_e);
+    if (!rcs && !last_again) piece_finish(c, ps[n - 1], last_rc, &last_e);
+    if (n_again) pieces_requeue(c, again, n_again);
 }
 
 static int tcp_run_piece(kvx__session *s, kvx__piece *p, td_err *err)
@@ -897,11 +946,13 @@ static int tcp_control(kvx__session *s, uint8_t type, const uint8_t id[KVX_ID_BY
                        uint64_t deadline_ns, td_err *err)
 {
     uint8_t buf[512];
-    size_t n = type == KVX_MSG_RELEASE ? kvx_wire_encode_release(buf, sizeof(buf), 1, id)
-                                       : kvx_wire_encode_heartbeat(buf, sizeof(buf), 1, id, 1);
     kvx_msg m;
     int fd, rc;
     for (int attempt = 0;; attempt++) {
+        uint32_t tag = next_tag(s->client);
+        size_t n = type == KVX_MSG_RELEASE
+                       ? kvx_wire_encode_release(buf, sizeof(buf), tag, id)
+                       : kvx_wire_encode_heartbeat(buf, sizeof(buf), tag, id, 1);
         bool fresh;
         rc = conn_get(s, deadline_ns, false, true, &fd, &fresh, err);
         if (rc) return rc;
@@ -911,17 +962,30 @@ static int tcp_control(kvx__session *s, uint8_t type, const uint8_t id[KVX_ID_BY
         uint8_t in[512];
         kvx__rbuf rb = {.buf = in, .cap = sizeof(in)};
         if (!rc) rc = kvx__rbuf_frame(fd, &rb, &m, deadline_ns, err);
-        if (!rc && rb.lo != rb.hi)
+        /* Nothing of the answer came (the connection broke first), or what came answered
+         * something else (left over on a reused connection): a reused connection is tried
+         * once more on a fresh one. Once the answer has begun the request took effect, and
+         * is not sent again (a RELEASE sent twice would find its lease gone). */
+        bool stale = false;
+        if (!rc && m.hdr.tag != tag && !(m.hdr.type == KVX_MSG_ERROR && m.hdr.tag == 0)) {
+            rc =
+                td_err_set(err, TD_EPROTO, "kvx: producer %s:%u answered request %u with %s for %u",
+                           s->host, s->port, tag, kvx_wire_type_name(m.hdr.type), m.hdr.tag);
+            stale = true;
+        } else if (!rc && rb.lo != rb.hi) {
             rc = td_err_set(err, TD_EPROTO, "kvx: producer %s:%u sent more than its answer",
                             s->host, s->port);
+        } else if (rc) {
+            stale = rc == TD_ECONN && rb.hi == 0;
+        }
         if (!rc) break;
-        if (rc != TD_ECONN || fresh || attempt > 0) {
+        if (!stale || fresh || attempt > 0) {
             conn_put(s, fd, false);
             return rc;
         }
         conn_drop_stale(s, fd);
     }
-    conn_put(s, fd, m.hdr.type == KVX_MSG_ACK || m.hdr.type == KVX_MSG_ERROR);
+    conn_put(s, fd, m.hdr.type == KVX_MSG_ACK || (m.hdr.type == KVX_MSG_ERROR && m.hdr.tag != 0));
     if (m.hdr.type == KVX_MSG_ERROR)
         return td_err_set(err, m.u.error.code, "kvx: producer %s:%u: %s", s->host, s->port,
                           m.u.error.msg);
@@ -942,7 +1006,7 @@ void kvx__piece_get_info(const kvx__piece *p, kvx__piece_info *out)
 {
     *out = (kvx__piece_info){.transfer_id = p->x->transfer_id,
                              .deadline_ns = p->x->deadline_ns,
-                             .tag = (uint32_t)(p - p->x->pieces),
+                             .tag = p->tag,
                              .count = p->count,
                              .bytes = p->bytes,
                              .blocks = p->blocks};
@@ -1054,6 +1118,31 @@ static void wake_workers(kvx_client *c, int n)
         pthread_cond_signal(&c->work_cv);
         c->n_wake_pending++;
     }
+}
+
+/* Put pieces that did not run back at the head of the queue, in order (they are late
+ * already), and wake workers for them; at shutdown they end instead. */
+static void pieces_requeue(kvx_client *c, kvx__piece **ps, int n)
+{
+    pthread_mutex_lock(&c->mu);
+    if (c->stopping) {
+        pthread_mutex_unlock(&c->mu);
+        td_err e;
+        td_err_set(&e, TD_ECANCELED, "kvx: the consumer shut down");
+        for (int i = 0; i < n; i++)
+            piece_finish(c, ps[i], TD_ECANCELED, &e);
+        return;
+    }
+    uint64_t earliest = UINT64_MAX;
+    for (int i = n - 1; i >= 0; i--) {
+        ps[i]->next = c->qhead;
+        c->qhead = ps[i];
+        if (!c->qtail) c->qtail = ps[i];
+        earliest = TD_MIN(earliest, ps[i]->x->deadline_ns);
+    }
+    wake_workers(c, n);
+    if (earliest < c->watch_next) pthread_cond_signal(&c->watch_cv);
+    pthread_mutex_unlock(&c->mu);
 }
 
 static void piece_finish(kvx_client *c, kvx__piece *p, int rc, const td_err *e)
@@ -1191,6 +1280,7 @@ static void piece_run(kvx_client *c, kvx__piece *p, int failed)
     td_err e;
     td_err_clear(&e);
     int rc;
+    p->tag = next_tag(c); /* its requests' tag (tcp_run_group gives its own) */
     if (failed)
         rc = failed; /* another piece already decided the outcome */
     else if (td_now_ns() >= x->deadline_ns)
@@ -1228,6 +1318,14 @@ static void group_run(kvx_client *c, kvx__piece **group, const int *failed, int 
         else
             run[n_run++] = group[i];
     }
+    /* In deadline order: the answers come back in the order asked, so no piece then waits
+     * behind one that may take longer than its own deadline allows (tcp_run_group). */
+    for (int i = 1; i < n_run; i++)
+        for (int j = i; j > 0 && run[j]->x->deadline_ns < run[j - 1]->x->deadline_ns; j--) {
+            kvx__piece *t = run[j];
+            run[j] = run[j - 1];
+            run[j - 1] = t;
+        }
     if (n_run > 1) atomic_fetch_add(&kvx__test_pieces_grouped, n_run);
     if (n_run) tcp_run_group(run[0]->x->s, run, n_run, NULL, NULL);
 }

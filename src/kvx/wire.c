@@ -395,6 +395,11 @@ int kvx_wire_decode(const kvx_hdr *h, const uint8_t *p, size_t len, kvx_msg *m, 
         for (uint16_t i = 0; i < n; i++)
             if ((unsigned char)m->u.error.msg[i] < 0x20 || m->u.error.msg[i] == 0x7f)
                 m->u.error.msg[i] = '?';
+        if (n == 0) memcpy(m->u.error.msg, "(no message)", sizeof("(no message)"));
+        /* TD_EAGAIN means "not yet, call again" to the code that gets it (a transfer still
+         * running, a piece handed to another rail): from a peer it would keep a transfer
+         * from ever ending, so it arrives as a protocol error. */
+        if (m->u.error.code == TD_EAGAIN) m->u.error.code = TD_EPROTO;
         return 0;
     }
     }

@@ -98,6 +98,12 @@ static void test_roundtrip(void **state)
     assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), 0);
     assert_int_equal(m.u.error.code, TD_ENOTFOUND);
     assert_string_equal(m.u.error.msg, "no such?transfer"); /* control bytes made printable */
+    /* A peer's "call again" would keep a transfer running forever: a protocol error here;
+     * an empty message says so. */
+    n = kvx_wire_encode_error(buf, sizeof(buf), 14, TD_EAGAIN, "");
+    assert_int_equal(kvx_wire_decode_frame(buf, n, &m, &err), 0);
+    assert_int_equal(m.u.error.code, TD_EPROTO);
+    assert_string_equal(m.u.error.msg, "(no message)");
 
     uint8_t mac[32];
     memset(mac, 7, 32);
