@@ -21,12 +21,17 @@
 
 enum { P_PASS, P_DUP, P_SWALLOW, P_ERROR_EAGAIN, P_HUGE, P_EXTRA_LATE };
 
+#define MAX_LINKS 64
+
 typedef struct proxy {
     int lfd;
     uint16_t port, agent_port;
     pthread_t accept_thread;
     _Atomic int mode, count; /* the next `count` answers get `mode` */
     _Atomic bool stop;
+    pthread_mutex_t mu;
+    int fds[2 * MAX_LINKS]; /* the live links' sockets (-1: none); under mu */
+    int n_links;            /* links not yet freed; under mu */
 } proxy;
 
 typedef struct plink {
@@ -37,11 +42,16 @@ typedef struct plink {
 
 static void link_put(plink *l)
 {
-    if (atomic_fetch_sub(&l->refs, 1) == 1) {
-        close(l->cfd);
-        close(l->afd);
-        free(l);
-    }
+    if (atomic_fetch_sub(&l->refs, 1) != 1) return;
+    proxy *px = l->px;
+    pthread_mutex_lock(&px->mu);
+    for (int i = 0; i < 2 * MAX_LINKS; i++)
+        if (px->fds[i] == l->cfd || px->fds[i] == l->afd) px->fds[i] = -1;
+    close(l->cfd);
+    close(l->afd);
+    px->n_links--;
+    pthread_mutex_unlock(&px->mu);
+    free(l);
 }
 
 static int read_n(int fd, uint8_t *b, size_t n)
@@ -159,6 +169,11 @@ static void *accept_main(void *arg)
         }
         plink *l = malloc(sizeof(*l));
         *l = (plink){px, cfd, afd, 2};
+        pthread_mutex_lock(&px->mu);
+        px->n_links++;
+        for (int i = 0, put = 0; i < 2 * MAX_LINKS && put < 2; i++)
+            if (px->fds[i] < 0) px->fds[i] = put++ ? afd : cfd;
+        pthread_mutex_unlock(&px->mu);
         pthread_t a, b;
         pthread_create(&a, NULL, to_agent, l);
         pthread_create(&b, NULL, to_client, l);
@@ -170,6 +185,9 @@ static void *accept_main(void *arg)
 static void proxy_start(proxy *px, uint16_t agent_port)
 {
     memset(px, 0, sizeof(*px));
+    pthread_mutex_init(&px->mu, NULL);
+    for (int i = 0; i < 2 * MAX_LINKS; i++)
+        px->fds[i] = -1;
     px->agent_port = agent_port;
     px->lfd = socket(AF_INET, SOCK_STREAM, 0);
     struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
@@ -181,12 +199,23 @@ static void proxy_start(proxy *px, uint16_t agent_port)
     pthread_create(&px->accept_thread, NULL, accept_main, px);
 }
 
+/* Stop accepting, hang up every link, and wait until their threads are gone (they use px). */
 static void proxy_stop(proxy *px)
 {
     atomic_store(&px->stop, true);
     shutdown(px->lfd, SHUT_RDWR);
     pthread_join(px->accept_thread, NULL);
     close(px->lfd);
+    for (;;) {
+        pthread_mutex_lock(&px->mu);
+        for (int i = 0; i < 2 * MAX_LINKS; i++)
+            if (px->fds[i] >= 0) shutdown(px->fds[i], SHUT_RDWR);
+        int left = px->n_links;
+        pthread_mutex_unlock(&px->mu);
+        if (left == 0) break;
+        usleep(2000);
+    }
+    pthread_mutex_destroy(&px->mu);
 }
 
 static void proxy_mode(proxy *px, int mode, int count)
