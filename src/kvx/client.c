@@ -1243,24 +1243,36 @@ static bool pipelinable(const kvx_client *c, const kvx__piece *p)
            p->bytes <= PIPE_PIECE_BYTES;
 }
 
-/* Under c->mu, p just taken: unlink and add to group[] the pieces that go with it. */
-static int group_take(kvx_client *c, kvx__piece *p, kvx__piece **group)
+static bool unhold(kvx_client *c, struct kvx_xfer *x);
+
+/*
+ * Under c->mu, p just taken: unlink and add to group[] the queued pieces that go with it
+ * (same session, pipelinable, their transfer not failed), up to PIPE_MAX pieces and
+ * PIPE_BYTES. A worker (held_only false) leaves pieces for the workers already woken
+ * (n_wake_pending); a waiting caller (held_only true, wait_group_take) takes only held
+ * pieces, for which no worker was woken, and unholds them.
+ */
+static int group_take_from(kvx_client *c, kvx__piece *p, kvx__piece **group, bool held_only)
 {
     int n = 1;
     group[0] = p;
-    if (!pipelinable(c, p)) return 1;
-    int queued = 0;
-    for (kvx__piece *q = c->qhead; q; q = q->next)
-        queued++;
-    int spare = TD_MIN(queued - c->n_wake_pending, PIPE_MAX - 1);
+    if (!pipelinable(c, p) || (held_only && c->wake_debt == 0)) return 1;
+    int spare = PIPE_MAX - 1;
+    if (!held_only) {
+        int queued = 0;
+        for (kvx__piece *q = c->qhead; q; q = q->next)
+            queued++;
+        spare = TD_MIN(queued - c->n_wake_pending, spare);
+    }
     uint64_t bytes = p->bytes;
     kvx__piece *prev = NULL;
     for (kvx__piece **pp = &c->qhead; *pp && spare > 0;) {
         kvx__piece *q = *pp;
-        if (q->x->s == p->x->s && pipelinable(c, q) && !q->x->code &&
+        if ((!held_only || q->x->held) && q->x->s == p->x->s && pipelinable(c, q) && !q->x->code &&
             bytes + q->bytes <= PIPE_BYTES) {
             *pp = q->next;
             if (c->qtail == q) c->qtail = prev;
+            if (held_only) unhold(c, q->x);
             group[n++] = q;
             bytes += q->bytes;
             spare--;
@@ -1270,6 +1282,11 @@ static int group_take(kvx_client *c, kvx__piece *p, kvx__piece **group)
         }
     }
     return n;
+}
+
+static int group_take(kvx_client *c, kvx__piece *p, kvx__piece **group)
+{
+    return group_take_from(c, p, group, false);
 }
 
 /* Run one piece taken off the queue (`failed`: its transfer's code when taken) and finish
@@ -2119,26 +2136,7 @@ static kvx__piece *take_own(kvx_client *c, struct kvx_xfer *x)
  */
 static int wait_group_take(kvx_client *c, kvx__piece *p, kvx__piece **group)
 {
-    int n = 1;
-    group[0] = p;
-    if (!pipelinable(c, p) || c->wake_debt == 0) return 1;
-    uint64_t bytes = p->bytes;
-    kvx__piece *prev = NULL;
-    for (kvx__piece **pp = &c->qhead; *pp && n < PIPE_MAX;) {
-        kvx__piece *q = *pp;
-        if (q->x->held && q->x->s == p->x->s && pipelinable(c, q) && !q->x->code &&
-            bytes + q->bytes <= PIPE_BYTES) {
-            *pp = q->next;
-            if (c->qtail == q) c->qtail = prev;
-            unhold(c, q->x);
-            group[n++] = q;
-            bytes += q->bytes;
-        } else {
-            prev = q;
-            pp = &q->next;
-        }
-    }
-    return n;
+    return group_take_from(c, p, group, true);
 }
 
 int kvx_xfer_wait(kvx_xfer *x, td_err *result)
