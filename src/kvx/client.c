@@ -848,6 +848,9 @@ static void tcp_run_group(kvx__session *s, kvx__piece **ps, int n, int *rcs, td_
     td_err e, last_e;
     bounce bb = {0};
     bool bounced = false;
+    kvx__piece *again[PIPE_MAX]; /* pieces that go back to the queue (fail_rest) */
+    int n_again = 0;
+    bool last_again = false;
     td_err_clear(&e);
     if (!req || !wd) {
         rc = td_err_set(&e, TD_ENOMEM, "kvx: out of memory");
@@ -916,9 +919,6 @@ fail_rest: /* the connection broke under an earlier answer, or there was none */
     /* Pieces come in deadline order (group_run), so a piece that ran out of time fails the
      * pieces behind it only by its own deadline, which is not theirs: those with time left
      * go back to the queue, to run again on another connection. */
-    kvx__piece *again[PIPE_MAX];
-    int n_again = 0;
-    bool last_again = false;
     while (done < n) {
         if (!rcs && rc == TD_ETIMEDOUT && n_again < PIPE_MAX &&
             td_now_ns() < ps[done]->x->deadline_ns) {
