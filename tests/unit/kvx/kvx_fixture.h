@@ -13,6 +13,7 @@
 #include <cmocka.h>
 
 #include <stdatomic.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -43,8 +44,11 @@ static inline void pool_init(pool *p, uint64_t seed)
     } else {
         memset(p->mem, 0, (size_t)N_SEG * STRIDE);
     }
-    p->region = (kvx_region){.base = p->mem, .n_segments = N_SEG, .segment_stride = STRIDE,
-                             .block_bytes = BLOCK_BYTES, .n_blocks = N_BLOCKS};
+    p->region = (kvx_region){.base = p->mem,
+                             .n_segments = N_SEG,
+                             .segment_stride = STRIDE,
+                             .block_bytes = BLOCK_BYTES,
+                             .n_blocks = N_BLOCKS};
 }
 
 static inline uint8_t *blk(pool *p, int seg, int b)
@@ -72,7 +76,7 @@ typedef struct released {
 } released;
 
 static inline void on_release(void *user, const char *id, const int32_t *blocks, int n,
-                       kvx_release_reason reason, void *tu)
+                              kvx_release_reason reason, void *tu)
 {
     (void)id;
     (void)blocks;
@@ -131,6 +135,48 @@ static inline int setup(void **state)
     return 0;
 }
 
+/* Stops the fixture's client and agent (either may have been replaced by NULL) and clears
+ * the test hooks a test may have left set. */
+static inline int teardown(void **state)
+{
+    fixture *f = *state;
+    atomic_store(&kvx__test_send_delay_ms, 0);
+    atomic_store(&kvx__test_corrupt_pieces, 0);
+    if (f->client) kvx_client_destroy(f->client);
+    if (f->agent) kvx_agent_destroy(f->agent);
+    free(f->prod.mem);
+    free(f->cons.mem);
+    free(f);
+    return 0;
+}
+
+/* A consumer of the fixture's layout and pool with these workers, connections per peer
+ * and transfer timeout. */
+static inline kvx_client *client_with(fixture *f, int workers, int qp, uint32_t timeout_ms)
+{
+    kvx_client_opts o;
+    kvx_client_opts_default(&o);
+    o.layout = layout();
+    o.region = f->cons.region;
+    o.num_worker_threads = workers;
+    o.qp_per_transfer = qp;
+    o.transfer_timeout_ms = timeout_ms;
+    kvx_client *c;
+    td_err err;
+    assert_int_equal(kvx_client_create(&c, &o, &err), 0);
+    return c;
+}
+
+/* Whether consumer blocks dst[i] hold producer blocks src[i] in every segment. */
+static inline bool blocks_copied(fixture *f, const int32_t *src, const int32_t *dst, int n)
+{
+    for (int s = 0; s < N_SEG; s++)
+        for (int i = 0; i < n; i++)
+            if (memcmp(blk(&f->cons, s, dst[i]), blk(&f->prod, s, src[i]), BLOCK_BYTES))
+                return false;
+    return true;
+}
+
 /* A release callback may run a moment after RELEASE is acknowledged: the producer's
  * connection thread that sent the last bytes gives the blocks back once its writev returns. */
 static inline int wait_released(fixture *f, int n)
@@ -139,6 +185,5 @@ static inline int wait_released(fixture *f, int n)
         usleep(5 * 1000);
     return atomic_load(&f->rel.count);
 }
-
 
 #endif

@@ -226,21 +226,6 @@ static void proxy_mode(proxy *px, int mode, int count)
 
 /* ------------------------------------------------------------------ helpers */
 
-static kvx_client *client_n(fixture *f, int workers, int qp, uint32_t timeout_ms)
-{
-    kvx_client_opts o;
-    kvx_client_opts_default(&o);
-    o.layout = layout();
-    o.region = f->cons.region;
-    o.num_worker_threads = workers;
-    o.qp_per_transfer = qp;
-    o.transfer_timeout_ms = timeout_ms;
-    kvx_client *c;
-    td_err err;
-    assert_int_equal(kvx_client_create(&c, &o, &err), 0);
-    return c;
-}
-
 typedef struct xf {
     int32_t src[2], dst[2];
     char tid[KVX_ID_HEX];
@@ -265,15 +250,6 @@ static void start_group(fixture *f, kvx_client *c, proxy *px, xf *t, int n, int 
     }
 }
 
-static bool copied(fixture *f, const int32_t *src, const int32_t *dst, int n)
-{
-    for (int s = 0; s < N_SEG; s++)
-        for (int i = 0; i < n; i++)
-            if (memcmp(blk(&f->cons, s, dst[i]), blk(&f->prod, s, src[i]), BLOCK_BYTES))
-                return false;
-    return true;
-}
-
 /* Each transfer of the group ends with its own bytes or an error; returns how many failed. */
 static int end_group(fixture *f, xf *t, int n)
 {
@@ -282,7 +258,7 @@ static int end_group(fixture *f, xf *t, int n)
         td_err res;
         int rc = kvx_xfer_wait(t[i].x, &res);
         if (rc == 0)
-            assert_true(copied(f, t[i].src, t[i].dst, 2));
+            assert_true(blocks_copied(f, t[i].src, t[i].dst, 2));
         else
             failed++;
         kvx_xfer_free(t[i].x);
@@ -311,7 +287,7 @@ static int one(fixture *f, kvx_client *c, proxy *px, int32_t src, int32_t dst, d
     int rc = kvx_xfer_wait(x, res);
     if (secs) *secs = (double)(td_now_ns() - t0) * 1e-9;
     kvx_xfer_free(x);
-    if (rc == 0) assert_true(copied(f, &src, &dst, 1));
+    if (rc == 0) assert_true(blocks_copied(f, &src, &dst, 1));
     kvx_agent_cancel(f->agent, tid);
     return rc;
 }
@@ -325,7 +301,7 @@ static void test_group_answers_out_of_step(void **state)
     fixture *f = *state;
     proxy px;
     proxy_start(&px, kvx_agent_port(f->agent));
-    kvx_client *c = client_n(f, 1, 1, 2000);
+    kvx_client *c = client_with(f, 1, 1, 2000);
     xf t[4];
     td_err res;
     /* warm up: the one connection exists and is reused below */
@@ -358,7 +334,7 @@ static void test_error_code_eagain(void **state)
     fixture *f = *state;
     proxy px;
     proxy_start(&px, kvx_agent_port(f->agent));
-    kvx_client *c = client_n(f, 1, 1, 2000);
+    kvx_client *c = client_with(f, 1, 1, 2000);
     td_err res;
     double secs;
     proxy_mode(&px, P_ERROR_EAGAIN, 1);
@@ -386,7 +362,7 @@ static void test_oversized_answer_header(void **state)
     fixture *f = *state;
     proxy px;
     proxy_start(&px, kvx_agent_port(f->agent));
-    kvx_client *c = client_n(f, 1, 1, 3000);
+    kvx_client *c = client_with(f, 1, 1, 3000);
     td_err res;
     double secs;
     proxy_mode(&px, P_HUGE, 1);
@@ -405,7 +381,7 @@ static void test_late_stray_answer(void **state)
     fixture *f = *state;
     proxy px;
     proxy_start(&px, kvx_agent_port(f->agent));
-    kvx_client *c = client_n(f, 1, 1, 2000);
+    kvx_client *c = client_with(f, 1, 1, 2000);
     td_err err, res;
     int32_t src = 207, dst = 107;
     char tid[KVX_ID_HEX];
@@ -440,7 +416,7 @@ static void test_late_stray_answer(void **state)
 static void test_group_deadline_order(void **state)
 {
     fixture *f = *state;
-    kvx_client *c = client_n(f, 1, 2, 5000);
+    kvx_client *c = client_with(f, 1, 2, 5000);
     td_err err, res;
     int32_t ys[2] = {220, 221}, yd[2] = {120, 121}, xs[2] = {222, 223}, xd[2] = {122, 123};
     char ty[KVX_ID_HEX], tx[KVX_ID_HEX];
@@ -458,7 +434,7 @@ static void test_group_deadline_order(void **state)
     assert_int_equal(kvx_read_start(c, &rx, &x, &err), 0);
     int grouped0 = atomic_load(&kvx__test_pieces_grouped);
     assert_int_equal(kvx_xfer_wait(y, &res), 0);
-    assert_true(copied(f, ys, yd, 2));
+    assert_true(blocks_copied(f, ys, yd, 2));
     assert_int_equal(atomic_load(&kvx__test_pieces_grouped) - grouped0, 2);
     assert_int_equal(kvx_xfer_wait(x, &res), TD_ETIMEDOUT);
     kvx_xfer_info xi;
@@ -471,17 +447,6 @@ static void test_group_deadline_order(void **state)
     kvx_agent_cancel(f->agent, ty);
     kvx_agent_cancel(f->agent, tx);
     kvx_client_destroy(c);
-}
-
-static int teardown(void **state)
-{
-    fixture *f = *state;
-    kvx_client_destroy(f->client);
-    kvx_agent_destroy(f->agent);
-    free(f->prod.mem);
-    free(f->cons.mem);
-    free(f);
-    return 0;
 }
 
 #define T(fn) cmocka_unit_test_setup_teardown(fn, setup, teardown)

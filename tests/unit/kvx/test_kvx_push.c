@@ -330,18 +330,7 @@ static void test_push_cancelled_by_consumer(void **state)
     kvx_xfer_free(x);
 }
 
-static int teardown_push(void **state)
-{
-    fixture *f = *state;
-    if (f->client) kvx_client_destroy(f->client);
-    if (f->agent) kvx_agent_destroy(f->agent);
-    free(f->prod.mem);
-    free(f->cons.mem);
-    free(f);
-    return 0;
-}
-
-#define T(fn) cmocka_unit_test_setup_teardown(fn, setup, teardown_push)
+#define T(fn) cmocka_unit_test_setup_teardown(fn, setup, teardown)
 
 int main(void)
 {

@@ -26,19 +26,6 @@
 #include "kvx_fixture.h"
 #include "kvx_req.h"
 
-static int teardown(void **state)
-{
-    fixture *f = *state;
-    atomic_store(&kvx__test_send_delay_ms, 0);
-    atomic_store(&kvx__test_corrupt_pieces, 0);
-    kvx_client_destroy(f->client);
-    kvx_agent_destroy(f->agent);
-    free(f->prod.mem);
-    free(f->cons.mem);
-    free(f);
-    return 0;
-}
-
 /* A read of n blocks of transfer tid from the fixture's agent (src -> dst). */
 static int read_blocks(fixture *f, const char *tid, const int32_t *src, const int32_t *dst, int n,
                        uint32_t timeout_ms, td_err *res, kvx_xfer_info *info)
@@ -59,9 +46,7 @@ static int read_blocks(fixture *f, const char *tid, const int32_t *src, const in
 
 static void expect_copied(fixture *f, const int32_t *src, const int32_t *dst, int n)
 {
-    for (int s = 0; s < N_SEG; s++)
-        for (int i = 0; i < n; i++)
-            assert_memory_equal(blk(&f->cons, s, dst[i]), blk(&f->prod, s, src[i]), BLOCK_BYTES);
+    assert_true(blocks_copied(f, src, dst, n));
 }
 
 static void test_basic_read_and_release(void **state)
@@ -363,17 +348,7 @@ static void test_deadline(void **state)
  * READs in one send on one connection, the answers read in turn). */
 static kvx_client *one_worker_client(fixture *f, int qp)
 {
-    kvx_client_opts o;
-    kvx_client_opts_default(&o);
-    o.layout = layout();
-    o.region = f->cons.region;
-    o.num_worker_threads = 1;
-    o.qp_per_transfer = qp;
-    o.transfer_timeout_ms = 5000;
-    kvx_client *c;
-    td_err err;
-    assert_int_equal(kvx_client_create(&c, &o, &err), 0);
-    return c;
+    return client_with(f, 1, qp, 5000);
 }
 
 /* A transfer queued behind a busy worker still ends by its own deadline (the watchdog's
