@@ -870,8 +870,13 @@ int cli_up(int argc, char **argv)
         v[i].backoff_s = 0.5;
     }
 
+    /* Each handler blocks both signals: a SIGTERM that nested inside the SIGINT handler,
+     * between its read and its write of the count, lost one signal (Ctrl-C then SIGTERM
+     * read as one, and the cluster drained rather than stopping at once). */
     struct sigaction sa = {.sa_handler = on_stop};
     sigemptyset(&sa.sa_mask);
+    sigaddset(&sa.sa_mask, SIGINT);
+    sigaddset(&sa.sa_mask, SIGTERM);
     sigaction(SIGINT, &sa, NULL);
     sigaction(SIGTERM, &sa, NULL);
     char state[600];
