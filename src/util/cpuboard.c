@@ -13,7 +13,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define BOARD_MAGIC "TDCPUBD1"
+#define BOARD_MAGIC "TDCPUBD2"
 #define BOARD_SLOTS CPU_SETSIZE
 
 typedef struct {
@@ -23,28 +23,46 @@ typedef struct {
     uint8_t pad[48];
 } board_hdr;
 
+/*
+ * Owners and borrowers are named by a board user id: the process's pid in the high 32
+ * bits (to find a dead one) and the open's number within the process in the low ones, so
+ * that the engines of one process (data-parallel ranks) are told apart: by pid alone, two
+ * ranks took one idle rank's CPU together, and an owner took its own process's guest for
+ * itself and never waited for it.
+ */
 typedef struct {
-    _Atomic uint32_t busy;     /* the owner has work */
-    _Atomic uint32_t owner;    /* pid of the process whose home CPU this is; 0: none */
-    _Atomic uint32_t borrower; /* pid of the process running a guest here; 0: none */
-    uint8_t pad[52];
+    _Atomic uint32_t busy; /* the owner has work */
+    uint32_t pad0;
+    _Atomic uint64_t owner;    /* the user whose home CPU this is; 0: none */
+    _Atomic uint64_t borrower; /* the user running a guest here; 0: none */
+    uint8_t pad[40];
 } board_slot;
 
 _Static_assert(sizeof(board_hdr) == 64 && sizeof(board_slot) == 64, "board layout");
+_Static_assert(ATOMIC_LONG_LOCK_FREE == 2 && sizeof(long) == 8,
+               "the board's 64-bit ids are shared between processes: lock-free atomics only");
 
 #define BOARD_BYTES (sizeof(board_hdr) + BOARD_SLOTS * sizeof(board_slot))
 
 struct td_cpuboard {
     board_hdr *hdr;
     board_slot *slot;
-    uint32_t pid;
+    uint64_t id; /* pid << 32 | the open's number in this process */
     cpu_set_t home;
     cpu_set_t held; /* CPUs this process borrowed */
 };
 
-static bool pid_gone(uint32_t pid)
+static _Atomic uint32_t n_opens;
+
+static uint32_t id_pid(uint64_t id)
 {
-    return pid != 0 && kill((pid_t)pid, 0) != 0 && errno == ESRCH;
+    return (uint32_t)(id >> 32);
+}
+
+/* Whether the process of a board user id is gone (its slots are then free). */
+static bool id_gone(uint64_t id)
+{
+    return id != 0 && kill((pid_t)id_pid(id), 0) != 0 && errno == ESRCH;
 }
 
 int td_cpuboard_open(td_cpuboard **out, const char *path, const cpu_set_t *home, td_err *err)
@@ -87,22 +105,25 @@ int td_cpuboard_open(td_cpuboard **out, const char *path, const cpu_set_t *home,
             rc = td_err_set(err, TD_EFORMAT, "CPU board %s: not a tandem CPU board (bad header)",
                             path);
     }
-    /* A home CPU another live process owns on this board: the two would mark it idle and
-     * busy over each other, and lend it out while one still computes on it. (Checked under
-     * the lock, so two engines starting together cannot both take it.) */
+    /* A home CPU another live engine owns on this board (of another process, or another
+     * rank of this one): the two would mark it idle and busy over each other, and lend it
+     * out while one still computes on it. (Checked under the lock, so two engines starting
+     * together cannot both take it.) */
+    uint64_t id = (uint64_t)getpid() << 32 | (atomic_fetch_add(&n_opens, 1) + 1);
     for (int c = 0; rc == 0 && c < BOARD_SLOTS; c++) {
         if (!CPU_ISSET(c, home)) continue;
-        uint32_t owner = atomic_load(&((board_slot *)((char *)map + sizeof(board_hdr)))[c].owner);
-        if (owner && owner != (uint32_t)getpid() && !pid_gone(owner))
+        uint64_t owner = atomic_load(&((board_slot *)((char *)map + sizeof(board_hdr)))[c].owner);
+        if (owner && !id_gone(owner))
             rc = td_err_set(err, TD_EINVAL,
-                            "CPU board %s: CPU %d is already the home of pid %u (engines that "
-                            "share a board need CPU sets of their own: --cpus)",
-                            path, c, owner);
+                            "CPU board %s: CPU %d is already the home of pid %u%s (engines "
+                            "that share a board need CPU sets of their own: --cpus)",
+                            path, c, id_pid(owner),
+                            id_pid(owner) == id_pid(id) ? ", this process" : "");
     }
     if (rc == 0) { /* claimed while the lock is held */
         board_slot *slot = (board_slot *)((char *)map + sizeof(board_hdr));
         for (int c = 0; c < BOARD_SLOTS; c++)
-            if (CPU_ISSET(c, home)) atomic_store(&slot[c].owner, (uint32_t)getpid());
+            if (CPU_ISSET(c, home)) atomic_store(&slot[c].owner, id);
     }
     flock(fd, LOCK_UN);
     close(fd);
@@ -113,14 +134,11 @@ int td_cpuboard_open(td_cpuboard **out, const char *path, const cpu_set_t *home,
     td_cpuboard *b = td_xcalloc(1, sizeof(*b));
     b->hdr = map;
     b->slot = (board_slot *)((char *)map + sizeof(board_hdr));
-    b->pid = (uint32_t)getpid();
+    b->id = id;
     b->home = *home;
     CPU_ZERO(&b->held);
-    for (int c = 0; c < BOARD_SLOTS; c++) {
-        if (!CPU_ISSET(c, home)) continue;
-        atomic_store(&b->slot[c].busy, 0);
-        atomic_store(&b->slot[c].owner, b->pid);
-    }
+    for (int c = 0; c < BOARD_SLOTS; c++)
+        if (CPU_ISSET(c, home)) atomic_store(&b->slot[c].busy, 0);
     *out = b;
     return 0;
 }
@@ -131,7 +149,7 @@ void td_cpuboard_close(td_cpuboard *b)
     for (int c = 0; c < BOARD_SLOTS; c++) {
         if (CPU_ISSET(c, &b->held)) td_cpuboard_give_back(b, c);
         if (!CPU_ISSET(c, &b->home)) continue;
-        uint32_t me = b->pid;
+        uint64_t me = b->id;
         atomic_compare_exchange_strong(&b->slot[c].owner, &me, 0);
         atomic_store(&b->slot[c].busy, 0);
     }
@@ -149,9 +167,9 @@ uint64_t td_cpuboard_set_busy(td_cpuboard *b, bool busy)
     for (int c = 0; c < BOARD_SLOTS; c++) {
         if (!CPU_ISSET(c, &b->home)) continue;
         for (;;) {
-            uint32_t who = atomic_load(&b->slot[c].borrower);
-            if (who == 0 || who == b->pid) break;
-            if (pid_gone(who)) { /* died holding it */
+            uint64_t who = atomic_load(&b->slot[c].borrower);
+            if (who == 0 || who == b->id) break;
+            if (id_gone(who)) { /* died holding it */
                 atomic_compare_exchange_strong(&b->slot[c].borrower, &who, 0);
                 continue;
             }
@@ -160,7 +178,7 @@ uint64_t td_cpuboard_set_busy(td_cpuboard *b, bool busy)
             if (now - t0 > TD_CPUBOARD_WAIT_NS) {
                 TD_DEBUG("CPU board: cpu %d still borrowed by pid %u after %llu ms; running "
                          "beside it",
-                         c, who, (unsigned long long)(TD_CPUBOARD_WAIT_NS / 1000000));
+                         c, id_pid(who), (unsigned long long)(TD_CPUBOARD_WAIT_NS / 1000000));
                 return now - t0;
             }
             /* The borrower's thread runs on this very CPU: leave it the core. */
@@ -176,11 +194,11 @@ bool td_cpuboard_borrow(td_cpuboard *b, int cpu)
     if (cpu < 0 || cpu >= BOARD_SLOTS || CPU_ISSET(cpu, &b->home)) return false;
     board_slot *s = &b->slot[cpu];
     if (atomic_load(&s->busy)) return false;
-    uint32_t none = 0;
-    if (!atomic_compare_exchange_strong(&s->borrower, &none, b->pid)) {
-        if (none != b->pid && !pid_gone(none)) return false;
+    uint64_t none = 0;
+    if (!atomic_compare_exchange_strong(&s->borrower, &none, b->id)) {
+        if (none != b->id && !id_gone(none)) return false;
         /* ours already, or left by a dead borrower: take it over */
-        if (none != b->pid && !atomic_compare_exchange_strong(&s->borrower, &none, b->pid))
+        if (none != b->id && !atomic_compare_exchange_strong(&s->borrower, &none, b->id))
             return false;
     }
     if (atomic_load(&s->busy)) { /* the owner started meanwhile */
@@ -199,7 +217,7 @@ bool td_cpuboard_wanted(const td_cpuboard *b, int cpu)
 void td_cpuboard_give_back(td_cpuboard *b, int cpu)
 {
     if (cpu < 0 || cpu >= BOARD_SLOTS || !CPU_ISSET(cpu, &b->held)) return;
-    uint32_t me = b->pid;
+    uint64_t me = b->id;
     atomic_compare_exchange_strong(&b->slot[cpu].borrower, &me, 0);
     CPU_CLR(cpu, &b->held);
 }

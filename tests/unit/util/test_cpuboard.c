@@ -1,6 +1,7 @@
 /* Unit tests for util/cpuboard.c: two real processes share a board file. The owner lends
  * its CPU while idle and gets it back when it turns busy; a borrower that dies holding a
- * CPU does not keep it; a file that is not a board is refused. */
+ * CPU does not keep it; the engines of one process exclude each other as processes do; a
+ * file that is not a board is refused. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -203,6 +204,42 @@ static void test_wait_is_bounded(void **state)
     td_cpuboard_close(b);
 }
 
+/*
+ * Three engines of one process (data-parallel ranks), each its own open of the board: only
+ * one may borrow an idle rank's CPU, an owner waits for a guest of its own process, and a
+ * rank may not take another rank's home CPU. (By pid alone, two ranks held CPU 2 together,
+ * and the owner ran beside its guest at once.)
+ */
+static void test_ranks_of_one_process(void **state)
+{
+    (void)state;
+    cpu_set_t h0 = one_cpu(0), h1 = one_cpu(1), h2 = one_cpu(2);
+    td_cpuboard *r0, *r1, *r2, *dup = (td_cpuboard *)1;
+    td_err err;
+    assert_int_equal(td_cpuboard_open(&r0, board_path, &h0, &err), 0);
+    assert_int_equal(td_cpuboard_open(&r1, board_path, &h1, &err), 0);
+    assert_int_equal(td_cpuboard_open(&r2, board_path, &h2, &err), 0);
+    assert_int_equal(td_cpuboard_open(&dup, board_path, &h1, &err), TD_EINVAL);
+    assert_null(dup);
+    assert_non_null(strstr(err.msg, "CPU 1 is already the home of pid"));
+    assert_non_null(strstr(err.msg, "this process"));
+
+    assert_true(td_cpuboard_borrow(r0, 2));
+    assert_false(td_cpuboard_borrow(r1, 2));          /* r0 holds it */
+    assert_true(td_cpuboard_borrow(r0, 2));           /* already its own */
+    uint64_t waited = td_cpuboard_set_busy(r2, true); /* r0 never gives it back */
+    assert_true(waited >= TD_CPUBOARD_WAIT_NS);
+    td_cpuboard_set_busy(r2, false);
+    td_cpuboard_give_back(r0, 2);
+    assert_true(td_cpuboard_borrow(r1, 2)); /* free again */
+    td_cpuboard_close(r1);                  /* gives it back */
+    assert_true(td_cpuboard_borrow(r0, 2));
+    td_cpuboard_close(r0);
+    td_cpuboard_close(r2);
+    assert_int_equal(td_cpuboard_open(&r1, board_path, &h2, &err), 0); /* a closed owner's CPU */
+    td_cpuboard_close(r1);
+}
+
 static void test_not_a_board(void **state)
 {
     (void)state;
@@ -231,6 +268,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_dead_borrower, setup, teardown),
         cmocka_unit_test_setup_teardown(test_home_taken, setup, teardown),
         cmocka_unit_test_setup_teardown(test_wait_is_bounded, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_ranks_of_one_process, setup, teardown),
         cmocka_unit_test_setup_teardown(test_not_a_board, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
