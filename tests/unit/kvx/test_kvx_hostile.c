@@ -2,7 +2,8 @@
  * test_kvx_hostile.c - the tcp consumer against a producer that misbehaves: a real agent
  * behind a proxy on loopback that passes the handshake through and then rewrites the
  * agent's answers (duplicates one, swallows one, replaces one by an ERROR or by a header
- * that promises a payload it never sends, sends bytes after one). Every transfer must end
+ * that promises a payload it never sends, sends bytes after one, cuts one short). Every
+ * transfer must end
  * at once with a clear error or with the right bytes, never with another transfer's bytes,
  * and the client must stay usable. Also: the pieces of a pipelined group run in deadline
  * order, and a piece that times out sends the others of its group back to the queue.
@@ -19,7 +20,7 @@
 
 /* ------------------------------------------------------------------ the proxy */
 
-enum { P_PASS, P_DUP, P_SWALLOW, P_ERROR_EAGAIN, P_HUGE, P_EXTRA_LATE };
+enum { P_PASS, P_DUP, P_SWALLOW, P_ERROR_EAGAIN, P_HUGE, P_EXTRA_LATE, P_CUT };
 
 #define MAX_LINKS 64
 
@@ -131,6 +132,9 @@ static void *to_client(void *arg)
                 usleep(10 * 1000);
             goto out;
         }
+        case P_CUT: /* the answer's first bytes, then the link hangs up */
+            write_n(l->cfd, f, KVX_HDR_BYTES / 2);
+            goto out;
         case P_EXTRA_LATE: { /* the answer, then a copy of it 50 ms later */
             write_n(l->cfd, f, len);
             usleep(50 * 1000);
@@ -449,14 +453,96 @@ static void test_group_deadline_order(void **state)
     kvx_client_destroy(c);
 }
 
+/* A RELEASE whose answer breaks off after it began took effect at the producer: it is not
+ * sent again (a second RELEASE finds its lease gone and says "not found"), and it ends with
+ * the broken connection's error. */
+static void test_release_answer_cut(void **state)
+{
+    fixture *f = *state;
+    proxy px;
+    proxy_start(&px, kvx_agent_port(f->agent));
+    kvx_client *c = client_with(f, 1, 1, 2000);
+    td_err err, res;
+    int32_t src = 209, dst = 109;
+    char tid[KVX_ID_HEX];
+    assert_int_equal(kvx_agent_register(f->agent, &src, 1, 0, NULL, tid, &err), 0);
+    kvx_read_req rq = req_for(f->agent, tid, &src, &dst, 1, 0);
+    rq.port = px.port;
+    kvx_xfer *x;
+    assert_int_equal(kvx_read_start(c, &rq, &x, &err), 0);
+    assert_int_equal(kvx_xfer_wait(x, &res), 0);
+    kvx_xfer_free(x); /* its connection stays open, and the RELEASE reuses it */
+    const char *eng = kvx_agent_engine_id(f->agent);
+    proxy_mode(&px, P_CUT, 1);
+    assert_int_equal(kvx_release(c, "127.0.0.1", px.port, eng, tid, &err), TD_ECONN);
+    assert_int_equal(kvx_agent_n_leases(f->agent), 0); /* released, once */
+    assert_int_equal(kvx_release(c, "127.0.0.1", px.port, eng, tid, &err), TD_ENOTFOUND);
+    assert_int_equal(one(f, c, &px, 210, 110, NULL, &res), 0); /* still usable */
+    kvx_client_destroy(c);
+    proxy_stop(&px);
+}
+
+/*
+ * Held pieces of two producers, released together when their caller waits for a third
+ * transfer: each gets a worker of its own, so the piece of a healthy producer does not wait
+ * behind the piece of a producer that never answers its handshake (one wake-up for both
+ * made it wait out that producer's deadline).
+ */
+static void test_released_pieces_of_two_producers(void **state)
+{
+    fixture *f = *state;
+    proxy px; /* the healthy producer again, under another address: another session */
+    proxy_start(&px, kvx_agent_port(f->agent));
+    int mute = socket(AF_INET, SOCK_STREAM, 0); /* listens, never accepts or answers */
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t sl = sizeof(sa);
+    assert_int_equal(bind(mute, (struct sockaddr *)&sa, sizeof(sa)), 0);
+    assert_int_equal(listen(mute, 8), 0);
+    assert_int_equal(getsockname(mute, (struct sockaddr *)&sa, &sl), 0);
+    kvx_client *c = client_with(f, 2, 1, 3000);
+    usleep(100 * 1000); /* the workers sleep */
+    td_err err, res;
+    int32_t src[3] = {230, 231, 232}, dst[3] = {130, 131, 132};
+    char tid[3][KVX_ID_HEX];
+    kvx_xfer *x[3];
+    for (int i = 0; i < 3; i++) {
+        assert_int_equal(kvx_agent_register(f->agent, &src[i], 1, 0, NULL, tid[i], &err), 0);
+        kvx_read_req rq = req_for(f->agent, tid[i], &src[i], &dst[i], 1, 0);
+        if (i == 0) rq.port = ntohs(sa.sin_port); /* A: the mute producer, first in line */
+        if (i == 1) rq.port = px.port;            /* B: the healthy one through the proxy */
+        rq.will_wait = true;
+        assert_int_equal(kvx_read_start(c, &rq, &x[i], &err), 0);
+    }
+    assert_int_equal(kvx_xfer_wait(x[2], &res), 0); /* W, direct: releases A and B */
+    uint64_t t0 = td_now_ns();
+    while (kvx_xfer_poll(x[1], &res) == TD_EAGAIN && td_now_ns() - t0 < 2000000000ull)
+        usleep(2000);
+    assert_int_equal(kvx_xfer_poll(x[1], &res), 0);
+    assert_true(td_now_ns() - t0 < 1000000000ull); /* not after A's 3 s deadline */
+    assert_true(blocks_copied(f, &src[1], &dst[1], 1));
+    assert_int_equal(kvx_xfer_poll(x[0], &res), TD_EAGAIN); /* A still waits for its answer */
+    assert_int_not_equal(kvx_xfer_wait(x[0], &res), 0);
+    for (int i = 0; i < 3; i++) {
+        kvx_xfer_free(x[i]);
+        kvx_agent_cancel(f->agent, tid[i]);
+    }
+    kvx_client_destroy(c);
+    close(mute);
+    proxy_stop(&px);
+}
+
 #define T(fn) cmocka_unit_test_setup_teardown(fn, setup, teardown)
 
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        T(test_group_answers_out_of_step), T(test_error_code_eagain),
-        T(test_oversized_answer_header),   T(test_late_stray_answer),
+        T(test_group_answers_out_of_step),
+        T(test_error_code_eagain),
+        T(test_oversized_answer_header),
+        T(test_late_stray_answer),
         T(test_group_deadline_order),
+        T(test_release_answer_cut),
+        T(test_released_pieces_of_two_producers),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
