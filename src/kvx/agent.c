@@ -1543,9 +1543,10 @@ static void *accept_main(void *arg)
             snprintf(msg, sizeof(msg), "refusing a connection: %s (limit %d)", why,
                      a->opts.max_connections);
             /* said to the peer too, so that a consumer reports why (it reads this instead of
-             * its HELLO's answer); never blocking: the socket is new and its buffer empty */
+             * its HELLO's answer) and tries again a little later (TD_EBUSY: every reason here
+             * passes); never blocking: the socket is new and its buffer empty */
             uint8_t frame[KVX_HDR_BYTES + 256];
-            size_t n = kvx_wire_encode_error(frame, sizeof(frame), 0, TD_ECONN, msg);
+            size_t n = kvx_wire_encode_error(frame, sizeof(frame), 0, TD_EBUSY, msg);
             if (n) (void)send(fd, frame, n, MSG_NOSIGNAL | MSG_DONTWAIT);
             warn_peer(a, msg);
             close(fd);

@@ -333,6 +333,44 @@ static int handshake(kvx__session *s, int fd, const char *rail, uint64_t deadlin
 }
 
 /*
+ * Whether a handshake the producer refused for now (TD_EBUSY: at its connection limit, or
+ * too many connections still authenticating) is tried again: after a pause of *pause_ms
+ * (doubling up to 200 ms) where the deadline leaves time for it. A producer's overload
+ * then delays a transfer rather than failing it (the request would recompute its prompt).
+ */
+static bool busy_retry(int rc, uint32_t *pause_ms, uint64_t deadline_ns)
+{
+    if (rc != TD_EBUSY) return false;
+    uint64_t pause = (uint64_t)*pause_ms * 1000000ull;
+    if (td_now_ns() + pause >= deadline_ns) return false;
+    struct timespec ts = {(time_t)(pause / 1000000000ull), (long)(pause % 1000000000ull)};
+    nanosleep(&ts, NULL);
+    *pause_ms = TD_MIN(*pause_ms * 2, 200u);
+    atomic_fetch_add(&kvx__test_busy_retries, 1);
+    return true;
+}
+
+static int session_dial(kvx__session *s, uint64_t deadline_ns, int *fd, td_err *err);
+
+/* A connection greeted by the producer: dialled (a control one to the handshake address,
+ * else session_dial's), then HELLO (and AUTH) on it; refusals for now are tried again. */
+static int connect_greeted(kvx__session *s, bool control, uint64_t deadline_ns, int *fd,
+                           td_err *err)
+{
+    int rc;
+    uint32_t pause_ms = 10;
+    do {
+        rc = control ? kvx__connect(s->host, s->port, deadline_ns, fd, err)
+                     : session_dial(s, deadline_ns, fd, err);
+        if (rc) continue;
+        rc = handshake(s, *fd, !control && s->rail >= 0 ? s->client->rails.name[s->rail] : "",
+                       deadline_ns, err);
+        if (rc) close(*fd);
+    } while (busy_retry(rc, &pause_ms, deadline_ns));
+    return rc;
+}
+
+/*
  * Where the producer serves our rail: ask over a connection to its handshake address
  * (RAIL; matched rails name ours, a single device asks for the producer's own). Refusals
  * (no such rail, a failed rail, no rails there) end the transfer: no other rail is tried.
@@ -342,17 +380,14 @@ static int rail_resolve(kvx__session *s, uint64_t deadline_ns, char *host, uint1
 {
     kvx_client *c = s->client;
     int fd;
-    int rc = kvx__connect(s->host, s->port, deadline_ns, &fd, err);
+    int rc = connect_greeted(s, true, deadline_ns, &fd, err); /* a control connection */
     if (rc) return rc;
     int rail = s->rail;
-    rc = handshake(s, fd, "", deadline_ns, err); /* a control connection */
     uint8_t buf[512];
     kvx_msg m;
-    if (!rc) {
-        size_t n = kvx_wire_encode_rail(buf, sizeof(buf), 1,
-                                        c->opts.matched_rails ? c->rails.name[rail] : "");
-        rc = kvx__send_all(fd, buf, n, deadline_ns, err);
-    }
+    size_t n =
+        kvx_wire_encode_rail(buf, sizeof(buf), 1, c->opts.matched_rails ? c->rails.name[rail] : "");
+    rc = kvx__send_all(fd, buf, n, deadline_ns, err);
     if (!rc) rc = kvx__recv_frame(fd, buf, sizeof(buf), &m, deadline_ns, err);
     close(fd);
     if (rc) return rc;
@@ -430,12 +465,7 @@ static int conn_get(kvx__session *s, uint64_t deadline_ns, bool check, bool cont
         if (s->n_open < cap) {
             s->n_open++;
             pthread_mutex_unlock(&s->mu);
-            int rc = session_dial(s, deadline_ns, fd, err);
-            if (!rc) {
-                rc = handshake(s, *fd, s->rail >= 0 ? s->client->rails.name[s->rail] : "",
-                               deadline_ns, err);
-                if (rc) close(*fd);
-            }
+            int rc = connect_greeted(s, false, deadline_ns, fd, err);
             if (rc) {
                 pthread_mutex_lock(&s->mu);
                 s->n_open--;
@@ -1046,11 +1076,7 @@ void *kvx__session_client_state(const kvx__session *s)
 
 int kvx__session_connect(kvx__session *s, uint64_t deadline_ns, int *fd, td_err *err)
 {
-    int rc = session_dial(s, deadline_ns, fd, err);
-    if (!rc && (rc = handshake(s, *fd, s->rail >= 0 ? s->client->rails.name[s->rail] : "",
-                               deadline_ns, err)))
-        close(*fd);
-    return rc;
+    return connect_greeted(s, false, deadline_ns, fd, err);
 }
 
 int kvx__session_control(kvx__session *s, uint8_t type, const uint8_t id[KVX_ID_BYTES],

@@ -364,7 +364,9 @@ static int fail_reason(int code, const char *msg)
 {
     switch (code) {
     case TD_ETIMEDOUT: return FAIL_TIMEOUT;
-    case TD_ECONN: return FAIL_CONN;
+    case TD_ECONN:
+    case TD_EBUSY:
+        return FAIL_CONN;
     case TD_ENOTFOUND: return FAIL_NOT_FOUND;
     case TD_ECANCELED: return FAIL_CANCELED;
     case TD_EPROTO:

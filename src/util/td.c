@@ -27,6 +27,8 @@ const char *td_strerror(int code)
     case TD_ECONN: return "connection failed";
     case TD_EPROTO: return "protocol error";
     case TD_ESTATE: return "invalid state";
+    case TD_EBUSY:
+        return "busy";
     default: return "unknown error";
     }
 }

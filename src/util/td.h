@@ -33,6 +33,7 @@ enum {
     TD_ECONN = -12,       /* a peer is unreachable or went away */
     TD_EPROTO = -13,      /* a peer broke the protocol */
     TD_ESTATE = -14,      /* call not valid in the object's current state */
+    TD_EBUSY = -15,       /* a peer is at a limit for now: try again a little later */
 };
 
 /** Name of an error code ("invalid argument", ...). Never NULL. */

@@ -265,6 +265,16 @@ static void raw_send(int fd, const uint8_t *frame, size_t n)
 }
 
 /* Expect an ERROR containing `says`, then the producer's hang-up. */
+static int raw_last_code; /* the code of the last refusal */
+
+/* The 1st of fds[] closed 300 ms from now. */
+static void *close_later(void *arg)
+{
+    usleep(300 * 1000);
+    close(*(int *)arg);
+    return NULL;
+}
+
 static void raw_expect_refusal(int fd, const char *says)
 {
     td_err err;
@@ -272,6 +282,7 @@ static void raw_expect_refusal(int fd, const char *says)
     uint64_t dl = td_now_ns() + RAW_DEADLINE_NS;
     assert_int_equal(kvx__recv_frame(fd, raw_buf, sizeof(raw_buf), &m, dl, &err), 0);
     assert_int_equal(m.hdr.type, KVX_MSG_ERROR);
+    raw_last_code = m.u.error.code;
     if (!strstr(m.u.error.msg, says)) fail_msg("ERROR '%s' lacks '%s'", m.u.error.msg, says);
     char c;
     assert_int_equal(kvx__recv_all(fd, &c, 1, dl, &err), TD_ECONN);
@@ -433,8 +444,9 @@ static void test_bad_handshake_frames(void **state)
 }
 
 /* Connections that have not proved themselves are limited (half the table, a quarter
- * from one address): a flood of them is turned away with an ERROR saying why, and
- * one that authenticates still gets in once the flood's connections time out. */
+ * from one address): a flood of them is turned away with an ERROR saying why (TD_EBUSY),
+ * and a consumer refused meanwhile tries again a little later, within its deadline, and
+ * gets in once a slot frees. */
 static void test_unauthenticated_flood_is_bounded(void **state)
 {
     (void)state;
@@ -460,18 +472,39 @@ static void test_unauthenticated_flood_is_bounded(void **state)
     assert_int_equal(
         kvx__connect("127.0.0.1", kvx_agent_port(a), td_now_ns() + RAW_DEADLINE_NS, &fd, &err), 0);
     raw_expect_refusal(fd, "too many connections from this address are still authenticating");
+    assert_int_equal(raw_last_code, TD_EBUSY);
     close(fd);
-    /* a consumer that knows the token gets in once a slot frees */
-    close(fds[0]);
+    /* a consumer that knows the token is refused while the flood lasts, and gets in once a
+     * slot frees (300 ms on), with no retry of its caller's */
     side c;
     side_init(&c, 2);
     kvx_client *cl = client(&c, "secret");
-    int ok = -1;
-    for (int i = 0; i < 100 && ok; i++) {
-        ok = kvx_session_check(cl, "127.0.0.1", kvx_agent_port(a), kvx_agent_engine_id(a), &err);
-        if (ok) usleep(20000);
-    }
-    assert_int_equal(ok, 0);
+    pthread_t closer;
+    pthread_create(&closer, NULL, close_later, &fds[0]);
+    int retries0 = atomic_load(&kvx__test_busy_retries);
+    uint64_t t0 = td_now_ns();
+    assert_int_equal(
+        kvx_session_check(cl, "127.0.0.1", kvx_agent_port(a), kvx_agent_engine_id(a), &err), 0);
+    assert_true(td_now_ns() - t0 >= 250000000ull);
+    assert_true(atomic_load(&kvx__test_busy_retries) > retries0);
+    pthread_join(closer, NULL);
+    /* a flood that outlasts the deadline: the check ends then, saying why */
+    int more[2];
+    for (int i = 0; i < 2; i++)
+        assert_int_equal(kvx__connect("127.0.0.1", kvx_agent_port(a), td_now_ns() + RAW_DEADLINE_NS,
+                                      &more[i], &err),
+                         0);
+    usleep(100000);
+    kvx_client_destroy(cl);
+    cl = client(&c, "secret");
+    t0 = td_now_ns();
+    assert_int_equal(
+        kvx_session_check(cl, "127.0.0.1", kvx_agent_port(a), kvx_agent_engine_id(a), &err),
+        TD_EBUSY);
+    assert_non_null(strstr(err.msg, "still authenticating"));
+    assert_true(td_now_ns() - t0 < 4000000000ull); /* the client's 3 s deadline */
+    for (int i = 0; i < 2; i++)
+        close(more[i]);
     for (int i = 1; i < 4; i++)
         close(fds[i]);
     kvx_client_destroy(cl);
