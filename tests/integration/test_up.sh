@@ -124,17 +124,6 @@ if [ "$(nproc)" -ge 2 ]; then
     kill -TERM "$UP"
     wait "$UP" || fail "tandem up --no-lend-cpus exited non-zero on SIGTERM"
 fi
-# Stopped during start-up: never "ready", a non-zero status, nothing left behind.
-"$TD_BIN" up --model "$MODEL" --port 0 --workdir "$tmp/w3" >"$tmp/o3" 2>"$tmp/e3" &
-U3=$!
-for _ in $(seq 1 50); do [ -s "$tmp/w3/router.log" ] && break; sleep 0.05; done
-kill -TERM "$U3"
-rc=0
-wait "$U3" || rc=$?
-[ "$rc" -eq 1 ] && grep -q "stopped during start-up" "$tmp/e3" || fail "SIGTERM in start-up: $rc $(cat "$tmp/e3")"
-! grep -q '^ready:' "$tmp/o3" || fail "stopped in start-up, yet ready: $(cat "$tmp/o3")"
-sleep 0.2
-! pgrep -f "$tmp/w3/" >/dev/null || fail "processes outlived a stop in start-up: $(pgrep -af "$tmp/w3/")"
 # An engine flag it does not know: the engine's own error line is shown, not only its usage.
 rc=0
 "$TD_BIN" up --model "$MODEL" --port 0 --workdir "$tmp/w4" -- --bogus-flag 1 >"$tmp/o4" 2>"$tmp/e4" || rc=$?
@@ -158,6 +147,22 @@ cat >"$tmp/c.json" <<JSON
  "hosts": [{"name": "a", "address": "127.0.0.1", "prefill": 1},
            {"name": "b", "address": "127.0.0.1", "decode": 1}]}
 JSON
+# Stopped during start-up: never "ready", a non-zero status, nothing left behind. Host a of
+# c.json, without host b: its router never sees a decode engine, so the start-up cannot end
+# before the signal (a whole one-host cluster of this model was sometimes ready first).
+"$TD_BIN" up --config "$tmp/c.json" --this-host a --workdir "$tmp/w3" >"$tmp/o3" 2>"$tmp/e3" &
+U3=$!
+for _ in $(seq 1 100); do
+    [ "$(grep -l "listening on" "$tmp/w3/router.log" "$tmp/w3/prefill-0.log" 2>/dev/null | wc -l)" = 2 ] && break
+    sleep 0.1
+done
+kill -TERM "$U3"
+rc=0
+wait "$U3" || rc=$?
+[ "$rc" -eq 1 ] && grep -q "stopped during start-up" "$tmp/e3" || fail "SIGTERM in start-up: $rc $(cat "$tmp/e3")"
+! grep -q '^ready:' "$tmp/o3" || fail "stopped in start-up, yet ready: $(cat "$tmp/o3")"
+sleep 0.2
+! pgrep -f "$tmp/w3/" >/dev/null || fail "processes outlived a stop in start-up: $(pgrep -af "$tmp/w3/")"
 rc=0
 "$TD_BIN" up --config "$tmp/c.json" --this-host zz >"$tmp/out" 2>"$tmp/err" || rc=$?
 [ "$rc" -eq 2 ] && grep -q "this-host" "$tmp/err" || fail "unknown host: $(cat "$tmp/err")"
