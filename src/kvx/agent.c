@@ -1050,6 +1050,15 @@ static int push_wait(kvx_agent *a, int fd, conn_bufs *b, uint32_t tag, uint64_t 
     return rc;
 }
 
+/* Whether the consumer hung up a connection that owes us nothing (it sends nothing while
+ * its WRITE waits): a cancelled push shuts its connection down. */
+static bool peer_gone(int fd)
+{
+    char c;
+    ssize_t r = recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+    return r == 0 || (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+}
+
 /*
  * WRITE: wait (up to the consumer's timeout) for the producer to open this push transfer,
  * claim it, then announce each segment's newly final blocks as the prefill reports them,
@@ -1072,6 +1081,14 @@ static int serve_write(kvx_agent *a, int fd, conn_bufs *b, const kvx_msg *m)
     lease *l = NULL;
     pthread_mutex_lock(&a->mu);
     while (!rc) {
+        /* A consumer that gave up (kvx_client_cancel) leaves now: still waiting, its WRITE
+         * would claim the transfer id if it were opened later, and a WRITE that came for
+         * it then would be refused as a second claim. Checked at each wake-up, so before an
+         * open of the id that wakes it. */
+        if (peer_gone(fd)) {
+            rc = TD_ECONN;
+            break;
+        }
         int i = lease_find(a, m->u.write.transfer_id);
         if (i >= 0) {
             l = a->leases[i];

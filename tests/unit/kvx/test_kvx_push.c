@@ -288,7 +288,8 @@ static void test_push_consumer_shuts_down(void **state)
 
 /* The consumer's request was aborted while its push waits for a prefill that will never
  * run (the router cancelled it too): kvx_client_cancel ends the push at once, with
- * TD_ECANCELED, rather than after the producer's silence times out. */
+ * TD_ECANCELED, rather than after the producer's silence times out; the producer's side of
+ * it ends too, and leaves the transfer id to a later WRITE. */
 static void test_push_cancelled_by_consumer(void **state)
 {
     fixture *f = *state;
@@ -307,10 +308,11 @@ static void test_push_cancelled_by_consumer(void **state)
         assert_true(td_now_ns() - t0 < 3000000000ull);
         kvx_xfer_free(x);
     }
-    /* the client works on (another transfer: the producer may still hold the cancelled
-     * WRITE's claim on TID until it notices the closed connection) */
+    /* the client works on, with the same transfer id opened now: the producer's cancelled
+     * WRITE, which waited for it, left when its consumer hung up rather than claiming it
+     * (the new WRITE was refused as a second claim) */
     enum { N = 4 };
-    static const char tid2[] = "fedcba9876543210fedcba9876543210";
+    static const char tid2[] = TID;
     int32_t src[N], d2[N];
     make_blocks(src, d2, N);
     assert_int_equal(kvx_agent_push_open(f->agent, tid2, N, NULL, &err), 0);
