@@ -335,14 +335,19 @@ static int handshake(kvx__session *s, int fd, const char *rail, uint64_t deadlin
 /*
  * Whether a handshake the producer refused for now (TD_EBUSY: at its connection limit, or
  * too many connections still authenticating) is tried again: after a pause of *pause_ms
- * (doubling up to 200 ms) where the deadline leaves time for it. A producer's overload
+ * (doubling up to 200 ms) where the deadline leaves time for it and the client is not
+ * shutting down. A producer's overload
  * then delays a transfer rather than failing it (the request would recompute its prompt).
  */
-static bool busy_retry(int rc, uint32_t *pause_ms, uint64_t deadline_ns)
+static bool busy_retry(kvx_client *c, int rc, uint32_t *pause_ms, uint64_t deadline_ns)
 {
     if (rc != TD_EBUSY) return false;
     uint64_t pause = (uint64_t)*pause_ms * 1000000ull;
     if (td_now_ns() + pause >= deadline_ns) return false;
+    pthread_mutex_lock(&c->mu);
+    bool stopping = c->stopping; /* kvx_client_destroy does not wait out the deadline */
+    pthread_mutex_unlock(&c->mu);
+    if (stopping) return false;
     struct timespec ts = {(time_t)(pause / 1000000000ull), (long)(pause % 1000000000ull)};
     nanosleep(&ts, NULL);
     *pause_ms = TD_MIN(*pause_ms * 2, 200u);
@@ -366,7 +371,7 @@ static int connect_greeted(kvx__session *s, bool control, uint64_t deadline_ns, 
         rc = handshake(s, *fd, !control && s->rail >= 0 ? s->client->rails.name[s->rail] : "",
                        deadline_ns, err);
         if (rc) close(*fd);
-    } while (busy_retry(rc, &pause_ms, deadline_ns));
+    } while (busy_retry(s->client, rc, &pause_ms, deadline_ns));
     return rc;
 }
 

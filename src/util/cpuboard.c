@@ -49,7 +49,7 @@ struct td_cpuboard {
     board_slot *slot;
     uint64_t id; /* pid << 32 | the open's number in this process */
     cpu_set_t home;
-    cpu_set_t held; /* CPUs this process borrowed */
+    cpu_set_t held; /* CPUs this user borrowed */
 };
 
 static _Atomic uint32_t n_opens;
