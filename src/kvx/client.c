@@ -71,7 +71,8 @@ typedef struct kvx__piece {
     uint32_t first, count; /* descriptors x->pd[first .. first + count) */
     uint64_t bytes, blocks;
     struct kvx__piece *next;
-    int tries; /* striping: rails this piece failed on */
+    int tries;   /* striping: rails this piece failed on */
+    bool resent; /* tcp: sent again once after its group's connection went out of step */
 } kvx__piece;
 
 struct kvx_xfer {
@@ -885,7 +886,7 @@ static void tcp_run_group(kvx__session *s, kvx__piece **ps, int n, int *rcs, td_
     bool bounced = false;
     kvx__piece *again[PIPE_MAX]; /* pieces that go back to the queue (fail_rest) */
     int n_again = 0;
-    bool last_again = false;
+    bool last_again = false, out_of_step = false;
     td_err_clear(&e);
     if (!req || !wd) {
         rc = td_err_set(&e, TD_ENOMEM, "kvx: out of memory");
@@ -934,6 +935,9 @@ static void tcp_run_group(kvx__session *s, kvx__piece **ps, int n, int *rcs, td_
         if (!rc || conn_ok || !stale || !before || fresh || attempt > 0) break;
         conn_drop_stale(s, fd);
     }
+    /* The connection broke under an answer, or brought one that was not the piece's own:
+     * the pieces behind it had no answers. */
+    out_of_step = rc && !conn_ok && (rc == TD_ECONN || rc == TD_EPROTO || rc == TD_EFORMAT);
     group_outcome(s, ps, done++, n, rc, &e, rcs, errs, &last_rc, &last_e);
     while (done < n && conn_ok) {
         bool before;
@@ -945,6 +949,12 @@ static void tcp_run_group(kvx__session *s, kvx__piece **ps, int n, int *rcs, td_
             rc = prc;
             e = pe;
         }
+        if (prc && !conn_ok && (prc == TD_ECONN || prc == TD_EPROTO || prc == TD_EFORMAT)) {
+            /* The pieces behind it never had their answers, nor this one if nothing of
+             * its own came (fail_rest sends them again). */
+            out_of_step = true;
+            if (before) break;
+        }
         group_outcome(s, ps, done++, n, prc, &pe, rcs, errs, &last_rc, &last_e);
     }
     /* Bytes past the last answer: the producer is out of step, the connection is not reused. */
@@ -953,10 +963,17 @@ static void tcp_run_group(kvx__session *s, kvx__piece **ps, int n, int *rcs, td_
 fail_rest: /* the connection broke under an earlier answer, or there was none */
     /* Pieces come in deadline order (group_run), so a piece that ran out of time fails the
      * pieces behind it only by its own deadline, which is not theirs: those with time left
-     * go back to the queue, to run again on another connection. */
+     * go back to the queue, to run again on another connection. So do, once, the pieces
+     * behind an answer that broke or was not theirs (a READ only reads: sending it again
+     * is safe), rather than fail with another piece's error. */
     while (done < n) {
-        if (!rcs && rc == TD_ETIMEDOUT && n_again < PIPE_MAX &&
-            td_now_ns() < ps[done]->x->deadline_ns) {
+        kvx__piece *p = ps[done];
+        bool again_ok = rc == TD_ETIMEDOUT || (out_of_step && !p->resent);
+        if (!rcs && again_ok && n_again < PIPE_MAX && td_now_ns() < p->x->deadline_ns) {
+            if (rc != TD_ETIMEDOUT) {
+                p->resent = true;
+                atomic_fetch_add(&kvx__test_pieces_resent, 1);
+            }
             last_again = done == n - 1;
             again[n_again++] = ps[done++];
             continue;

@@ -31,6 +31,7 @@ _Atomic int kvx__test_no_wait_help;
 _Atomic int kvx__test_no_bounce;
 _Atomic int kvx__test_pieces_bounced;
 _Atomic int kvx__test_busy_retries;
+_Atomic int kvx__test_pieces_resent;
 _Atomic int kvx__test_sends_delayed;
 _Atomic int kvx__test_rail_fail;
 _Atomic int kvx__test_slow_rail;

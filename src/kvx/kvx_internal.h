@@ -336,6 +336,8 @@ extern _Atomic int kvx__test_no_wait_help;
  * through a receive buffer (bounce_recv_piece); the pieces that were read through one. */
 extern _Atomic int kvx__test_no_bounce;
 extern _Atomic int kvx__test_pieces_bounced;
+/* Pieces sent again after their group's connection went out of step (tcp_run_group). */
+extern _Atomic int kvx__test_pieces_resent;
 /* Handshakes a consumer tried again after the producer refused them for now (TD_EBUSY). */
 extern _Atomic int kvx__test_busy_retries;
 /* When > 0, the shm consumer sleeps this many ms between a grant and its copy (shm.c),

@@ -1081,7 +1081,9 @@ static void test_pipelined_producer_closes(void **state)
     }
     kvx_xfer_free(x[0]);
     assert_true((double)(td_now_ns() - t0) * 1e-9 < 2.0);
-    assert_int_equal(atomic_load(&kvx__test_pieces_grouped) - grouped0, N - 1);
+    /* the group of N - 1 went out together (its pieces, sent again once after the broken
+     * answer, may have gone out as a group again) */
+    assert_true(atomic_load(&kvx__test_pieces_grouped) - grouped0 >= N - 1);
     atomic_store(&kvx__test_send_delay_ms, 0);
     atomic_store(&kvx__test_no_wait_help, 0);
     kvx_client_destroy(c);
