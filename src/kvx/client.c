@@ -336,19 +336,22 @@ static int handshake(kvx__session *s, int fd, const char *rail, uint64_t deadlin
 /*
  * Whether a handshake the producer refused for now (TD_EBUSY: at its connection limit, or
  * too many connections still authenticating) is tried again: after a pause of *pause_ms
- * (doubling up to 200 ms) where the deadline leaves time for it and the client is not
- * shutting down. A producer's overload
- * then delays a transfer rather than failing it (the request would recompute its prompt).
+ * (doubling up to 200 ms, and at most until the deadline), unless the deadline has passed,
+ * the client is shutting down, or x (the transfer the connection is for, where known) was
+ * cancelled or failed. A producer's overload then delays a transfer rather than failing it
+ * (its request would recompute the prompt).
  */
-static bool busy_retry(kvx_client *c, int rc, uint32_t *pause_ms, uint64_t deadline_ns)
+static bool busy_retry(kvx_client *c, const struct kvx_xfer *x, int rc, uint32_t *pause_ms,
+                       uint64_t deadline_ns)
 {
     if (rc != TD_EBUSY) return false;
-    uint64_t pause = (uint64_t)*pause_ms * 1000000ull;
-    if (td_now_ns() + pause >= deadline_ns) return false;
+    uint64_t now = td_now_ns();
+    if (now >= deadline_ns) return false;
     pthread_mutex_lock(&c->mu);
-    bool stopping = c->stopping; /* kvx_client_destroy does not wait out the deadline */
+    bool stop = c->stopping || (x && (x->cancelled || x->code));
     pthread_mutex_unlock(&c->mu);
-    if (stopping) return false;
+    if (stop) return false;
+    uint64_t pause = TD_MIN((uint64_t)*pause_ms * 1000000ull, deadline_ns - now);
     struct timespec ts = {(time_t)(pause / 1000000000ull), (long)(pause % 1000000000ull)};
     nanosleep(&ts, NULL);
     *pause_ms = TD_MIN(*pause_ms * 2, 200u);
@@ -358,22 +361,37 @@ static bool busy_retry(kvx_client *c, int rc, uint32_t *pause_ms, uint64_t deadl
 
 static int session_dial(kvx__session *s, uint64_t deadline_ns, int *fd, td_err *err);
 
-/* A connection greeted by the producer: dialled (a control one to the handshake address,
- * else session_dial's), then HELLO (and AUTH) on it; refusals for now are tried again. */
-static int connect_greeted(kvx__session *s, bool control, uint64_t deadline_ns, int *fd,
-                           td_err *err)
+/*
+ * A connection greeted by the producer: dialled (`control`: to the handshake address, else
+ * session_dial's), then HELLO (and AUTH) on it. With `retry`, refusals for now are tried
+ * again (busy_retry; x as there): a transfer's connections. Control messages (RELEASE,
+ * HEARTBEAT) are not: one thread sends them all, and one busy producer would hold up every
+ * other producer's heartbeats. A refusal that lasts until the deadline ends with the
+ * refusal's message, not the timeout's.
+ */
+static int connect_greeted(kvx__session *s, bool control, bool retry, const struct kvx_xfer *x,
+                           uint64_t deadline_ns, int *fd, td_err *err)
 {
     int rc;
     uint32_t pause_ms = 10;
-    do {
+    bool refused = false;
+    td_err why;
+    for (;;) {
         rc = control ? kvx__connect(s->host, s->port, deadline_ns, fd, err)
                      : session_dial(s, deadline_ns, fd, err);
-        if (rc) continue;
-        rc = handshake(s, *fd, !control && s->rail >= 0 ? s->client->rails.name[s->rail] : "",
-                       deadline_ns, err);
-        if (rc) close(*fd);
-    } while (busy_retry(s->client, rc, &pause_ms, deadline_ns));
-    return rc;
+        if (!rc) {
+            rc = handshake(s, *fd, !control && s->rail >= 0 ? s->client->rails.name[s->rail] : "",
+                           deadline_ns, err);
+            if (rc) close(*fd);
+        }
+        if (rc == TD_EBUSY) {
+            refused = true;
+            why = *err;
+        } else if (rc == TD_ETIMEDOUT && refused) {
+            return td_err_set(err, TD_EBUSY, "%s, until the transfer's deadline", why.msg);
+        }
+        if (!retry || !busy_retry(s->client, x, rc, &pause_ms, deadline_ns)) return rc;
+    }
 }
 
 /*
@@ -386,7 +404,8 @@ static int rail_resolve(kvx__session *s, uint64_t deadline_ns, char *host, uint1
 {
     kvx_client *c = s->client;
     int fd;
-    int rc = connect_greeted(s, true, deadline_ns, &fd, err); /* a control connection */
+    /* a control connection; a refusal goes up to session_dial's caller, which retries */
+    int rc = connect_greeted(s, true, false, NULL, deadline_ns, &fd, err);
     if (rc) return rc;
     int rail = s->rail;
     uint8_t buf[512];
@@ -445,8 +464,8 @@ static int session_dial(kvx__session *s, uint64_t deadline_ns, int *fd, td_err *
  * the caller has no retry: requests retry once on a fresh connection when a reused one
  * turns out dead (conn_drop_stale), which saves the check's system call on every request.
  */
-static int conn_get(kvx__session *s, uint64_t deadline_ns, bool check, bool control, int *fd,
-                    bool *fresh, td_err *err)
+static int conn_get(kvx__session *s, const struct kvx_xfer *x, uint64_t deadline_ns, bool check,
+                    bool control, int *fd, bool *fresh, td_err *err)
 {
     /* A control message (HEARTBEAT, RELEASE) may open one connection past the limit: with
      * every connection inside a slow read, a heartbeat that waited for one would let the
@@ -471,7 +490,7 @@ static int conn_get(kvx__session *s, uint64_t deadline_ns, bool check, bool cont
         if (s->n_open < cap) {
             s->n_open++;
             pthread_mutex_unlock(&s->mu);
-            int rc = connect_greeted(s, false, deadline_ns, fd, err);
+            int rc = connect_greeted(s, false, !control, x, deadline_ns, fd, err);
             if (rc) {
                 pthread_mutex_lock(&s->mu);
                 s->n_open--;
@@ -544,7 +563,9 @@ static int answer_check(kvx__session *s, const kvx__piece *p, const kvx_msg *m, 
                         bool *before_answer, td_err *err)
 {
     if (m->hdr.tag != p->tag) {
-        if (m->hdr.type == KVX_MSG_ERROR)
+        /* An ERROR with tag 0 is the producer's word before it hangs up; with another
+         * request's tag it is a stray answer, whatever its code says. */
+        if (m->hdr.type == KVX_MSG_ERROR && m->hdr.tag == 0)
             return td_err_set(err, m->u.error.code, "kvx: producer %s:%u: %s", s->host, s->port,
                               m->u.error.msg);
         return td_err_set(err, TD_EPROTO,
@@ -917,7 +938,7 @@ static void tcp_run_group(kvx__session *s, kvx__piece **ps, int n, int *rcs, td_
     bool conn_ok = false;
     for (int attempt = 0;; attempt++) {
         bool fresh, before = true;
-        rc = conn_get(s, deadline, false, false, &fd, &fresh, &e);
+        rc = conn_get(s, ps[0]->x, deadline, false, false, &fd, &fresh, &e);
         if (rc) goto fail_rest;
         rc = kvx__send_all(fd, req, req_n, deadline, &e);
         bb.lo = bb.hi = 0;
@@ -968,9 +989,10 @@ fail_rest: /* the connection broke under an earlier answer, or there was none */
      * is safe), rather than fail with another piece's error. */
     while (done < n) {
         kvx__piece *p = ps[done];
-        bool again_ok = rc == TD_ETIMEDOUT || (out_of_step && !p->resent);
+        bool late = rc == TD_ETIMEDOUT || rc == TD_EBUSY; /* by the group's first deadline */
+        bool again_ok = late || (out_of_step && !p->resent);
         if (!rcs && again_ok && n_again < PIPE_MAX && td_now_ns() < p->x->deadline_ns) {
-            if (rc != TD_ETIMEDOUT) {
+            if (!late) {
                 p->resent = true;
                 atomic_fetch_add(&kvx__test_pieces_resent, 1);
             }
@@ -1006,7 +1028,7 @@ static int tcp_control(kvx__session *s, uint8_t type, const uint8_t id[KVX_ID_BY
                        ? kvx_wire_encode_release(buf, sizeof(buf), tag, id)
                        : kvx_wire_encode_heartbeat(buf, sizeof(buf), tag, id, 1);
         bool fresh;
-        rc = conn_get(s, deadline_ns, false, true, &fd, &fresh, err);
+        rc = conn_get(s, NULL, deadline_ns, false, true, &fd, &fresh, err);
         if (rc) return rc;
         rc = kvx__send_all(fd, buf, n, deadline_ns, err);
         /* The answer in one recv (after a poll: it cannot be there yet); anything after it
@@ -1098,7 +1120,7 @@ void *kvx__session_client_state(const kvx__session *s)
 
 int kvx__session_connect(kvx__session *s, uint64_t deadline_ns, int *fd, td_err *err)
 {
-    return connect_greeted(s, false, deadline_ns, fd, err);
+    return connect_greeted(s, false, true, NULL, deadline_ns, fd, err);
 }
 
 int kvx__session_control(kvx__session *s, uint8_t type, const uint8_t id[KVX_ID_BYTES],
@@ -1938,7 +1960,7 @@ static void *push_main(void *arg)
     int rc = buf && src ? 0 : td_err_set(&e, TD_ENOMEM, "kvx: out of memory");
     /* A connection of its own: it stays busy for the whole prefill, and the session's
      * pool serves the reads meanwhile. */
-    if (!rc) rc = kvx__session_connect(s, td_now_ns() + idle_ns, &fd, &e);
+    if (!rc) rc = connect_greeted(s, false, true, x, td_now_ns() + idle_ns, &fd, &e);
     if (!rc) {
         pthread_mutex_lock(&c->mu);
         if (c->stopping) rc = td_err_set(&e, TD_ECANCELED, "kvx: the consumer shut down");
@@ -2290,7 +2312,7 @@ int kvx_session_check(kvx_client *c, const char *host, uint16_t port, const char
     int fd;
     bool fresh;
     uint64_t deadline = td_now_ns() + (uint64_t)c->opts.transfer_timeout_ms * 1000000ull;
-    rc = conn_get(s, deadline, true, false, &fd, &fresh, err);
+    rc = conn_get(s, NULL, deadline, true, false, &fd, &fresh, err);
     if (!rc) conn_put(s, fd, true);
     session_put(s);
     return rc;

@@ -298,9 +298,10 @@ static int one(fixture *f, kvx_client *c, proxy *px, int32_t src, int32_t dst, d
 
 /* ------------------------------------------------------------------ tests */
 
-/* An answer sent twice, or an answer swallowed, inside a group of four: no transfer of the
- * group takes another's bytes (every READ carries its own tag); the pieces behind the stray
- * answer are sent again, once, on another connection, and arrive whole; a producer that
+/* An answer sent twice (DATA or ERROR), or an answer swallowed, inside a group of four: no
+ * transfer of the group takes another's bytes or error (every READ carries its own tag);
+ * the pieces behind the stray answer are sent again, once, on another connection, and
+ * arrive whole; a producer that
  * keeps sending stray answers fails them the second time, by their deadline at the latest;
  * and the client goes on. */
 static void test_group_answers_out_of_step(void **state)
@@ -319,6 +320,18 @@ static void test_group_answers_out_of_step(void **state)
     int resent0 = atomic_load(&kvx__test_pieces_resent);
     start_group(f, c, &px, t, 4, 0);
     assert_int_equal(end_group(f, t, 4), 0); /* the first whole, the rest sent again */
+    assert_int_equal(atomic_load(&kvx__test_pieces_resent) - resent0, 3);
+
+    /* an ERROR sent twice (the first transfer's lease is gone): the copy is a stray answer
+     * to the second READ, whatever its code says, and the pieces behind it go again */
+    clear_dst(f);
+    proxy_mode(&px, P_DUP, 1);
+    resent0 = atomic_load(&kvx__test_pieces_resent);
+    start_group(f, c, &px, t, 4, 60);
+    kvx_agent_cancel(f->agent, t[0].tid);
+    td_err r0;
+    assert_int_equal(kvx_xfer_wait(t[0].x, &r0), TD_ENOTFOUND);
+    assert_int_equal(end_group(f, t, 4), 1);
     assert_int_equal(atomic_load(&kvx__test_pieces_resent) - resent0, 3);
 
     /* every answer sent twice: every piece is sent again at most once, and all end */
