@@ -52,7 +52,8 @@ static void on_release(void *u, const char *id, const int32_t *b, int n, kvx_rel
     (void)u, (void)id, (void)b, (void)n, (void)r, (void)tu;
 }
 
-static kvx_agent *agent(side *p, const char *token)
+/* An agent over p's blocks; max_connections 0: the default. */
+static kvx_agent *agent_with(side *p, const char *token, int max_connections)
 {
     kvx_agent_opts o;
     kvx_agent_opts_default(&o);
@@ -60,10 +61,16 @@ static kvx_agent *agent(side *p, const char *token)
     o.region = p->region;
     o.release_cb = on_release;
     o.auth_token = token;
+    if (max_connections) o.max_connections = max_connections;
     kvx_agent *a;
     td_err err;
     assert_int_equal(kvx_agent_create(&a, &o, &err), 0);
     return a;
+}
+
+static kvx_agent *agent(side *p, const char *token)
+{
+    return agent_with(p, token, 0);
 }
 
 static kvx_client *client(side *c, const char *token)
@@ -264,16 +271,22 @@ static void raw_send(int fd, const uint8_t *frame, size_t n)
     assert_int_equal(kvx__send_all(fd, frame, n, td_now_ns() + RAW_DEADLINE_NS, &err), 0);
 }
 
-/* Expect an ERROR containing `says`, then the producer's hang-up. */
-static int raw_last_code; /* the code of the last refusal */
+/* A thread's job: close fd once ms have passed. */
+typedef struct delayed_close {
+    int fd, ms;
+} delayed_close;
 
-/* The 1st of fds[] closed 300 ms from now. */
 static void *close_later(void *arg)
 {
-    usleep(300 * 1000);
-    close(*(int *)arg);
+    const delayed_close *d = arg;
+    usleep((useconds_t)d->ms * 1000);
+    close(d->fd);
     return NULL;
 }
+
+static int raw_last_code; /* the code of the last refusal */
+
+/* Expect an ERROR containing `says`, then the producer's hang-up. */
 
 static void raw_expect_refusal(int fd, const char *says)
 {
@@ -452,16 +465,8 @@ static void test_unauthenticated_flood_is_bounded(void **state)
     (void)state;
     side p;
     side_init(&p, 1);
-    kvx_agent_opts o;
-    kvx_agent_opts_default(&o);
-    o.layout = layout();
-    o.region = p.region;
-    o.release_cb = on_release;
-    o.auth_token = "secret";
-    o.max_connections = 16; /* 8 unproved at most, 4 from one address */
-    kvx_agent *a;
+    kvx_agent *a = agent_with(&p, "secret", 16); /* 8 unproved at most, 4 from one address */
     td_err err;
-    assert_int_equal(kvx_agent_create(&a, &o, &err), 0);
     int fds[4];
     for (int i = 0; i < 4; i++) /* connected, silent */
         assert_int_equal(kvx__connect("127.0.0.1", kvx_agent_port(a), td_now_ns() + RAW_DEADLINE_NS,
@@ -480,7 +485,8 @@ static void test_unauthenticated_flood_is_bounded(void **state)
     side_init(&c, 2);
     kvx_client *cl = client(&c, "secret");
     pthread_t closer;
-    pthread_create(&closer, NULL, close_later, &fds[0]);
+    delayed_close dc = {fds[0], 300};
+    pthread_create(&closer, NULL, close_later, &dc);
     int retries0 = atomic_load(&kvx__test_busy_retries);
     uint64_t t0 = td_now_ns();
     assert_int_equal(
@@ -516,14 +522,6 @@ static void test_unauthenticated_flood_is_bounded(void **state)
     free(c.mem);
 }
 
-/* fds[1] closed 500 ms from now. */
-static void *close_second_later(void *arg)
-{
-    usleep(500 * 1000);
-    close(((int *)arg)[1]);
-    return NULL;
-}
-
 /*
  * A producer at its connection limit (two, both held by silent peers) refuses with
  * TD_EBUSY, and:
@@ -540,15 +538,8 @@ static void test_connection_limit(void **state)
     side p, c;
     side_init(&p, 1);
     side_init(&c, 0);
-    kvx_agent_opts o;
-    kvx_agent_opts_default(&o);
-    o.layout = layout();
-    o.region = p.region;
-    o.release_cb = on_release;
-    o.max_connections = 2;
-    kvx_agent *a;
+    kvx_agent *a = agent_with(&p, NULL, 2);
     td_err err;
-    assert_int_equal(kvx_agent_create(&a, &o, &err), 0);
     int fds[2];
     for (int i = 0; i < 2; i++)
         assert_int_equal(kvx__connect("127.0.0.1", kvx_agent_port(a), td_now_ns() + RAW_DEADLINE_NS,
@@ -599,7 +590,8 @@ static void test_connection_limit(void **state)
         assert_int_equal(kvx_read_start(cl, &rq, &x[i], &err), 0);
     }
     pthread_t closer;
-    pthread_create(&closer, NULL, close_second_later, fds);
+    delayed_close dc = {fds[1], 500};
+    pthread_create(&closer, NULL, close_later, &dc);
     int grouped0 = atomic_load(&kvx__test_pieces_grouped);
     assert_int_equal(kvx_xfer_wait(x[1], &err), 0); /* runs both, x[0] first */
     assert_int_equal(atomic_load(&kvx__test_pieces_grouped) - grouped0, 2);
